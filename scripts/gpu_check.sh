@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU round trip, run on the device machine from the repo root:
+#   build the CUDA extension against the machine's torch, run the CUDA tests, then the benchmarks.
+# Logs go to $OUT (the device tool brings them back). Usage: bash scripts/gpu_check.sh [pytest args]
+set -uo pipefail
+OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" TORCH_KVCM2_CUDA=1
+export MAX_JOBS="${MAX_JOBS:-16}"
+# expecttest is missing there: install the carried wheel when present
+if ls .whl/expecttest-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+start=$(date +%s)
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1
+rc=$?; echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+if [ $rc -ne 0 ]; then tail -60 "$OUT/build.log"; exit $rc; fi
+python3 -c "import torch_kvcm2 as k; assert k.has_cuda_kernels(), 'no CUDA kernels'; print('CUDA kernels OK')"
+python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda.log" | tail -25
+echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
+python3 -m pytest -q -p no:cacheprovider -m "not cuda" tests -x 2>&1 | tee "$OUT/tests_cpu.log" | tail -5
+if [ -f benchmarks/run.py ]; then
+  python3 benchmarks/run.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+fi

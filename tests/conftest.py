@@ -1,0 +1,55 @@
+"""Shared test fixtures: the devices every op test runs on.
+
+``DEVICES`` is ["cpu"] plus "cuda" when this build registered CUDA kernels and a GPU is visible.
+Tests parametrised with ``devices`` get the CUDA case marked ``cuda`` (select them with
+``pytest -m cuda``); tests that need CUDA outright use the ``cuda`` marker and are skipped here
+when it is absent.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import torch_kvcm2
+
+sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import reference`
+
+
+def cuda_available() -> bool:
+    return torch_kvcm2.has_cuda_kernels() and torch.cuda.is_available()
+
+
+HAS_CUDA = cuda_available()
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+#: parametrize values: ``@pytest.mark.parametrize("device", DEVICE_PARAMS)``
+DEVICE_PARAMS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA kernels and a visible GPU"),
+    ]),
+]
+
+
+@pytest.fixture(params=DEVICE_PARAMS)
+def device(request) -> str:
+    """Every device the ops run on: "cpu", and "cuda" (skipped without CUDA kernels/GPU)."""
+    return request.param
+
+
+@pytest.fixture
+def devices() -> list:
+    """The list of usable devices, "cpu" first."""
+    return list(DEVICES)
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs CUDA kernels and a visible GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None and not HAS_CUDA:
+            item.add_marker(skip)

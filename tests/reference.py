@@ -1,0 +1,388 @@
+"""A slow, plain-Python reference model of torch_kvcm2's per-step ops.
+
+Written from SPEC.md (§2, §7, §8 OP-RESOLVE / OP-FETCH / OP-INDEX) and docs/DESIGN.md ("Residency:
+the exact semantics of resolve", "Index conversion"), not from the C++ kernels. Everything here
+works on Python ints, lists and bytearrays; tensors only appear in the small conversion helpers at
+the bottom. Integers are unbounded, so every overflow rule ("results above INT32_MAX are BAD") is
+checked explicitly.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+BAD = -1
+INT32_MAX = 2**31 - 1
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _as_int32_or_bad(value: int) -> int:
+    """DESIGN 'Index conversion': results above INT32_MAX are BAD, never wrapped."""
+    if value < 0 or value > INT32_MAX:
+        return BAD
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# OP-INDEX
+# --------------------------------------------------------------------------------------------
+
+
+def convert_page_indices(page_table, capacity, scale, pos, units_per_page, tokens_per_unit, width):
+    """OP-INDEX, page form. ``page_table`` a list of rows of slot ids, ``capacity`` one int per row.
+
+    ``out[r][j] = (slot*scale + pos)*E + j % E`` with ``slot = page_table[r][j // E]`` when the
+    page exists in the table, ``j*U < capacity[r]`` and the slot is not BAD; else BAD. Returns
+    ``len(page_table)`` rows of ``width`` ints.
+    """
+    E, U = units_per_page, tokens_per_unit
+    out = []
+    for r, row in enumerate(page_table):
+        cap = capacity[r]
+        line = []
+        for j in range(width):
+            page = j // E
+            if page >= len(row) or j * U >= cap:
+                line.append(BAD)
+                continue
+            slot = row[page]
+            if slot < 0:  # BAD (any negative slot id is "no page")
+                line.append(BAD)
+                continue
+            line.append(_as_int32_or_bad((slot * scale + pos) * E + j % E))
+        out.append(line)
+    return out
+
+
+def convert_token_indices(selected, page_table, capacity, scale, pos, tokens_per_page):
+    """OP-INDEX, token form: ``out[r][j] = (page_table[r][t // P]*scale + pos)*P + t % P`` for
+    ``t = selected[r][j]``; BAD for ``t < 0``, ``t >= capacity[r]``, a page beyond the table or a
+    BAD slot."""
+    P = tokens_per_page
+    out = []
+    for r, sel_row in enumerate(selected):
+        table_row = page_table[r]
+        cap = capacity[r]
+        line = []
+        for t in sel_row:
+            if t < 0 or t >= cap or t // P >= len(table_row):
+                line.append(BAD)
+                continue
+            slot = table_row[t // P]
+            if slot < 0:
+                line.append(BAD)
+                continue
+            line.append(_as_int32_or_bad((slot * scale + pos) * P + t % P))
+        out.append(line)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# OP-RESOLVE
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ResidencyState:
+    """One selection group's residency: per lease the unit in each slot (-1 empty) and the
+    slots from least to most recently used; and the cumulative counters [hits, misses, invalid]."""
+
+    resident: list  # list[num_leases] of list[S]
+    recency: list  # list[num_leases] of list[S]
+    counters: list = field(default_factory=lambda: [0, 0, 0])
+
+    @classmethod
+    def fresh(cls, num_leases: int, slots: int) -> "ResidencyState":
+        return cls(
+            resident=[[BAD] * slots for _ in range(num_leases)],
+            recency=[list(range(slots)) for _ in range(num_leases)],
+            counters=[0, 0, 0],
+        )
+
+    @property
+    def num_leases(self) -> int:
+        return len(self.resident)
+
+    @property
+    def slots(self) -> int:
+        return len(self.resident[0]) if self.resident else 0
+
+    def clone(self) -> "ResidencyState":
+        return copy.deepcopy(self)
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """What one row may select, from its published history h and capacity c (SPEC §2, §8)."""
+
+    h: int
+    c: int
+    U: int
+    P: int
+    I: int
+    window: int
+
+    @property
+    def s0(self) -> int:
+        # s0 = max(h, floor((c - I)/U)*U); Python's // is floor division.
+        return max(self.h, ((self.c - self.I) // self.U) * self.U)
+
+    def inflight_units(self) -> list:
+        """Units overlapping [s0, c), ascending; none when s0 >= c."""
+        s0, c, U = self.s0, self.c, self.U
+        if s0 >= c:
+            return []
+        return list(range(s0 // U, ceil_div(c, U)))
+
+    def in_flight(self, u: int) -> bool:
+        s0, c, U = self.s0, self.c, self.U
+        # unit u covers [u*U, (u+1)*U); it overlaps [s0, c) iff u*U < c and (u+1)*U > s0
+        return s0 < c and u * self.U < c and (u + 1) * U > s0
+
+    def on_live_page(self, u: int) -> bool:
+        """DESIGN decision (windowed sparse layers): pages p < floor((h - window)/P) are gone."""
+        if self.window <= 0:
+            return True
+        E = self.P // self.U
+        first_live_page = (self.h - self.window) // self.P
+        return u // E >= first_live_page
+
+    def selectable(self, u: int) -> bool:
+        if u < 0 or not self.on_live_page(u):
+            return False
+        return (u + 1) * self.U <= self.h or self.in_flight(u)
+
+
+def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, window=0):
+    """OP-RESOLVE for one selection group over every row, following DESIGN.md step by step.
+
+    Mutates ``state`` (resident, recency, counters). Returns ``(index_table, misses, deltas)``:
+    ``index_table`` one list of K ints per row; ``misses`` the miss-list entries as tuples
+    ``(lease, slot, row, unit)`` (in the order this model produces them; the op's order may
+    differ, compare sorted); ``deltas`` ``[hits, misses, invalid]`` added this call.
+    """
+    num_leases = state.num_leases
+    S = state.slots
+    index_table = []
+    misses = []
+    deltas = [0, 0, 0]
+    for r, sel_row in enumerate(selected):
+        K = len(sel_row)
+        ell = lease[r]
+        if not (0 <= ell < num_leases):
+            # a hole, a suspended row or bad data: only the index-table row is written (RES-4)
+            index_table.append([BAD] * K)
+            continue
+        rng = RowRange(history[r], capacity[r], U, P, I, window)
+        resident = state.resident[ell]
+        recency = state.recency[ell]
+
+        # step 0: drop resident units that are no longer selectable
+        for s in range(S):
+            if resident[s] != BAD and not rng.selectable(resident[s]):
+                resident[s] = BAD
+        slot_of = {u: s for s, u in enumerate(resident) if u != BAD}
+
+        # step 1: in-flight units already resident are pinned, the others are admissions
+        pinned_slots = set()
+        admissions = []
+        for u in rng.inflight_units():
+            if u in slot_of:
+                pinned_slots.add(slot_of[u])
+            else:
+                admissions.append(u)
+        admission_set = set(admissions)
+
+        # step 2: classify distinct selected ordinals in first-occurrence order
+        hit_slots = set()
+        selected_set = set()  # distinct selectable ordinals selected this step
+        row_misses = []
+        seen = set()
+        for u in sel_row:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u < 0:
+                continue  # padding: BAD, uncounted
+            if not rng.selectable(u):
+                deltas[2] += 1
+                continue
+            selected_set.add(u)
+            if u in slot_of:
+                deltas[0] += 1
+                hit_slots.add(slot_of[u])
+            elif u in admission_set:
+                deltas[0] += 1  # admitted in step 1, never fetched for the selection
+            else:
+                row_misses.append(u)
+
+        # step 3: victims — empty slots in recency order, then slots neither hit nor pinned
+        victims = [s for s in recency if resident[s] == BAD]
+        victims += [s for s in recency
+                    if resident[s] != BAD and s not in hit_slots and s not in pinned_slots]
+        victims.reverse()  # pop() from the end takes them in order
+        miss_slots = set()
+        admitted_slots = set()
+        for u in admissions:
+            if not victims:
+                deltas[2] += 1
+                continue
+            s = victims.pop()
+            old = resident[s]
+            if old != BAD:
+                del slot_of[old]
+            resident[s] = u
+            slot_of[u] = s
+            admitted_slots.add(s)
+            if u * U < rng.h:  # a partly written head unit: its history part is fetched
+                misses.append((ell, s, r, u))
+        for u in row_misses:
+            if not victims:
+                deltas[2] += 1
+                continue
+            s = victims.pop()
+            old = resident[s]
+            if old != BAD:
+                del slot_of[old]
+            resident[s] = u
+            slot_of[u] = s
+            miss_slots.add(s)
+            deltas[1] += 1
+            misses.append((ell, s, r, u))
+
+        # step 4: new recency = stable partition of the old one: untouched, misses, pinned, hits
+        def slot_class(s):
+            if s in miss_slots:
+                return 1
+            u = resident[s]
+            if u != BAD and u in selected_set:
+                return 3  # hit: holds a unit selected this step that is not a miss
+            if s in pinned_slots or s in admitted_slots:
+                return 2  # pinned: holds an in-flight unit that was not selected
+            return 0
+        classes = {s: slot_class(s) for s in recency}
+        state.recency[ell] = [s for k in range(4) for s in recency if classes[s] == k]
+
+        # step 5: the index table
+        line = []
+        for u in sel_row:
+            if u >= 0 and rng.selectable(u) and u in slot_of:
+                line.append(ell * S + slot_of[u])
+            else:
+                line.append(BAD)
+        index_table.append(line)
+
+    for k in range(3):
+        state.counters[k] += deltas[k]
+    return index_table, misses, deltas
+
+
+def check_res1(state: ResidencyState) -> None:
+    """RES-1: no ordinal twice in one lease's resident; recency is a permutation of 0..S-1."""
+    for ell, (resident, recency) in enumerate(zip(state.resident, state.recency)):
+        units = [u for u in resident if u != BAD]
+        assert len(units) == len(set(units)), f"RES-1: lease {ell} holds a unit twice: {resident}"
+        assert all(u >= 0 for u in units), f"RES-1: lease {ell} holds a negative unit: {resident}"
+        assert sorted(recency) == list(range(len(resident))), (
+            f"RES-1: lease {ell} recency is not a permutation: {recency}")
+
+
+def check_res2(state: ResidencyState, history, capacity, lease, U, P, I, window=0) -> None:
+    """RES-2: after a resolve, every in-flight unit of every seated row is resident."""
+    for r, ell in enumerate(lease):
+        if not (0 <= ell < state.num_leases):
+            continue
+        rng = RowRange(history[r], capacity[r], U, P, I, window)
+        held = set(state.resident[ell])
+        for u in rng.inflight_units():
+            assert u in held, f"RES-2: row {r} (lease {ell}) in-flight unit {u} not resident"
+
+
+# --------------------------------------------------------------------------------------------
+# OP-FETCH
+# --------------------------------------------------------------------------------------------
+
+
+def fetch(cells, host_pages, page_tables, misses, slots, U):
+    """OP-FETCH on plain data. Per buffer ``b``:
+
+    * ``cells[b]``: a list of cells, each a list of ``chunks`` bytearrays of ``P*bpc`` bytes
+      (``bpc`` = bytes per token per chunk); mutated.
+    * ``host_pages[b]``: a list of host pages indexed by host slot id, same layout (read only).
+    * ``page_tables[b]``: list of rows of host slot ids.
+
+    ``misses`` is the list of ``(lease, slot, row, unit)`` entries to copy. Entries with bad values
+    (row, unit, host page or entry out of range, BAD page) are skipped. Returns the number of
+    (entry, buffer) copies made.
+    """
+    copies = 0
+    for b in range(len(cells)):
+        cell_list, pages, table = cells[b], host_pages[b], page_tables[b]
+        if not cell_list or not pages:
+            continue
+        chunks = len(cell_list[0])
+        chunk_bytes = len(cell_list[0][0]) if chunks else 0
+        if chunk_bytes == 0:
+            continue  # zero-size buffer (CFG-6)
+        # tokens_per_page is not visible in bytes alone: the caller passes it via the layout
+        P = cells[b].tokens_per_page if hasattr(cells[b], "tokens_per_page") else None
+        assert P is not None, "pass cells as CellList (see cells_from_tensor)"
+        bpc = chunk_bytes // P
+        E = P // U
+        piece = U * bpc
+        for (ell, slot, row, unit) in misses:
+            if ell < 0 or slot < 0 or slot >= slots or row < 0 or unit < 0:
+                continue
+            entry = ell * slots + slot
+            cell_idx, cell_piece = divmod(entry, E)
+            if cell_idx >= len(cell_list):
+                continue
+            if row >= len(table) or unit // E >= len(table[row]):
+                continue
+            host = table[row][unit // E]
+            if host < 0 or host >= len(pages):
+                continue
+            src_piece = unit % E
+            for k in range(chunks):
+                src = pages[host][k][src_piece * piece:(src_piece + 1) * piece]
+                cell_list[cell_idx][k][cell_piece * piece:(cell_piece + 1) * piece] = src
+            copies += 1
+    return copies
+
+
+class CellList(list):
+    """A list of pages (each a list of per-chunk bytearrays) that remembers tokens_per_page."""
+
+    def __init__(self, pages, tokens_per_page):
+        super().__init__(pages)
+        self.tokens_per_page = tokens_per_page
+
+
+# --------------------------------------------------------------------------------------------
+# tensor <-> plain data helpers (used by the tests; kept dumb on purpose)
+# --------------------------------------------------------------------------------------------
+
+
+def pages_from_tensor(t) -> CellList:
+    """``uint8[n, chunks, P, bpc]`` (any strides) -> CellList of n pages of chunk bytearrays."""
+    n, chunks, P, bpc = t.shape
+    data = t.detach().cpu()
+    pages = []
+    for i in range(n):
+        pages.append([bytearray(data[i, k].contiguous().numpy().tobytes()) for k in range(chunks)])
+    return CellList(pages, P)
+
+
+def pages_to_bytes(pages) -> bytes:
+    return b"".join(bytes(chunk) for page in pages for chunk in page)
+
+
+def tensor_bytes(t) -> bytes:
+    return t.detach().cpu().contiguous().numpy().tobytes()
+
+
+def state_from_tensors(resident, recency, counters) -> ResidencyState:
+    return ResidencyState(resident.tolist(), recency.tolist(), counters.tolist())

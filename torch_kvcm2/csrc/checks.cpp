@@ -1,0 +1,152 @@
+// Argument checks shared by the CPU and CUDA wrappers. They read metadata only (dtype, device,
+// shape, layout, integer arguments), never tensor values, so they are safe during stream capture.
+#include "kvcm2.h"
+
+#include <c10/util/Exception.h>
+
+namespace torch_kvcm2 {
+namespace {
+
+void check_int32_2d(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, op, ": ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void check_int32_1d(const at::Tensor& t, int64_t n, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, op, ": ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", name, " must have shape [", n, "], got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op, const char* name) {
+  TORCH_CHECK(a.device() == b.device(), op, ": ", name, " is on ", b.device(), " but expected ",
+              a.device());
+}
+
+}  // namespace
+
+void check_convert_page_indices(const at::Tensor& out, const at::Tensor& page_table,
+                                const at::Tensor& capacity, int64_t scale, int64_t pos,
+                                int64_t units_per_page, int64_t tokens_per_unit) {
+  const char* op = "convert_page_indices";
+  check_int32_2d(out, op, "out");
+  check_int32_2d(page_table, op, "page_table");
+  check_int32_1d(capacity, page_table.size(0), op, "capacity");
+  check_same_device(out, page_table, op, "page_table");
+  check_same_device(out, capacity, op, "capacity");
+  TORCH_CHECK(scale > 0 && pos >= 0 && pos < scale, op, ": need 0 <= pos < scale, got pos=", pos,
+              " scale=", scale);
+  TORCH_CHECK(units_per_page > 0 && tokens_per_unit > 0, op,
+              ": units_per_page and tokens_per_unit must be positive");
+  TORCH_CHECK(out.size(0) == page_table.size(0), op, ": out has ", out.size(0),
+              " rows but page_table has ", page_table.size(0));
+  TORCH_CHECK(out.size(1) >= page_table.size(1) * units_per_page, op, ": out is too narrow: ",
+              out.size(1), " columns for ", page_table.size(1), " pages of ", units_per_page,
+              " units");
+}
+
+void check_convert_token_indices(const at::Tensor& out, const at::Tensor& selected,
+                                 const at::Tensor& page_table, const at::Tensor& capacity,
+                                 int64_t scale, int64_t pos, int64_t tokens_per_page) {
+  const char* op = "convert_token_indices";
+  check_int32_2d(out, op, "out");
+  check_int32_2d(selected, op, "selected");
+  check_int32_2d(page_table, op, "page_table");
+  check_int32_1d(capacity, page_table.size(0), op, "capacity");
+  check_same_device(out, selected, op, "selected");
+  check_same_device(out, page_table, op, "page_table");
+  check_same_device(out, capacity, op, "capacity");
+  TORCH_CHECK(scale > 0 && pos >= 0 && pos < scale, op, ": need 0 <= pos < scale, got pos=", pos,
+              " scale=", scale);
+  TORCH_CHECK(tokens_per_page > 0, op, ": tokens_per_page must be positive");
+  TORCH_CHECK(out.sizes() == selected.sizes(), op, ": out has shape ", out.sizes(),
+              " but selected has ", selected.sizes());
+  TORCH_CHECK(selected.size(0) <= page_table.size(0), op, ": selected has ", selected.size(0),
+              " rows but page_table only ", page_table.size(0));
+}
+
+void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
+                   const at::Tensor& index_table, const at::Tensor& miss_list,
+                   const at::Tensor& miss_count, const at::Tensor& counters,
+                   const at::Tensor& selected, const at::Tensor& history,
+                   const at::Tensor& capacity, const at::Tensor& lease, int64_t tokens_per_unit,
+                   int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window) {
+  const char* op = "resolve";
+  check_int32_2d(resident, op, "resident");
+  check_int32_2d(recency, op, "recency");
+  check_int32_2d(index_table, op, "index_table");
+  check_int32_2d(miss_list, op, "miss_list");
+  check_int32_2d(selected, op, "selected");
+  const int64_t rows = selected.size(0);
+  check_int32_1d(miss_count, 1, op, "miss_count");
+  check_int32_1d(history, rows, op, "history");
+  check_int32_1d(capacity, rows, op, "capacity");
+  check_int32_1d(lease, rows, op, "lease");
+  TORCH_CHECK(counters.scalar_type() == at::kLong && counters.dim() == 1 &&
+                  counters.size(0) == kNumCounters && counters.is_contiguous(),
+              op, ": counters must be a contiguous int64 tensor of shape [", kNumCounters, "]");
+  for (const at::Tensor* t : {&recency, &index_table, &miss_list, &miss_count, &counters,
+                              &selected, &history, &capacity, &lease}) {
+    check_same_device(resident, *t, op, "every tensor");
+  }
+  TORCH_CHECK(recency.sizes() == resident.sizes(), op, ": recency has shape ", recency.sizes(),
+              " but resident has ", resident.sizes());
+  TORCH_CHECK(index_table.sizes() == selected.sizes(), op, ": index_table has shape ",
+              index_table.sizes(), " but selected has ", selected.sizes());
+  TORCH_CHECK(tokens_per_unit > 0 && tokens_per_page > 0 && tokens_per_page % tokens_per_unit == 0,
+              op, ": tokens_per_unit must be positive and divide tokens_per_page");
+  TORCH_CHECK(max_inflight_tokens > 0 && window >= 0, op,
+              ": max_inflight_tokens must be positive and window non-negative (0 = none)");
+  const int64_t slots = resident.size(1);
+  const int64_t units_per_page = tokens_per_page / tokens_per_unit;
+  TORCH_CHECK(slots > 0 && slots % units_per_page == 0, op, ": slots (", slots,
+              ") must be a positive multiple of units per page (", units_per_page, ")");
+  TORCH_CHECK(slots <= 65535, op, ": at most 65535 slots per lease, got ", slots);
+  const int64_t per_row = selected.size(1) + max_inflight_units(max_inflight_tokens, tokens_per_unit);
+  TORCH_CHECK(miss_list.size(1) == kMissFields && miss_list.size(0) >= rows * per_row, op,
+              ": miss_list must have shape [>= ", rows * per_row, ", ", kMissFields, "], got ",
+              miss_list.sizes());
+  TORCH_CHECK(resident.size(0) * slots <= INT32_MAX, op, ": too many entries for int32");
+}
+
+void check_fetch(const at::TensorList& cells, const at::TensorList& host_pages,
+                 const at::TensorList& page_tables, const at::Tensor& miss_list,
+                 const at::Tensor& miss_count, int64_t slots, int64_t tokens_per_unit) {
+  const char* op = "fetch";
+  check_int32_2d(miss_list, op, "miss_list");
+  TORCH_CHECK(miss_list.size(1) == kMissFields, op, ": miss_list must have ", kMissFields,
+              " columns, got ", miss_list.size(1));
+  check_int32_1d(miss_count, 1, op, "miss_count");
+  check_same_device(miss_list, miss_count, op, "miss_count");
+  TORCH_CHECK(cells.size() == host_pages.size() && cells.size() == page_tables.size(), op,
+              ": cells, host_pages and page_tables must have one entry per buffer, got ",
+              cells.size(), ", ", host_pages.size(), ", ", page_tables.size());
+  TORCH_CHECK(slots > 0 && tokens_per_unit > 0, op, ": slots and tokens_per_unit must be positive");
+  for (size_t b = 0; b < cells.size(); ++b) {
+    const at::Tensor& cell = cells[b];
+    const at::Tensor& host = host_pages[b];
+    TORCH_CHECK(cell.scalar_type() == at::kByte && host.scalar_type() == at::kByte, op,
+                ": buffer ", b, ": cells and host_pages must be uint8");
+    TORCH_CHECK(cell.dim() == 4 && host.dim() == 4, op, ": buffer ", b,
+                ": cells and host_pages must be 4-D [n, chunks, tokens_per_page, bytes]");
+    TORCH_CHECK(cell.is_contiguous(), op, ": buffer ", b, ": cells must be contiguous");
+    TORCH_CHECK(host.stride(3) == 1 && host.stride(2) == host.size(3) &&
+                    host.stride(1) == host.size(2) * host.size(3),
+                op, ": buffer ", b, ": host_pages must be contiguous within a page");
+    TORCH_CHECK(cell.sizes().slice(1) == host.sizes().slice(1), op, ": buffer ", b,
+                ": cells page layout ", cell.sizes(), " differs from host_pages ", host.sizes());
+    check_same_device(miss_list, cell, op, "cells");
+    check_same_device(miss_list, host, op, "host_pages");
+    check_same_device(miss_list, page_tables[b], op, "page_tables");
+    check_int32_2d(page_tables[b], op, "page_tables[b]");
+    const int64_t tokens_per_page = cell.size(2);
+    TORCH_CHECK(tokens_per_page % tokens_per_unit == 0, op, ": buffer ", b,
+                ": tokens_per_unit must divide tokens_per_page");
+    TORCH_CHECK(slots % (tokens_per_page / tokens_per_unit) == 0, op,
+                ": slots must be a multiple of units per page");
+  }
+}
+
+}  // namespace torch_kvcm2

@@ -1,0 +1,105 @@
+// Shared definitions of torch_kvcm2's native code: the BAD sentinel, the residency rules of
+// SPEC §7-8 as host/device inline functions (so the CPU and CUDA kernels cannot drift apart),
+// and the argument checks every backend's wrapper runs before touching memory.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define KVCM2_HD __host__ __device__ __forceinline__
+#else
+#define KVCM2_HD inline
+#endif
+
+namespace torch_kvcm2 {
+
+// "no page / no entry". Never scaled, never folded to 0.
+constexpr int32_t BAD = -1;
+
+// A miss-list entry is int32[4]: (lease, slot, row, unit ordinal). The row lets fetch look the
+// host page up in the page table of each buffer's own pool group (a selection group's buffers may
+// live in several sparse pool groups), so one list serves every buffer of every layer of the group.
+constexpr int kMissFields = 4;
+enum MissField { kMissLease = 0, kMissSlot = 1, kMissRow = 2, kMissUnit = 3 };
+
+// Cumulative device counters of a selection group: int64[3].
+enum Counter { kHits = 0, kMisses = 1, kInvalid = 2, kNumCounters = 3 };
+
+// Recency classes of OP-RESOLVE step 4: recency becomes untouched, misses, pinned, hits, each
+// class keeping its members' previous relative order (a stable partition).
+enum SlotClass : uint8_t { kUntouched = 0, kMissed = 1, kPinned = 2, kHit = 3, kNumClasses = 4 };
+
+KVCM2_HD int64_t floor_div(int64_t a, int64_t b) {
+  const int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+KVCM2_HD int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+
+// Most units that can overlap an in-flight range of I tokens (CFG-3's ceil(I/U) + 1).
+KVCM2_HD int64_t max_inflight_units(int64_t max_inflight_tokens, int64_t tokens_per_unit) {
+  return ceil_div(max_inflight_tokens, tokens_per_unit) + 1;
+}
+
+// What one row's published lengths make of its units (SPEC §2, OP-RESOLVE).
+struct RowRange {
+  int64_t history;         // h
+  int64_t capacity;        // c
+  int64_t inflight_start;  // s0 = max(h, floor((c - I) / U) * U)
+  int64_t tokens_per_unit; // U
+  int64_t first_live_unit; // units below it sit on pages released by the window (REQ-3)
+
+  KVCM2_HD RowRange(int64_t h, int64_t c, int64_t U, int64_t P, int64_t I, int64_t window)
+      : history(h), capacity(c), tokens_per_unit(U) {
+    const int64_t s = floor_div(c - I, U) * U;
+    inflight_start = s > h ? s : h;
+    // A page p is released once it lies wholly before h - window: (p + 1) * P <= h - window.
+    first_live_unit = (window > 0 && h - window > 0) ? floor_div(h - window, P) * (P / U) : 0;
+  }
+
+  KVCM2_HD bool has_inflight() const { return inflight_start < capacity; }
+  KVCM2_HD int64_t first_inflight_unit() const { return floor_div(inflight_start, tokens_per_unit); }
+  // One past the last in-flight unit; equal to first_inflight_unit() when nothing is in flight.
+  KVCM2_HD int64_t end_inflight_unit() const {
+    return has_inflight() ? ceil_div(capacity, tokens_per_unit) : first_inflight_unit();
+  }
+  KVCM2_HD bool inflight(int64_t u) const {
+    return u >= first_inflight_unit() && u < end_inflight_unit();
+  }
+  // Wholly history, or overlapping the in-flight range, and on a live page.
+  KVCM2_HD bool selectable(int64_t u) const {
+    if (u < 0 || u < first_live_unit) return false;
+    return (u + 1) * tokens_per_unit <= history || inflight(u);
+  }
+  // A partly written head unit must be fetched so its history part is present.
+  KVCM2_HD bool needs_fetch_on_admit(int64_t u) const { return u * tokens_per_unit < history; }
+};
+
+// ---- argument checks, shared by the CPU and CUDA wrappers (metadata only, never values) ----
+
+void check_convert_page_indices(const at::Tensor& out, const at::Tensor& page_table,
+                                const at::Tensor& capacity, int64_t scale, int64_t pos,
+                                int64_t units_per_page, int64_t tokens_per_unit);
+
+void check_convert_token_indices(const at::Tensor& out, const at::Tensor& selected,
+                                 const at::Tensor& page_table, const at::Tensor& capacity,
+                                 int64_t scale, int64_t pos, int64_t tokens_per_page);
+
+void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
+                   const at::Tensor& index_table, const at::Tensor& miss_list,
+                   const at::Tensor& miss_count, const at::Tensor& counters,
+                   const at::Tensor& selected, const at::Tensor& history,
+                   const at::Tensor& capacity, const at::Tensor& lease, int64_t tokens_per_unit,
+                   int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window);
+
+// cells[b]: [num_cells, chunks, P, bytes_per_token / chunks] uint8, contiguous.
+// host_pages[b]: [num_slots, chunks, P, bytes_per_token / chunks] uint8, inner dims contiguous,
+//   dim 0 indexed by the pool group's slot id (stride = the pool group's slot bytes).
+// page_tables[b]: int32 [rows, max_pages_per_row] of the buffer's pool group.
+void check_fetch(const at::TensorList& cells, const at::TensorList& host_pages,
+                 const at::TensorList& page_tables, const at::Tensor& miss_list,
+                 const at::Tensor& miss_count, int64_t slots, int64_t tokens_per_unit);
+
+}  // namespace torch_kvcm2

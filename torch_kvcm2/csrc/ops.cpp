@@ -1,0 +1,37 @@
+// The op catalogue of torch_kvcm2: every schema in one TORCH_LIBRARY block. Mutated tensors carry
+// distinct alias sets and mutating ops return nothing, so torch.compile re-inplaces them and
+// opcheck's schema test holds. Backends register kernels in cpu/*.cpp and cuda/*.cu.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing torch_kvcm2._C only has to load this library so the registrations below run.
+PyObject* PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+}
+
+TORCH_LIBRARY(torch_kvcm2, m) {
+  // OP-INDEX, page form: slot ids -> kernel unit indices (slot*scale + pos)*E + i.
+  m.def(
+      "convert_page_indices(Tensor(a!) out, Tensor page_table, Tensor capacity, int scale, "
+      "int pos, int units_per_page, int tokens_per_unit) -> ()");
+  // OP-INDEX, token form: token positions -> (page_table[t div P]*scale + pos)*P + t mod P.
+  m.def(
+      "convert_token_indices(Tensor(a!) out, Tensor selected, Tensor page_table, "
+      "Tensor capacity, int scale, int pos, int tokens_per_page) -> ()");
+  // OP-RESOLVE: one selection group, every seated row.
+  m.def(
+      "resolve(Tensor(a!) resident, Tensor(b!) recency, Tensor(c!) index_table, "
+      "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, Tensor selected, "
+      "Tensor history, Tensor capacity, Tensor lease, int tokens_per_unit, int tokens_per_page, "
+      "int max_inflight_tokens, int window) -> ()");
+  // OP-FETCH: one layer, every missed unit of each of its sparse buffers, host page -> cell.
+  m.def(
+      "fetch(Tensor(a!)[] cells, Tensor[] host_pages, Tensor[] page_tables, Tensor miss_list, "
+      "Tensor miss_count, int slots, int tokens_per_unit) -> ()");
+  // Setup only (CUDA builds): a CUDA tensor aliasing a CPU tensor's memory through the
+  // device-mapped (UVA) address, registering the memory as pinned+mapped when it is not yet.
+  m.def("uva_view(Tensor host) -> Tensor");
+}

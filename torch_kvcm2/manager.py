@@ -1,0 +1,65 @@
+"""KVCacheManager: config -> storage -> caches and batches."""
+from __future__ import annotations
+
+import itertools
+
+from ._util import refuse_during_capture
+from .batch import Batch, batch_memory_bytes
+from .cache import KVCache
+from .config import CacheConfig
+from .storage import Storage
+
+
+class KVCacheManager:
+    """Owns the storage of one config and creates the caches and batches that use it.
+
+    The GPU and host budgets first reserve the memory of one batch of ``config.max_rows`` rows
+    (device tables, residency, cells; pinned staging); the pools get the rest (docs/DESIGN.md).
+    Raises ``ValueError`` when a budget cannot hold one slot of each of its pool groups.
+    """
+
+    def __init__(self, config: CacheConfig):
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
+        refuse_during_capture(config.device, "KVCacheManager()")
+        self.config = config
+        self.storage = Storage(config)
+        self._reserve = batch_memory_bytes(config, len(self.storage.groups), config.max_rows)
+        for medium in ("gpu", "host"):
+            budget = getattr(config, f"{medium}_budget_bytes")
+            if self._reserve[medium] > budget:
+                raise ValueError(
+                    f"STO-4: the {medium} budget ({budget} bytes) is smaller than the memory of a "
+                    f"batch of {config.max_rows} rows ({self._reserve[medium]} bytes)")
+        self.storage.allocate(self._reserve)
+        self._charged = {"gpu": 0, "host": 0}
+        self._ids = itertools.count()
+
+    def create_cache(self) -> KVCache:
+        """A new, empty request cache (capacity 0, history 0)."""
+        return KVCache(self, next(self._ids))
+
+    def create_batch(self, max_rows=None) -> Batch:
+        """Same as ``Batch(manager, max_rows)``."""
+        return Batch(self, max_rows)
+
+    def stats(self) -> dict:
+        """Pool usage per pool group and per medium, plus the batch reserve in use (STO-4)."""
+        stats = self.storage.stats()
+        for medium in ("gpu", "host"):
+            stats[medium]["batch_bytes_in_use"] = self._charged[medium]
+        return stats
+
+    def _charge(self, memory: dict) -> None:
+        for medium, nbytes in memory.items():
+            if self._charged[medium] + nbytes > self._reserve[medium]:
+                raise RuntimeError(
+                    f"Batch: {nbytes} {medium} bytes needed but only "
+                    f"{self._reserve[medium] - self._charged[medium]} left of the batch reserve; "
+                    f"close another batch first")
+        for medium, nbytes in memory.items():
+            self._charged[medium] += nbytes
+
+    def _uncharge(self, memory: dict) -> None:
+        for medium, nbytes in memory.items():
+            self._charged[medium] -= nbytes

@@ -1,0 +1,150 @@
+"""Typed wrappers over ``torch.ops.torch_kvcm2.*`` and their fake (meta) kernels.
+
+Every per-step op mutates preallocated tensors in place and returns nothing. The fakes check the
+metadata the native checks check (so a compile-time error reads like the eager one) and return
+``None``. All index tensors are int32; ``BAD`` (-1) marks "no page / no entry".
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+_ops = torch.ops.torch_kvcm2
+
+#: Ops used only at setup, outside compiled or captured regions; not per-step state transitions.
+SETUP_OPS = frozenset({"uva_view"})
+
+MISS_FIELDS = 4  # (lease, slot, row, unit) per miss-list entry
+NUM_COUNTERS = 3  # hits, misses, invalid
+
+
+def max_inflight_units(max_inflight_tokens: int, tokens_per_unit: int) -> int:
+    """Most units an in-flight range of ``max_inflight_tokens`` can overlap (CFG-3)."""
+    return -(-max_inflight_tokens // tokens_per_unit) + 1
+
+
+def convert_page_indices(
+    out: Tensor,
+    page_table: Tensor,
+    capacity: Tensor,
+    scale: int = 1,
+    pos: int = 0,
+    units_per_page: int = 1,
+    tokens_per_unit: int = 1,
+) -> None:
+    """OP-INDEX, page form. Writes ``out[r, j]`` = ``(slot*scale + pos)*E + j%E`` with
+    ``slot = page_table[r, j // E]`` (E = ``units_per_page``) for units ``j`` below the row's
+    capacity (``j*tokens_per_unit < capacity[r]``); BAD for BAD slots, past capacity and for
+    columns beyond ``page_table``'s width.
+
+    ``page_table`` int32[R, P], ``capacity`` int32[R], ``out`` int32[R, W] with W >= P*E (a
+    narrower ``out`` raises). Mutates ``out``.
+    """
+    _ops.convert_page_indices(out, page_table, capacity, scale, pos, units_per_page, tokens_per_unit)
+
+
+def convert_token_indices(
+    out: Tensor,
+    selected: Tensor,
+    page_table: Tensor,
+    capacity: Tensor,
+    scale: int,
+    pos: int,
+    tokens_per_page: int,
+) -> None:
+    """OP-INDEX, token form. Writes ``out[r, j]`` = ``(page_table[r, t//P]*scale + pos)*P + t%P``
+    for the token position ``t = selected[r, j]``; BAD for padding (t < 0), t >= capacity[r], a
+    page beyond the table or a BAD page. ``selected`` and ``out`` int32[R, K]. Mutates ``out``.
+    """
+    _ops.convert_token_indices(out, selected, page_table, capacity, scale, pos, tokens_per_page)
+
+
+def resolve(
+    resident: Tensor,
+    recency: Tensor,
+    index_table: Tensor,
+    miss_list: Tensor,
+    miss_count: Tensor,
+    counters: Tensor,
+    selected: Tensor,
+    history: Tensor,
+    capacity: Tensor,
+    lease: Tensor,
+    tokens_per_unit: int,
+    tokens_per_page: int,
+    max_inflight_tokens: int,
+    window: int = 0,
+) -> None:
+    """OP-RESOLVE for one selection group over every row (SPEC §8; docs/DESIGN.md).
+
+    State ``resident``/``recency`` int32[num_leases, S]; ``selected`` and ``index_table``
+    int32[R, K]; ``miss_list`` int32[>= R*(K + max_inflight_units), 4] and ``miss_count``
+    int32[1] are overwritten with this call's misses; ``counters`` int64[3] (hits, misses,
+    invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
+    ``window`` is 0 for full attention.
+    """
+    _ops.resolve(
+        resident, recency, index_table, miss_list, miss_count, counters, selected, history,
+        capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
+    )
+
+
+def fetch(
+    cells: Sequence[Tensor],
+    host_pages: Sequence[Tensor],
+    page_tables: Sequence[Tensor],
+    miss_list: Tensor,
+    miss_count: Tensor,
+    slots: int,
+    tokens_per_unit: int,
+) -> None:
+    """OP-FETCH: copies each listed missed unit of every given buffer from its host page into its
+    cell, chunk by chunk. Per buffer ``b``: ``cells[b]`` uint8[num_cells, chunks, P, B/chunks],
+    ``host_pages[b]`` the same page layout indexed by host slot id, ``page_tables[b]`` the int32
+    page table of its pool group. Entries with bad values (BAD page, out of range) are skipped.
+    Mutates ``cells``.
+    """
+    _ops.fetch(list(cells), list(host_pages), list(page_tables), miss_list, miss_count, slots,
+               tokens_per_unit)
+
+
+def uva_view(host: Tensor) -> Tensor:
+    """A CUDA tensor aliasing the memory of the CPU tensor ``host`` through its device-mapped
+    address (registering it as pinned and mapped when needed). CUDA builds only; setup-time only.
+    """
+    return _ops.uva_view(host)
+
+
+def _check(cond: bool, message: str) -> None:
+    torch._check(cond, lambda: message)
+
+
+@torch.library.register_fake("torch_kvcm2::convert_page_indices")
+def _(out, page_table, capacity, scale, pos, units_per_page, tokens_per_unit):
+    _check(out.dtype == torch.int32 and page_table.dtype == torch.int32, "int32 tensors expected")
+    _check(out.dim() == 2 and page_table.dim() == 2, "out and page_table must be 2-D")
+    _check(out.shape[1] >= page_table.shape[1] * units_per_page, "convert_page_indices: out is too narrow")
+
+
+@torch.library.register_fake("torch_kvcm2::convert_token_indices")
+def _(out, selected, page_table, capacity, scale, pos, tokens_per_page):
+    _check(out.shape == selected.shape, "convert_token_indices: out and selected differ in shape")
+
+
+@torch.library.register_fake("torch_kvcm2::resolve")
+def _(resident, recency, index_table, miss_list, miss_count, counters, selected, history,
+      capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window):
+    _check(index_table.shape == selected.shape, "resolve: index_table and selected differ in shape")
+    _check(recency.shape == resident.shape, "resolve: recency and resident differ in shape")
+
+
+@torch.library.register_fake("torch_kvcm2::fetch")
+def _(cells, host_pages, page_tables, miss_list, miss_count, slots, tokens_per_unit):
+    _check(len(cells) == len(host_pages) == len(page_tables), "fetch: one entry per buffer")
+
+
+@torch.library.register_fake("torch_kvcm2::uva_view")
+def _(host):
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device="cuda")
