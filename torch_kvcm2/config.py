@@ -96,7 +96,7 @@ class SelectionGroup:
 
     @property
     def name(self) -> str:
-        return self.key[1] if self.key[0] == "id" else f"layer {self.key[1]}"
+        return self.key[1] if self.key[0] == "id" else f"<layer {self.key[1]}>"
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,8 @@ class CacheConfig:
         object.__setattr__(self, "layers", tuple(self.layers))
         try:
             object.__setattr__(self, "device", torch.device(self.device))
-        except (RuntimeError, TypeError) as e:
-            _fail("CFG-1", f"device {self.device!r} is not a torch device ({e})")
+        except (RuntimeError, TypeError):
+            _fail("CFG-1", f"device {self.device!r} is not a torch device")
         self._validate_top()
         for layer in self.layers:
             self._validate_layer(layer)
@@ -169,19 +169,32 @@ class CacheConfig:
             _fail("CFG-1", f"max_total_input_tokens must be a positive int or None, got {total!r}")
         if not self.layers:
             _fail("CFG-1", "at least one layer is required")
+        for layer in self.layers:
+            if not isinstance(layer, LayerSpec):
+                _fail("CFG-1", f"layers must be LayerSpec, got {type(layer).__name__}")
+            if not isinstance(layer.name, str) or not layer.name:
+                _fail("CFG-1", f"a layer name must be a non-empty str, got {layer.name!r}")
         names = [layer.name for layer in self.layers]
         for name in names:
             if names.count(name) > 1:
                 _fail("CFG-1", "layer names must be unique", layer=name)
 
     def _validate_layer(self, layer: LayerSpec):
-        if not isinstance(layer, LayerSpec):
-            _fail("CFG-1", f"layers must be LayerSpec, got {type(layer).__name__}")
         name = layer.name
         if layer.window is not None and (not _is_int(layer.window) or layer.window <= 0):
             _fail("CFG-1", f"window must be a positive int or None, got {layer.window!r}", name)
         if not layer.buffers:
             _fail("CFG-1", "a layer needs at least one buffer", name)
+        for buf in layer.buffers:
+            if not isinstance(buf, BufferSpec):
+                _fail("CFG-1", f"buffers must be BufferSpec, got {type(buf).__name__}", name)
+            if not isinstance(buf.role, str) or not buf.role:
+                _fail("CFG-1", f"a buffer role must be a non-empty str, got {buf.role!r}", name)
+            if not isinstance(buf.sparse, bool):
+                _fail("CFG-1", f"sparse must be a bool, got {buf.sparse!r}", name, buf.role)
+        if layer.sparse is not None and not isinstance(layer.sparse, SparseSpec):
+            _fail("CFG-3", f"sparse settings must be a SparseSpec or None, got "
+                  f"{type(layer.sparse).__name__}", name)
         roles = [b.role for b in layer.buffers]
         for buf in layer.buffers:
             if roles.count(buf.role) > 1:
@@ -192,10 +205,11 @@ class CacheConfig:
             if not _is_int(buf.chunks) or buf.chunks <= 0:
                 _fail("CFG-2", f"chunks must be a positive int, got {buf.chunks!r}", name, buf.role)
             if buf.bytes_per_token % buf.chunks:
-                _fail("CFG-2", f"bytes_per_token ({buf.bytes_per_token}) must divide by chunks "
+                _fail("CFG-2", f"bytes_per_token ({buf.bytes_per_token}) must be divisible by chunks "
                       f"({buf.chunks})", name, buf.role)
             if self.tokens_per_page * buf.bytes_per_token > INT32_MAX:
-                _fail("CFG-1", "a page of this buffer exceeds 2 GiB", name, buf.role)
+                _fail("CFG-1", f"a page ({self.tokens_per_page} tokens x {buf.bytes_per_token} "
+                      f"bytes) must be smaller than 2 GiB (int32 byte offsets)", name, buf.role)
         sparse_buffers = layer.sparse_buffers
         if sparse_buffers and layer.sparse is None:
             _fail("CFG-5", "a layer with sparse buffers needs sparse settings", name,
@@ -224,7 +238,8 @@ class CacheConfig:
         if sp.slots > 65535:
             _fail("CFG-3", f"slots ({sp.slots}) must be at most 65535", layer.name, role)
         if self.max_rows * sp.slots > INT32_MAX:
-            _fail("CFG-3", "max_rows * slots must fit int32 (entries are int32)", layer.name, role)
+            _fail("CFG-3", f"max_rows * slots ({self.max_rows} * {sp.slots}) must fit int32 "
+                  f"(entries are int32)", layer.name, role)
         if sp.selection_id is not None and not isinstance(sp.selection_id, str):
             _fail("CFG-4", f"selection_id must be a str or None, got {sp.selection_id!r}",
                   layer.name, role)

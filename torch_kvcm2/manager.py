@@ -24,7 +24,10 @@ class KVCacheManager:
         refuse_during_capture(config.device, "KVCacheManager()")
         self.config = config
         self.storage = Storage(config)
-        self._reserve = batch_memory_bytes(config, len(self.storage.groups), config.max_rows)
+        # A batch's memory is linear in its rows plus a few bytes per selection group, so the
+        # reserve of max_rows one-row batches covers any split of max_rows rows over batches.
+        one_row = batch_memory_bytes(config, len(self.storage.groups), 1)
+        self._reserve = {medium: config.max_rows * n for medium, n in one_row.items()}
         for medium in ("gpu", "host"):
             budget = getattr(config, f"{medium}_budget_bytes")
             if self._reserve[medium] > budget:

@@ -1,0 +1,234 @@
+"""Batch (BAT-1..4): membership, leases, published tables, per-step entry-point checks."""
+import pytest
+import torch
+
+import torch_kvcm2 as kv
+from torch_kvcm2 import BAD
+from configs import dsa_config
+
+
+@pytest.fixture
+def manager():
+    return kv.KVCacheManager(dsa_config())
+
+
+def cache_with(manager, capacity, history=None):
+    cache = manager.create_cache()
+    assert cache.resize(capacity=capacity, history=capacity if history is None else history)
+    return cache
+
+
+def membership(batch):
+    return ({r: c.request_id for r, c in batch.members().items()}, list(batch._row_lease),
+            sorted(batch._free_leases), set(batch._dirty), set(batch._granted))
+
+
+def test_add_seats_at_the_lowest_free_row_and_holes_are_reused(manager):
+    """BAT-2."""
+    batch = kv.Batch(manager)
+    a, b, c = (cache_with(manager, 4) for _ in range(3))
+    assert [batch.add(a), batch.add(b), batch.add(c, row=3)] == [0, 1, 3]
+    batch.remove(b)
+    assert batch.row_of(b) is None
+    assert batch.add(b) == 1
+    assert batch.row_of(c) == 3
+    d = cache_with(manager, 4)
+    assert batch.add(d) == 2
+    with pytest.raises(RuntimeError, match="occupied"):
+        batch.add(cache_with(manager, 4))
+
+
+def test_bad_membership_calls_raise_and_change_nothing(manager):
+    """BAT-2: double add, foreign cache, closed cache, occupied row, move to an occupied row."""
+    batch = kv.Batch(manager)
+    a, b = cache_with(manager, 4), cache_with(manager, 4)
+    batch.add(a)
+    batch.add(b)
+    batch.publish()
+    foreign = kv.KVCacheManager(dsa_config()).create_cache()
+    closed = cache_with(manager, 4)
+    closed.close()
+    stranger = cache_with(manager, 4)
+    before = membership(batch)
+    cases = [
+        (ValueError, lambda: batch.add(a)),
+        (ValueError, lambda: batch.add(foreign)),
+        (RuntimeError, lambda: batch.add(closed)),
+        (ValueError, lambda: batch.add(stranger, row=1)),
+        (ValueError, lambda: batch.add(stranger, row=4)),
+        (ValueError, lambda: batch.move(a, 1)),
+        (ValueError, lambda: batch.move(stranger, 2)),
+        (ValueError, lambda: batch.remove(stranger)),
+    ]
+    for exc, call in cases:
+        with pytest.raises(exc):
+            call()
+        assert membership(batch) == before
+
+
+def test_a_cache_can_be_seated_in_one_batch_only(manager):
+    batch = kv.Batch(manager, max_rows=2)
+    second = kv.Batch(manager, max_rows=2)
+    cache = cache_with(manager, 4)
+    batch.add(cache)
+    with pytest.raises(ValueError, match="another batch"):
+        second.add(cache)
+
+
+def test_batches_draw_from_the_reserve_and_return_it_on_close(manager):
+    batch = kv.Batch(manager, max_rows=3)
+    with pytest.raises(RuntimeError, match="batch reserve"):
+        kv.Batch(manager, max_rows=2)
+    kv.Batch(manager, max_rows=1)
+    batch.close()
+    kv.Batch(manager, max_rows=3)
+    with pytest.raises(ValueError):
+        kv.Batch(manager, max_rows=5)
+
+
+def test_publish_uploads_rows_holes_publish_bad_and_addresses_are_fixed(manager):
+    """BAT-1, BAT-3."""
+    batch = kv.Batch(manager)
+    pointers = [t.data_ptr() for t in (*batch.page_tables, batch.history, batch.capacity, batch.lease)]
+    a, b = cache_with(manager, 9, 7), cache_with(manager, 5)
+    batch.add(a)
+    batch.add(b, row=2)
+    assert not batch.published
+    batch.publish()
+    assert batch.published
+    for g in range(3):
+        table = batch.page_tables[g].tolist()
+        assert table[0][:3] == a.pages(g) and table[0][3:] == [BAD] * 13
+        assert table[2][:2] == b.pages(g)
+        assert table[1] == [BAD] * 16 and table[3] == [BAD] * 16
+    assert batch.history.tolist() == [7, 0, 5, 0]
+    assert batch.capacity.tolist() == [9, 0, 5, 0]
+    assert batch.lease.tolist() == [0, BAD, 1, BAD]
+    b.suspend()  # suspended members publish BAD / 0
+    batch.move(a, 3)
+    batch.publish()
+    assert batch.lease.tolist() == [BAD, BAD, BAD, 0]
+    assert batch.history.tolist() == [0, 0, 0, 7]
+    assert batch.page_tables[0][2].tolist() == [BAD] * 16
+    assert batch.page_tables[0][3, :3].tolist() == a.pages(0)
+    b.resume()
+    batch.publish()
+    assert batch.lease.tolist() == [BAD, BAD, 1, 0]
+    assert pointers == [t.data_ptr() for t in (*batch.page_tables, batch.history, batch.capacity, batch.lease)]
+
+
+def test_publish_uploads_only_the_rows_that_changed(manager):
+    """BAT-3: an unchanged row is not rewritten."""
+    batch = kv.Batch(manager)
+    a, b = cache_with(manager, 4), cache_with(manager, 4)
+    batch.add(a)
+    batch.add(b)
+    batch.publish()
+    batch.history[0] = 99  # a marker only a re-upload of row 0 would erase
+    assert b.resize(capacity=8)
+    batch.publish()
+    assert batch.history.tolist()[:2] == [99, 4]
+    assert batch.capacity.tolist()[:2] == [4, 8]
+
+
+def test_a_reused_lease_starts_empty(manager):
+    """BAT-3: a lease that changed owner has its residency cleared in the same publish."""
+    batch = kv.Batch(manager)
+    a = cache_with(manager, 8)
+    batch.add(a)
+    batch.publish()
+    group = batch.group("shared0")
+    selected = torch.full((4, 4), -1, dtype=torch.int32)
+    selected[0, :3] = torch.tensor([5, 1, 6])
+    batch.resolve(0, selected)
+    assert sorted(batch.inspect(0, 0)["resident"]) == [1, 5, 6]
+    batch.remove(a)
+    b = cache_with(manager, 8)
+    assert batch.add(b) == 0
+    batch.publish()
+    assert batch.lease.tolist()[0] == 0
+    assert batch.inspect(0, 0)["resident"] == []
+    assert group.resident[0].tolist() == [BAD] * 12
+    assert group.recency[0].tolist() == list(range(12))
+
+
+def test_per_step_calls_need_a_published_batch(manager):
+    """BAT-4."""
+    batch = kv.Batch(manager)
+    selected = torch.full((4, 4), -1, dtype=torch.int32)
+    batch.resolve("shared0", selected)  # a fresh batch is published (empty)
+    batch.add(cache_with(manager, 4))
+    for call in (lambda: batch.resolve("shared0", selected), lambda: batch.fetch("shared1"),
+                 lambda: batch.fetch_sparse_pages("private", selected)):
+        with pytest.raises(RuntimeError, match="unpublished"):
+            call()
+    batch.publish()
+    batch.resolve("shared0", selected)
+
+
+def test_per_step_calls_validate_their_arguments(manager):
+    """SAFE-3: wrong dtype, shape, device, unknown layer or group raise before any work."""
+    batch = kv.Batch(manager)
+    good = torch.full((4, 4), -1, dtype=torch.int32)
+    cases = [
+        (TypeError, lambda: batch.resolve(0, good.long())),
+        (ValueError, lambda: batch.resolve(0, good[:, :3].contiguous())),
+        (ValueError, lambda: batch.resolve(0, good.t())),
+        (ValueError, lambda: batch.resolve(0, good, out=torch.empty(3, 4, dtype=torch.int32))),
+        (KeyError, lambda: batch.resolve(7, good)),
+        (KeyError, lambda: batch.resolve("nope", good)),
+        (KeyError, lambda: batch.resolve("swa", good)),
+        (KeyError, lambda: batch.fetch("nope")),
+        (KeyError, lambda: batch.fetch("swa")),
+        (TypeError, lambda: batch.resolve(0, [[0]])),
+    ]
+    counters = batch.hit_miss(0).clone()
+    for exc, call in cases:
+        with pytest.raises(exc):
+            call()
+    assert torch.equal(batch.hit_miss(0), counters)
+
+
+def test_fused_fetch_is_for_layers_alone_in_their_group(manager):
+    """OP-FETCH-FUSED: a shared group is refused with ValueError."""
+    batch = kv.Batch(manager)
+    cache = cache_with(manager, 8)
+    batch.add(cache)
+    batch.publish()
+    host = manager.storage.view("private", "kv", device_side=False)
+    place = manager.storage.place("private", "kv")
+    scale = manager.storage.groups[place.group].scale
+    for ordinal, slot in enumerate(cache.pages(place.group)):
+        for t in range(4):
+            host[slot * scale + place.pos, 0, t] = 10 * ordinal + t
+    selected = torch.full((4, 4), -1, dtype=torch.int32)
+    selected[0, :2] = torch.tensor([6, 2])
+    with pytest.raises(ValueError, match="shares selection group"):
+        batch.fetch_sparse_pages("shared0", selected)
+    index = batch.fetch_sparse_pages("private", selected)
+    cells = batch.cells("private", "kv")
+    for j, unit in enumerate((6, 2)):
+        entry = int(index[0, j])
+        assert entry >= 0
+        token = cells[entry // 4, 0, entry % 4]
+        assert bool((token == 10 * (unit // 4) + unit % 4).all())
+    assert batch.hit_rate("private") == {"hits": 0, "misses": 2, "invalid": 0, "hit_rate": 0.0}
+    assert torch.equal(batch.hit_miss("private"), torch.tensor([0, 2, 0]))
+    with pytest.raises(KeyError):
+        batch.cells("private", "scale")  # zero-size: no cells
+
+
+def test_inspect_reports_recency_order_and_pinned_units(manager):
+    """OP-INSPECT."""
+    batch = kv.Batch(manager)
+    cache = cache_with(manager, 10, 8)  # tokens 8, 9 in flight (I = 2, U = 1)
+    batch.add(cache)
+    batch.publish()
+    selected = torch.full((4, 4), -1, dtype=torch.int32)
+    selected[0, :2] = torch.tensor([3, 1])
+    batch.resolve(0, selected)
+    info = batch.inspect(0, 0)
+    assert info["lease"] == 0
+    assert info["resident"] == [3, 1, 8, 9]  # misses, then pinned
+    assert info["pinned"] == [8, 9]
+    assert batch.inspect(0, 1) == {"lease": None, "resident": [], "pinned": []}

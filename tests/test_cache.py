@@ -1,0 +1,106 @@
+"""Requests (REQ-1..4): resize, windows, suspend/resume/close, and failure atomicity."""
+import pytest
+
+import torch_kvcm2 as kv
+from torch_kvcm2 import BAD
+from configs import dsa_config
+
+
+def snapshot(manager, cache):
+    return (cache.capacity, cache.history_length, cache.state,
+            [list(p) for p in cache._pages], [g.free_slots for g in manager.storage.groups],
+            [sorted(g._free) for g in manager.storage.groups])
+
+
+@pytest.fixture
+def manager():
+    return kv.KVCacheManager(dsa_config())
+
+
+def test_resize_allocates_one_page_per_ordinal_in_every_group(manager):
+    """REQ-1."""
+    cache = manager.create_cache()
+    assert cache.resize(capacity=10, history=3)
+    assert (cache.capacity, cache.history_length) == (10, 3)
+    assert [cache.pages(g) for g in range(3)] == [[0, 1, 2]] * 3
+    assert cache.resize(capacity=5)  # shrink: the third page goes back
+    assert [cache.pages(g) for g in range(3)] == [[0, 1]] * 3
+    assert manager.storage.groups[0].allocate(1) == [2]
+
+
+def test_failed_resize_returns_false_and_changes_nothing(manager):
+    """REQ-1: allocation forced to fail leaves every field as it was."""
+    dense = manager.storage.groups[1]
+    dense.allocate(dense.free_slots - 5)  # the dense indexer group is now nearly full
+    cache = manager.create_cache()
+    assert cache.resize(capacity=6, history=2)
+    before = snapshot(manager, cache)
+    assert cache.resize(capacity=6 + 4 * 4, history=4) is False
+    assert snapshot(manager, cache) == before
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(history=1), "REQ-2: history cannot decrease"),
+    (dict(history=9), "REQ-2: history (9) cannot exceed capacity (8)"),
+    (dict(capacity=65), "REQ-2: capacity (65) exceeds max_tokens_per_row (64)"),
+    (dict(capacity=2), "REQ-2: history (4) cannot exceed capacity (2)"),
+])
+def test_impossible_lengths_raise_and_change_nothing(manager, kwargs, message):
+    cache = manager.create_cache()
+    assert cache.resize(capacity=8, history=4)
+    before = snapshot(manager, cache)
+    with pytest.raises(ValueError) as err:
+        cache.resize(**kwargs)
+    assert str(err.value).startswith(message)
+    assert snapshot(manager, cache) == before
+
+
+@pytest.mark.parametrize("value", [-1, 2.0, True, "3"])
+def test_bad_argument_types_raise(manager, value):
+    cache = manager.create_cache()
+    with pytest.raises((TypeError, ValueError)):
+        cache.resize(capacity=value)
+    assert cache.capacity == 0 and cache.pages(0) == []
+
+
+def test_windowed_life_cycle_releases_pages_behind_the_window(manager):
+    """REQ-3: pages wholly before h - window are released and read back as BAD."""
+    cache = manager.create_cache()
+    swa = manager.storage.groups[2]  # window 8, 4 tokens per page
+    assert cache.resize(capacity=20, history=12)  # h - w = 4: page 0 is wholly before it
+    assert cache.pages(2) == [BAD, 0, 1, 2, 3]  # page 0 never allocated
+    assert cache.pages(0) == [0, 1, 2, 3, 4]  # full-attention groups keep everything
+    assert cache.resize(history=19)  # h - w = 11: page 1 released too; page 2 holds 8..11, live
+    assert cache.pages(2) == [BAD, BAD, 1, 2, 3]
+    assert swa.allocate(1) == [0]  # slot 0 (page 1) went back
+
+
+def test_suspend_is_refused_while_tokens_are_in_flight(manager):
+    """REQ-4."""
+    cache = manager.create_cache()
+    assert cache.resize(capacity=6, history=4)
+    with pytest.raises(RuntimeError, match="tokens are in flight"):
+        cache.suspend()
+    assert cache.state == "active"
+    assert cache.resize(history=6)
+    cache.suspend()
+    assert cache.suspended and cache.pages(0) == [0, 1]  # pages stay
+    with pytest.raises(RuntimeError, match="suspended"):
+        cache.resize(capacity=8)
+    cache.resume()
+    assert cache.state == "active"
+    with pytest.raises(RuntimeError, match="not suspended"):
+        cache.resume()
+
+
+def test_close_frees_everything_and_refuses_every_later_call(manager):
+    """REQ-4: a closed cache refuses every call with RuntimeError."""
+    cache = manager.create_cache()
+    assert cache.resize(capacity=9, history=9)
+    free_before = [g.free_slots for g in manager.storage.groups]
+    cache.close()
+    assert [g.free_slots for g in manager.storage.groups] == [f + 3 for f in free_before]
+    for call in (lambda: cache.resize(capacity=1), cache.suspend, cache.resume, cache.close,
+                 lambda: cache.pages(0)):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()

@@ -1,0 +1,82 @@
+"""Storage (STO-1..5): pool groups, views, budgets, slot allocation."""
+import pytest
+
+import torch_kvcm2 as kv
+from configs import dsa_config
+
+
+def test_pool_groups_coalesce_by_life_cycle_sparsity_and_page_bytes():
+    """STO-1: buffers sharing (window, sparse, page bytes) share a pool group, in config order."""
+    storage = kv.KVCacheManager(dsa_config()).storage
+    summary = [(g.window, g.sparse, g.page_bytes, g.buffers) for g in storage.groups]
+    assert summary == [
+        (None, True, 32, [("shared0", "kv"), ("shared1", "kv"), ("shared2", "kv"), ("private", "kv")]),
+        (None, False, 16, [("shared0", "indexer_k"), ("shared1", "indexer_k"), ("shared2", "indexer_k")]),
+        (8, False, 32, [("swa", "k"), ("swa", "v")]),
+    ]
+    assert storage.place("private", "kv").pos == 3
+    assert storage.place("private", "scale").group is None  # CFG-6: zero-size takes no memory
+
+
+def test_sparse_groups_live_in_host_memory_dense_in_device_memory():
+    """STO-2 (CPU build: every medium is CPU memory, the same code paths run)."""
+    storage = kv.KVCacheManager(dsa_config()).storage
+    assert [g.medium for g in storage.groups] == ["host", "gpu", "gpu"]
+    for g in storage.groups:
+        assert g.data.device.type == "cpu" and g.device_data.data_ptr() == g.data.data_ptr()
+
+
+def test_buffer_view_page_index_is_slot_times_scale_plus_pos():
+    """STO-3: page s*scale+pos of a buffer's view is that buffer's page in slot s."""
+    storage = kv.KVCacheManager(dsa_config(latent_chunks=2)).storage
+    view = storage.view("shared1", "kv")
+    group = storage.groups[0]
+    assert tuple(view.shape) == (group.num_slots * 4, 2, 4, 4)
+    view[5 * 4 + 1] = 7
+    assert bool((group.data[5, 1] == 7).all()) and int(group.data.sum()) == 7 * 32
+    by_slot = storage.slot_pages("shared1", "kv")
+    assert tuple(by_slot.shape) == (group.num_slots, 2, 4, 4)
+    assert bool((by_slot[5] == 7).all())
+    empty = storage.view("private", "scale")
+    assert tuple(empty.shape) == (0, 1, 4, 0)
+
+
+def test_budgets_are_split_evenly_over_a_mediums_groups_after_the_batch_reserve():
+    """STO-4: GPU and host budgets are accounted separately; stats() reports them."""
+    manager = kv.KVCacheManager(dsa_config())
+    stats = manager.stats()
+    groups = manager.storage.groups
+    for medium in ("gpu", "host"):
+        mine = [g for g in groups if g.medium == medium]
+        budget = 1 << 20
+        expected = (budget - manager._reserve[medium]) // sum(g.slot_bytes for g in mine)
+        assert all(g.num_slots == expected for g in mine)
+        assert stats[medium]["used_bytes"] == 0
+        assert stats[medium]["free_bytes"] == expected * sum(g.slot_bytes for g in mine)
+        assert stats[medium]["reserved_bytes"] == manager._reserve[medium]
+    cache = manager.create_cache()
+    assert cache.resize(capacity=9)  # 3 pages in every group
+    stats = manager.stats()
+    assert [g["used_slots"] for g in stats["pool_groups"]] == [3, 3, 3]
+    assert stats["host"]["used_bytes"] == 3 * groups[0].slot_bytes
+
+
+def test_a_budget_too_small_for_one_slot_raises_before_allocating():
+    reserve = kv.KVCacheManager(dsa_config())._reserve
+    with pytest.raises(ValueError, match="STO-4: the host budget .* cannot hold one slot"):
+        kv.KVCacheManager(dsa_config(host_budget_bytes=reserve["host"] + 127))
+    with pytest.raises(ValueError, match="STO-4: the gpu budget .* cannot hold one slot"):
+        kv.KVCacheManager(dsa_config(gpu_budget_bytes=reserve["gpu"] + 10))
+    with pytest.raises(ValueError, match="smaller than the memory of a batch"):
+        kv.KVCacheManager(dsa_config(gpu_budget_bytes=reserve["gpu"] - 1))
+
+
+def test_slots_are_handed_out_lowest_free_first_and_failures_take_nothing():
+    """STO-5."""
+    group = kv.KVCacheManager(dsa_config()).storage.groups[1]
+    assert group.allocate(3) == [0, 1, 2]
+    group.release([1])
+    assert group.allocate(2) == [1, 3]
+    free = group.free_slots
+    assert group.allocate(free + 1) is None
+    assert group.free_slots == free

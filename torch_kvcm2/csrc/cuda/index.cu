@@ -1,0 +1,159 @@
+// CUDA kernels of OP-INDEX. Bit-identical to cpu/index.cpp: the same int64 arithmetic, BAD for
+// anything that does not resolve, BAD (never a wrapped value) above INT32_MAX.
+//
+// Grid: x over column groups of kCols columns (kThreads * kCols per CTA), y over rows (looping when
+// there are more rows than gridDim.y allows). Each thread produces kCols consecutive columns and
+// stores them with one 16-byte store when the row layout allows, so a warp writes 512 contiguous
+// bytes.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../kvcm2.h"
+
+namespace torch_kvcm2 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kCols = 4;             // columns per thread: one int4
+constexpr int64_t kMaxGridY = 65535;  // hardware limit of gridDim.y
+
+__device__ __forceinline__ int32_t checked_index(int64_t v) {
+  return v <= INT32_MAX ? static_cast<int32_t>(v) : BAD;
+}
+
+// kVec: the row width is a multiple of kCols and every pointer is 16-byte aligned, so each
+// thread's kCols columns are one aligned int4.
+template <bool kVec>
+__device__ __forceinline__ void store_cols(int32_t* row, int64_t j0, int64_t width,
+                                           const int32_t (&v)[kCols]) {
+  if (kVec) {
+    *reinterpret_cast<int4*>(row + j0) = make_int4(v[0], v[1], v[2], v[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCols; ++i)
+      if (j0 + i < width) row[j0 + i] = v[i];
+  }
+}
+
+template <bool kVec>
+__global__ __launch_bounds__(kThreads) void convert_page_indices_kernel(
+    int32_t* __restrict__ out, const int32_t* __restrict__ table, const int32_t* __restrict__ cap,
+    int64_t rows, int64_t width, int64_t pages, int64_t scale, int64_t pos, int64_t units_per_page,
+    int64_t tokens_per_unit) {
+  const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kCols;
+  if (j0 >= width) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const int64_t c = cap[r];
+    const int64_t units = ceil_div(c > 0 ? c : 0, tokens_per_unit);
+    int32_t v[kCols];
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) {
+      const int64_t j = j0 + i;
+      const int64_t p = j / units_per_page;
+      v[i] = BAD;
+      if (j < width && j < units && p < pages) {
+        const int64_t slot = table[r * pages + p];
+        if (slot >= 0) v[i] = checked_index((slot * scale + pos) * units_per_page + j % units_per_page);
+      }
+    }
+    store_cols<kVec>(out + r * width, j0, width, v);
+  }
+}
+
+template <bool kVec>
+__global__ __launch_bounds__(kThreads) void convert_token_indices_kernel(
+    int32_t* __restrict__ out, const int32_t* __restrict__ selected,
+    const int32_t* __restrict__ table, const int32_t* __restrict__ cap, int64_t rows,
+    int64_t width, int64_t pages, int64_t scale, int64_t pos, int64_t tokens_per_page) {
+  const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kCols;
+  if (j0 >= width) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const int64_t c = cap[r];
+    int32_t t_in[kCols];
+    if (kVec) {
+      const int4 t4 = __ldg(reinterpret_cast<const int4*>(selected + r * width + j0));
+      t_in[0] = t4.x, t_in[1] = t4.y, t_in[2] = t4.z, t_in[3] = t4.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kCols; ++i)
+        t_in[i] = j0 + i < width ? __ldg(selected + r * width + j0 + i) : -1;
+    }
+    int32_t v[kCols];
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) {
+      const int64_t t = t_in[i];
+      const int64_t p = t / tokens_per_page;
+      v[i] = BAD;
+      if (t >= 0 && t < c && p < pages) {
+        const int64_t slot = table[r * pages + p];
+        if (slot >= 0) v[i] = checked_index((slot * scale + pos) * tokens_per_page + t % tokens_per_page);
+      }
+    }
+    store_cols<kVec>(out + r * width, j0, width, v);
+  }
+}
+
+bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+dim3 index_grid(int64_t rows, int64_t width) {
+  const int64_t per_cta = static_cast<int64_t>(kThreads) * kCols;
+  return dim3(static_cast<unsigned>((width + per_cta - 1) / per_cta),
+              static_cast<unsigned>(std::min(rows, kMaxGridY)));
+}
+
+void convert_page_indices_cuda(const at::Tensor& out, const at::Tensor& page_table,
+                               const at::Tensor& capacity, int64_t scale, int64_t pos,
+                               int64_t units_per_page, int64_t tokens_per_unit) {
+  check_convert_page_indices(out, page_table, capacity, scale, pos, units_per_page,
+                             tokens_per_unit);
+  const int64_t rows = out.size(0), width = out.size(1), pages = page_table.size(1);
+  if (rows == 0 || width == 0) return;
+  TORCH_CHECK((width + kThreads * kCols - 1) / (kThreads * kCols) <= INT32_MAX,
+              "convert_page_indices: out is too wide");
+  const c10::cuda::CUDAGuard guard(out.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 grid = index_grid(rows, width);
+  const bool vec = width % kCols == 0 && aligned16(out);
+  auto kernel = vec ? convert_page_indices_kernel<true> : convert_page_indices_kernel<false>;
+  kernel<<<grid, kThreads, 0, stream>>>(out.data_ptr<int32_t>(), page_table.data_ptr<int32_t>(),
+                                        capacity.data_ptr<int32_t>(), rows, width, pages, scale,
+                                        pos, units_per_page, tokens_per_unit);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void convert_token_indices_cuda(const at::Tensor& out, const at::Tensor& selected,
+                                const at::Tensor& page_table, const at::Tensor& capacity,
+                                int64_t scale, int64_t pos, int64_t tokens_per_page) {
+  check_convert_token_indices(out, selected, page_table, capacity, scale, pos, tokens_per_page);
+  const int64_t rows = selected.size(0), width = selected.size(1), pages = page_table.size(1);
+  if (rows == 0 || width == 0) return;
+  TORCH_CHECK((width + kThreads * kCols - 1) / (kThreads * kCols) <= INT32_MAX,
+              "convert_token_indices: out is too wide");
+  const c10::cuda::CUDAGuard guard(out.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 grid = index_grid(rows, width);
+  const bool vec = width % kCols == 0 && aligned16(out) && aligned16(selected);
+  auto kernel = vec ? convert_token_indices_kernel<true> : convert_token_indices_kernel<false>;
+  kernel<<<grid, kThreads, 0, stream>>>(out.data_ptr<int32_t>(), selected.data_ptr<int32_t>(),
+                                        page_table.data_ptr<int32_t>(),
+                                        capacity.data_ptr<int32_t>(), rows, width, pages, scale,
+                                        pos, tokens_per_page);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_kvcm2, CUDA, m) {
+  m.impl("convert_page_indices", &convert_page_indices_cuda);
+  m.impl("convert_token_indices", &convert_token_indices_cuda);
+}
+
+}  // namespace torch_kvcm2
