@@ -1,50 +1,88 @@
-"""Quickstart: one sparse layer pair sharing an indexer, a few requests, one resolve + fetch.
+"""Quickstart: two layers sharing one indexer, two requests, a prefill and a few decode steps.
 
-Runs on CUDA when the extension has CUDA kernels and a GPU is visible, else on the CPU.
+Every step follows the documented order (publish; resolve once per selection group; per layer
+fetch, write the new tokens, read the cells; flush; resize) and checks that every selected token
+read back from the cells holds the bytes written for it. Runs on CUDA when the extension has
+CUDA kernels and a GPU is visible, else on the CPU.
 """
 import torch
 
 import torch_kvcm2 as kv
 
 device = "cuda" if kv.has_cuda_kernels() and torch.cuda.is_available() else "cpu"
-P, U, K, S, I = 16, 1, 8, 16, 4
-latent = kv.BufferSpec("kv", bytes_per_token=64, sparse=True)
-indexer = kv.BufferSpec("indexer_k", bytes_per_token=32)
+P, U, K, S, I, B = 16, 1, 8, 16, 4, 64  # page, unit, width, slots, in-flight tokens, bytes/token
+LAYERS = ("layer0", "layer1")
+latent = kv.BufferSpec("kv", bytes_per_token=B, sparse=True)
 sparse = kv.SparseSpec(tokens_per_unit=U, width=K, slots=S, max_inflight_tokens=I,
                        selection_id="indexer0")
-config = kv.CacheConfig(
-    tokens_per_page=P,
-    layers=[kv.LayerSpec(f"layer{i}", [latent, indexer], sparse=sparse) for i in range(2)],
-    max_rows=4, max_tokens_per_row=256, gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20,
-    device=device,
-)
+config = kv.CacheConfig(tokens_per_page=P, layers=[kv.LayerSpec(n, [latent], sparse=sparse) for n in LAYERS],
+                        max_rows=2, max_tokens_per_row=256, gpu_budget_bytes=1 << 20,
+                        host_budget_bytes=1 << 20, device=device)
 manager = kv.KVCacheManager(config)
 batch = kv.Batch(manager)
 
-# Two requests with 40 and 70 tokens of history already on their host pages.
-caches = [manager.create_cache() for _ in range(2)]
-for cache, length in zip(caches, (40, 70)):
-    assert cache.resize(capacity=length, history=length)
-    batch.add(cache)
-host = manager.storage.view("layer0", "kv", device_side=False)  # [pages, chunks, P, bytes]
-place = manager.storage.place("layer0", "kv")
-scale = manager.storage.groups[place.group].scale
-for cache in caches:  # write a recognisable byte per token into each request's host pages
-    for ordinal, slot in enumerate(cache.pages(place.group)):
-        host[slot * scale + place.pos, 0] = torch.arange(P, dtype=torch.uint8)[:, None] + ordinal * P
-batch.publish()
 
-selected = torch.full((config.max_rows, K), -1, dtype=torch.int32, device=device)
-selected[0, :5] = torch.tensor([3, 17, 39, 3, 1000])  # a duplicate and an out-of-range ordinal
-selected[1, :3] = torch.tensor([0, 64, 69])
-index = batch.resolve("layer0", selected)
-for layer in ("layer0", "layer1"):
-    batch.fetch(layer)
-cells = batch.cells("layer0", "kv")
-print("device:", device)
-print("index table:\n", index[:2].cpu())
-first = cells.view(-1, cells.shape[-1])[index[0, 0].item()][0].item()
-print("byte 0 of token 3 read back from its cell:", first)
-print("counters:", batch.hit_rate("layer0"))
-index = batch.resolve("layer0", selected)
-print("same selection again:", batch.hit_rate("layer0"))
+def token_bytes(layer: int, positions: torch.Tensor) -> torch.Tensor:
+    """The KV bytes the 'model' writes for tokens at ``positions`` of a layer."""
+    return ((positions[:, None] * 7 + layer * 101 + torch.arange(B, device=device)) % 251).to(torch.uint8)
+
+
+def write(target: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, layer: int):
+    """Write tokens at ``positions`` to token indices ``index`` of a paged tensor (BAD skipped)."""
+    ok = index >= 0
+    index, positions = index[ok].long(), positions[ok].long()
+    target[index // P, 0, index % P] = token_bytes(layer, positions)
+
+
+def write_step():
+    """Write every row's new tokens: [history, s0) straight to host pages, [s0, capacity) to cells."""
+    table, start = batch.write_indices(0)
+    for i, layer in enumerate(LAYERS):
+        for row, cache in batch.members().items():
+            h, s0 = cache.history_length, int(start[row])
+            host = torch.arange(h, s0, dtype=torch.int32, device=device)
+            positions = torch.full((2, max(len(host), 1)), -1, dtype=torch.int32, device=device)
+            positions[row, :len(host)] = host
+            index = batch.host_token_indices(layer, "kv", positions)[row]
+            write(manager.storage.view(layer, "kv"), index, positions[row], i)
+            inflight = s0 + torch.arange(table.shape[1], device=device)
+            write(batch.cells(layer, "kv"), table[row], inflight, i)
+
+
+prompts = (40, 70)
+caches = [manager.create_cache() for _ in prompts]
+for cache, length in zip(caches, prompts):
+    assert cache.resize(capacity=length)  # prefill: the whole prompt is new this step
+    batch.add(cache)
+generator = torch.Generator().manual_seed(0)
+for step in range(6):
+    batch.publish()
+    selected = torch.full((2, K), -1, dtype=torch.int32)
+    for row, cache in batch.members().items():  # the 'indexer': K units of the history
+        if cache.history_length:
+            selected[row] = torch.randint(0, cache.history_length, (K,), generator=generator)
+    selected = selected.to(device)
+    index = batch.resolve(0, selected)
+    for layer in LAYERS:
+        batch.fetch(layer)
+    write_step()
+    for i, layer in enumerate(LAYERS):  # 'attention' reads the selected tokens from the cells
+        cells = batch.cells(layer, "kv")
+        for row in range(2):
+            ok = index[row] >= 0
+            entry = index[row][ok].long()  # U = 1: the token index of a unit's token is its entry
+            got = cells[entry // P, 0, entry % P]
+            assert torch.equal(got, token_bytes(i, selected[row][ok])), (step, layer, row)
+    batch.flush()
+    for cache in caches:
+        assert cache.resize(history=cache.capacity)
+        assert cache.resize(capacity=cache.capacity + 1)  # room for the next token
+    stats = batch.hit_rate(0)
+    print(f"step {step}: lengths {[c.history_length for c in caches]}, selected tokens read back "
+          f"from cells OK, hits {stats['hits']} misses {stats['misses']}")
+host = manager.storage.slot_pages("layer1", "kv", device_side=False)  # [slot, chunk, P, B]
+for cache in caches:  # every token of history is on its host pages
+    pages = torch.tensor(cache.pages(manager.storage.place("layer1", "kv").group))
+    t = torch.arange(cache.history_length)
+    assert torch.equal(host[pages[t // P], 0, t % P], token_bytes(1, t.to(device)).cpu())
+print(f"device {device}: all history verified on host pages; hit rate {batch.hit_rate(0)['hit_rate']:.2f}")

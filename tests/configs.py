@@ -20,3 +20,15 @@ def dsa_config(device="cpu", *, layers=3, max_rows=4, tokens_per_page=4, tokens_
     return kv.CacheConfig(tokens_per_page=tokens_per_page, layers=specs, max_rows=max_rows,
                           max_tokens_per_row=max_tokens_per_row, gpu_budget_bytes=gpu_budget_bytes,
                           host_budget_bytes=host_budget_bytes, device=device)
+
+
+def import_history(cache, history, capacity=None):
+    """Give ``cache`` ``history`` tokens written straight to host pages (the prefill path), then
+    set its capacity (default: ``history``). Capacity first grows far enough that the tokens lie
+    before every in-flight range, so SAFE-2 lets history advance over them."""
+    groups = cache.manager.config.selection_groups
+    slack = max((g.sparse.max_inflight_tokens + g.sparse.tokens_per_unit for g in groups), default=0)
+    assert cache.resize(capacity=max(cache.capacity, history + slack))
+    assert cache.resize(history=history)
+    assert cache.resize(capacity=history if capacity is None else capacity)
+    return cache

@@ -125,6 +125,12 @@ class RowRange:
     I: int
     window: int
 
+    def __post_init__(self):
+        # DESIGN: lengths are device data; a negative history or a capacity below it (bad data)
+        # reads as h = max(h, 0), c = max(c, h): no negative unit is ever in flight.
+        object.__setattr__(self, "h", max(self.h, 0))
+        object.__setattr__(self, "c", max(self.c, self.h))
+
     @property
     def s0(self) -> int:
         # s0 = max(h, floor((c - I)/U)*U); Python's // is floor division.
@@ -280,12 +286,16 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
     return index_table, misses, deltas
 
 
-def check_res1(state: ResidencyState) -> None:
-    """RES-1: no ordinal twice in one lease's resident; recency is a permutation of 0..S-1."""
+def check_res1(state: ResidencyState, allow_negative_units: bool = False) -> None:
+    """RES-1: no ordinal twice in one lease's resident; recency is a permutation of 0..S-1.
+
+    Also (stricter than RES-1's wording) no slot holds a negative ordinal other than BAD, unless
+    ``allow_negative_units`` (for bad device data such as a negative history)."""
     for ell, (resident, recency) in enumerate(zip(state.resident, state.recency)):
-        units = [u for u in resident if u != BAD]
+        units = [u for u in resident if u >= 0 or (u != BAD and not allow_negative_units)]
         assert len(units) == len(set(units)), f"RES-1: lease {ell} holds a unit twice: {resident}"
-        assert all(u >= 0 for u in units), f"RES-1: lease {ell} holds a negative unit: {resident}"
+        assert allow_negative_units or all(u >= 0 for u in units), (
+            f"RES-1: lease {ell} holds a negative unit: {resident}")
         assert sorted(recency) == list(range(len(resident))), (
             f"RES-1: lease {ell} recency is not a permutation: {recency}")
 
@@ -309,8 +319,8 @@ def check_res2(state: ResidencyState, history, capacity, lease, U, P, I, window=
 def fetch(cells, host_pages, page_tables, misses, slots, U):
     """OP-FETCH on plain data. Per buffer ``b``:
 
-    * ``cells[b]``: a list of cells, each a list of ``chunks`` bytearrays of ``P*bpc`` bytes
-      (``bpc`` = bytes per token per chunk); mutated.
+    * ``cells[b]``: a ``CellList`` of cells, each a list of ``chunks`` bytearrays of ``P*bpc``
+      bytes (``bpc`` = bytes per token per chunk); mutated.
     * ``host_pages[b]``: a list of host pages indexed by host slot id, same layout (read only).
     * ``page_tables[b]``: list of rows of host slot ids.
 
@@ -327,9 +337,7 @@ def fetch(cells, host_pages, page_tables, misses, slots, U):
         chunk_bytes = len(cell_list[0][0]) if chunks else 0
         if chunk_bytes == 0:
             continue  # zero-size buffer (CFG-6)
-        # tokens_per_page is not visible in bytes alone: the caller passes it via the layout
-        P = cells[b].tokens_per_page if hasattr(cells[b], "tokens_per_page") else None
-        assert P is not None, "pass cells as CellList (see cells_from_tensor)"
+        P = cell_list.tokens_per_page  # not visible in the bytes alone: a CellList carries it
         bpc = chunk_bytes // P
         E = P // U
         piece = U * bpc

@@ -4,7 +4,7 @@ import torch
 
 import torch_kvcm2 as kv
 from torch_kvcm2 import BAD
-from configs import dsa_config
+from configs import dsa_config, import_history
 
 
 @pytest.fixture
@@ -13,9 +13,7 @@ def manager():
 
 
 def cache_with(manager, capacity, history=None):
-    cache = manager.create_cache()
-    assert cache.resize(capacity=capacity, history=capacity if history is None else history)
-    return cache
+    return import_history(manager.create_cache(), capacity if history is None else history, capacity)
 
 
 def membership(batch):

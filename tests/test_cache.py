@@ -3,7 +3,7 @@ import pytest
 
 import torch_kvcm2 as kv
 from torch_kvcm2 import BAD
-from configs import dsa_config
+from configs import dsa_config, import_history
 
 
 def snapshot(manager, cache):
@@ -70,9 +70,40 @@ def test_windowed_life_cycle_releases_pages_behind_the_window(manager):
     assert cache.resize(capacity=20, history=12)  # h - w = 4: page 0 is wholly before it
     assert cache.pages(2) == [BAD, 0, 1, 2, 3]  # page 0 never allocated
     assert cache.pages(0) == [0, 1, 2, 3, 4]  # full-attention groups keep everything
-    assert cache.resize(history=19)  # h - w = 11: page 1 released too; page 2 holds 8..11, live
+    assert cache.resize(history=18)  # h - w = 10: page 1 released too; page 2 holds 8..11, live
     assert cache.pages(2) == [BAD, BAD, 1, 2, 3]
     assert swa.allocate(1) == [0]  # slot 0 (page 1) went back
+
+
+def test_history_cannot_pass_what_was_flushed_or_written_to_host(manager):
+    """SAFE-2: history advances through the host-written prefix [h, s0) only; in-flight tokens
+    need a flush first. A shrink forgets flushed tokens beyond the new capacity."""
+    cache = manager.create_cache()
+    assert cache.resize(capacity=10)  # I = 2, U = 1: s0 = 8
+    before = snapshot(manager, cache)
+    with pytest.raises(ValueError, match=r"SAFE-2: history \(9\) cannot pass .* \(8\)"):
+        cache.resize(history=9)
+    assert snapshot(manager, cache) == before
+    assert cache.resize(history=8)
+    cache._flushed = 10  # what Batch.flush records once the in-flight tokens are written back
+    assert cache.resize(history=10)
+    assert cache.resize(capacity=12)
+    assert cache._flushed == 10
+    assert cache.resize(capacity=10) and cache._flushed == 10
+
+
+def test_in_flight_range_beyond_the_budget_is_refused():
+    """CFG-3/OP-FLUSH: one row's in-flight range may not exceed max_total_input_tokens."""
+    import torch_kvcm2 as kv
+    config = dsa_config(max_inflight_tokens=8, slots=16)
+    config = kv.CacheConfig(**{**{f: getattr(config, f) for f in (
+        "tokens_per_page", "layers", "max_rows", "max_tokens_per_row", "gpu_budget_bytes",
+        "host_budget_bytes", "device")}, "max_total_input_tokens": 5})
+    cache = kv.KVCacheManager(config).create_cache()
+    with pytest.raises(ValueError, match="in-flight range of 8 tokens exceeds"):
+        cache.resize(capacity=8)
+    assert cache.capacity == 0
+    assert cache.resize(capacity=5)
 
 
 def test_suspend_is_refused_while_tokens_are_in_flight(manager):
@@ -82,9 +113,9 @@ def test_suspend_is_refused_while_tokens_are_in_flight(manager):
     with pytest.raises(RuntimeError, match="tokens are in flight"):
         cache.suspend()
     assert cache.state == "active"
-    assert cache.resize(history=6)
+    assert cache.resize(capacity=4)  # drop the unwritten tokens
     cache.suspend()
-    assert cache.suspended and cache.pages(0) == [0, 1]  # pages stay
+    assert cache.suspended and cache.pages(0) == [0]  # pages stay
     with pytest.raises(RuntimeError, match="suspended"):
         cache.resize(capacity=8)
     cache.resume()
@@ -95,8 +126,7 @@ def test_suspend_is_refused_while_tokens_are_in_flight(manager):
 
 def test_close_frees_everything_and_refuses_every_later_call(manager):
     """REQ-4: a closed cache refuses every call with RuntimeError."""
-    cache = manager.create_cache()
-    assert cache.resize(capacity=9, history=9)
+    cache = import_history(manager.create_cache(), 9)
     free_before = [g.free_slots for g in manager.storage.groups]
     cache.close()
     assert [g.free_slots for g in manager.storage.groups] == [f + 3 for f in free_before]

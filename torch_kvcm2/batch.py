@@ -43,6 +43,7 @@ def batch_memory_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int)
         sp = group.sparse
         gpu += 2 * max_rows * sp.slots * 4 + max_rows * sp.width * 4  # resident, recency, index
         gpu += _miss_list_rows(group, max_rows) * ops.MISS_FIELDS * 4 + 4 + ops.NUM_COUNTERS * 8
+        gpu += max_rows * (sp.max_inflight_units + sp.max_inflight_tokens + sp.tokens_per_unit) * 4
         for layer in group.layers:
             for buf in _sparse_buffers(config, layer):
                 gpu += max_rows * sp.slots * sp.tokens_per_unit * buf.bytes_per_token  # cells
@@ -61,6 +62,9 @@ class GroupState:
     miss_list: torch.Tensor  # int32[rows, 4]: (lease, slot, row, unit)
     miss_count: torch.Tensor  # int32[1]
     counters: torch.Tensor  # int64[3]: cumulative hits, misses, invalid
+    inflight_slots: torch.Tensor  # int32[max_rows, ceil(I/U)+1]: slot of in-flight unit k, BAD
+    write_table: torch.Tensor  # int32[max_rows, I+U-1]: write_indices' output
+    inflight_start: torch.Tensor  # int32[max_rows]: s0 per row (BAD for unseated rows)
 
 
 class Batch:
@@ -93,6 +97,7 @@ class Batch:
         for group in config.selection_groups:
             for layer in group.layers:
                 self._fetch_args[layer] = self._new_cells(group, layer)
+        self._flush_args = self._new_flush_args()
         # publish staging: two host buffers (pinned on CUDA) and one device scratch
         self._width = len(storage.groups) * pages + 3
         pin = dev.type == "cuda"
@@ -110,6 +115,7 @@ class Batch:
         self._free_leases = list(range(max_rows))
         self._dirty: set[int] = set()
         self._granted: set[int] = set()  # leases whose residency publish() must clear
+        self._published = [(0, 0, BAD)] * max_rows  # host mirror: (history, capacity, lease)
         self._closed = False
 
     def _new_group_state(self, group: SelectionGroup) -> GroupState:
@@ -123,6 +129,10 @@ class Batch:
                                   device=dev),
             miss_count=torch.zeros(1, dtype=INT32, device=dev),
             counters=torch.zeros(ops.NUM_COUNTERS, dtype=torch.int64, device=dev),
+            inflight_slots=torch.full((rows, sp.max_inflight_units), BAD, dtype=INT32, device=dev),
+            write_table=torch.full((rows, sp.max_inflight_tokens + sp.tokens_per_unit - 1), BAD,
+                                   dtype=INT32, device=dev),
+            inflight_start=torch.full((rows,), BAD, dtype=INT32, device=dev),
         )
 
     def _new_cells(self, group: SelectionGroup, layer: str) -> tuple:
@@ -140,6 +150,27 @@ class Batch:
             hosts.append(storage.slot_pages(layer, buf.role))
             tables.append(self.page_tables[place.group])
         return cells, hosts, tables
+
+    def _new_flush_args(self) -> list[tuple]:
+        """Per sparse pool group with cells: the argument lists of its one flush launch, covering
+        every non-zero sparse buffer of every sparse layer in it (OP-FLUSH)."""
+        storage = self.manager.storage
+        per_pool: dict[int, list] = {}
+        for group, state in zip(self.config.selection_groups, self.groups):
+            sp = group.sparse
+            for layer in group.layers:
+                for buf in _sparse_buffers(self.config, layer):
+                    place = storage.place(layer, buf.role)
+                    per_pool.setdefault(place.group, []).append((
+                        storage.slot_pages(layer, buf.role), self._cells[(layer, buf.role)],
+                        state.resident, state.inflight_slots,
+                        (sp.slots, sp.tokens_per_unit, sp.max_inflight_tokens)))
+        args = []
+        for pool, entries in per_pool.items():
+            hosts, cells, resident, slots, params = zip(*entries)
+            args.append((list(hosts), list(cells), list(resident), list(slots),
+                         self.page_tables[pool], [p for ps in params for p in ps]))
+        return args
 
     # ---- membership (BAT-2) ----
     def add(self, cache: "KVCache", row: Optional[int] = None) -> int:
@@ -236,7 +267,9 @@ class Batch:
             lease = self._row_lease[row]
             if cache is None or lease == BAD:  # hole or suspended: BAD / 0
                 flat.extend([BAD] * (G * pages) + [0, 0, BAD])
+                self._published[row] = (0, 0, BAD)
                 continue
+            self._published[row] = (cache.history_length, cache.capacity, lease)
             for page_list in cache._pages:
                 flat.extend(page_list)
                 flat.extend([BAD] * (pages - len(page_list)))
@@ -299,6 +332,8 @@ class Batch:
                     state.counters, selected, self.history, self.capacity, self.lease,
                     sp.tokens_per_unit, self.config.tokens_per_page, sp.max_inflight_tokens,
                     state.spec.window or 0)
+        ops.locate_inflight(state.inflight_slots, state.resident, self.history, self.capacity,
+                            self.lease, sp.tokens_per_unit, sp.max_inflight_tokens)
         return table
 
     def fetch(self, layer: str) -> None:
@@ -325,6 +360,106 @@ class Batch:
         table = self.resolve(group.index, selected, out)
         self.fetch(layer)
         return table
+
+    def write_indices(self, group: Union[int, str], out: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OP-WRITE: where each row writes its in-flight tokens' KV this step. Returns
+        ``(indices int32[max_rows, I+U-1], start int32[max_rows])``: token ``start[r] + j`` of
+        row r goes to cell token index ``indices[r, j]`` (cell ``// P``, row in cell ``% P``);
+        BAD beyond the in-flight range and for holes and suspended rows. Tokens in
+        ``[history, start)`` are written straight to host pages (``host_token_indices``).
+        Needs this step's resolve of the group."""
+        state = self.group(group)
+        self._check_step("Batch.write_indices")
+        sp = state.spec.sparse
+        table = state.write_table
+        if out is not None:
+            self._check_index_tensor("out", out, table.shape[1])
+            table = out
+        ops.write_indices(table, state.inflight_start, state.resident, state.inflight_slots,
+                          self.history, self.capacity, self.lease, sp.tokens_per_unit,
+                          sp.max_inflight_tokens)
+        return table, state.inflight_start
+
+    def flush(self, new_history=None) -> None:
+        """OP-FLUSH: write back every in-flight token below the row's new history from its cell
+        to its host page, for every sparse buffer of every sparse layer, one launch per sparse
+        pool group. ``new_history``: None (every in-flight token: the published capacity), a
+        sequence of ints or a CPU tensor (int32[max_rows]), or an int32[max_rows] CUDA tensor.
+
+        Afterwards ``KVCache.resize`` may advance a row's history through what was flushed
+        (SAFE-2). With a CUDA tensor the host cannot see the values and takes the published
+        capacity as the bound: the caller must not advance history past what it passed. Raises
+        ValueError, before any work, when the rows' in-flight tokens exceed
+        ``max_total_input_tokens``. Inside a captured graph the host bookkeeping is skipped:
+        call ``record_flush()`` after each replay."""
+        self._check_step("Batch.flush")
+        known = None  # host-visible per-row targets, when the caller gave them
+        if new_history is None:
+            target = self.capacity
+        else:
+            if not isinstance(new_history, torch.Tensor):
+                new_history = torch.tensor(list(new_history), dtype=INT32)
+            if new_history.device.type == "cpu":
+                known = new_history.tolist()
+                new_history = new_history.to(self.config.device)
+            self._check_index_tensor("new_history", new_history.view(-1, 1), 1)
+            target = new_history
+        width = self._flush_width()
+        if width > self.config.max_total_input_tokens:
+            raise ValueError(
+                f"Batch.flush: {width} in-flight tokens exceed max_total_input_tokens "
+                f"({self.config.max_total_input_tokens})")
+        for hosts, cells, resident, slots, table, params in self._flush_args:
+            ops.flush(hosts, cells, resident, slots, table, target, self.history,
+                      self.capacity, self.lease, params)
+        if not (self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self.record_flush(known)
+
+    def record_flush(self, new_history: Optional[list] = None) -> None:
+        """Host bookkeeping of a flush (the SAFE-2 watermark): every seated row's tokens up to
+        ``min(new_history[row], published capacity)`` are on its host pages (the capacity when
+        ``new_history`` is None). ``flush`` calls it; call it yourself after replaying a
+        captured graph that contains a flush."""
+        for row, cache in enumerate(self._rows):
+            h, c, lease = self._published[row]
+            if cache is not None and lease != BAD:
+                done = c if new_history is None else min(int(new_history[row]), c)
+                cache._flushed = max(cache._flushed, done)
+
+    def _flush_width(self) -> int:
+        """The most in-flight tokens a flush can write back over all rows, from the host mirror
+        of the published lengths (the flush work-list bound of OP-FLUSH)."""
+        widest = 0
+        for group in self.config.selection_groups:
+            sp = group.sparse
+            total = 0
+            for h, c, lease in self._published:
+                if lease != BAD:
+                    total += max(c - sp.inflight_start(h, c), 0)
+            widest = max(widest, total)
+        return widest
+
+    def host_token_indices(self, layer: str, role: str, positions: torch.Tensor,
+                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The prefill path: token indices of ``positions`` (int32[max_rows, N] token positions,
+        negative = padding) in the buffer's view ``manager.storage.view(layer, role)`` (token
+        ``i`` is ``view[i // P, :, i % P]``), BAD for padding and positions beyond capacity.
+        Write tokens ``[history, inflight_start)`` of a row straight to host pages with it."""
+        storage = self.manager.storage
+        place = storage.place(layer, role)
+        self._check_step("Batch.host_token_indices")
+        if place.group is None:
+            raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
+        self._check_index_tensor("positions", positions, positions.shape[1] if positions.dim() == 2 else -1)
+        if out is None:
+            out = torch.empty_like(positions)
+        else:
+            self._check_index_tensor("out", out, positions.shape[1])
+        scale = storage.groups[place.group].scale
+        ops.convert_token_indices(out, positions, self.page_tables[place.group], self.capacity,
+                                  scale, place.pos, self.config.tokens_per_page)
+        return out
 
     def cells(self, layer: str, role: str) -> torch.Tensor:
         """The cells of a sparse buffer: uint8[max_rows*S/E, chunks, P, B/chunks]; the token with
@@ -360,7 +495,7 @@ class Batch:
         order = [resident[s] for s in state.recency[lease].tolist() if resident[s] != BAD]
         sp = state.spec.sparse
         h, c = int(self.history[row]), int(self.capacity[row])
-        s0 = max(h, ((c - sp.max_inflight_tokens) // sp.tokens_per_unit) * sp.tokens_per_unit)
+        s0 = sp.inflight_start(h, c)
         first, end = s0 // sp.tokens_per_unit, ceil_div(c, sp.tokens_per_unit)
         pinned = [u for u in order if s0 < c and first <= u < end]
         return {"lease": lease, "resident": order, "pinned": pinned}

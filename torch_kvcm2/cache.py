@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
 
 
+
 class KVCache:
     """The KV cache of one request.
 
@@ -33,6 +34,7 @@ class KVCache:
         self.history_length = 0
         self.state = ACTIVE
         self._pages: list[list[int]] = [[] for _ in manager.storage.groups]
+        self._flushed = 0  # SAFE-2: tokens below it are on their host pages
         self._batch: Optional["Batch"] = None
         self._row: Optional[int] = None
 
@@ -76,6 +78,16 @@ class KVCache:
             raise ValueError(f"REQ-2: history ({h}) cannot exceed capacity ({c})")
         if c > limit:
             raise ValueError(f"REQ-2: capacity ({c}) exceeds max_tokens_per_row ({limit})")
+        safe = self._host_written_through(c)
+        if h > self.history_length and h > safe:
+            raise ValueError(
+                f"SAFE-2: history ({h}) cannot pass what was flushed or written straight to host "
+                f"pages ({safe}); flush the in-flight tokens first")
+        inflight = self._max_inflight_tokens(h, c)
+        if inflight > self.manager.config.max_total_input_tokens:
+            raise ValueError(
+                f"CFG-3: an in-flight range of {inflight} tokens exceeds max_total_input_tokens "
+                f"({self.manager.config.max_total_input_tokens})")
 
         plans = [self._plan(group, c, h) for group in self.manager.storage.groups]
         taken: list[tuple] = []
@@ -95,6 +107,7 @@ class KVCache:
                 pages[p] = BAD
             del pages[keep:]
         self.capacity, self.history_length = c, h
+        self._flushed = min(self._flushed, c)  # tokens cut off by a shrink are gone
         self._mark_dirty()
         return True
 
@@ -110,6 +123,21 @@ class KVCache:
         need = [p for p in range(first_live, keep) if p >= len(pages) or pages[p] == BAD]
         drop = [p for p, s in enumerate(pages) if s != BAD and (p >= keep or p < first_live)]
         return keep, need, drop
+
+    def _host_written_through(self, capacity: int) -> int:
+        """How far history may advance with the given (new) capacity (SAFE-2): through what was
+        flushed, and through the start of every selection group's in-flight range (tokens
+        before it are written straight to host pages: the prefill path). Without sparse layers,
+        through capacity."""
+        groups = self.manager.config.selection_groups
+        if not groups:
+            return capacity
+        starts = [g.sparse.inflight_start(self.history_length, capacity) for g in groups]
+        return max(min(self._flushed, capacity), min(starts))
+
+    def _max_inflight_tokens(self, h: int, c: int) -> int:
+        return max((c - g.sparse.inflight_start(h, c) for g in self.manager.config.selection_groups),
+                   default=0)
 
     # ---- REQ-4 ----
     def suspend(self) -> None:

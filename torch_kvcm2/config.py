@@ -60,6 +60,12 @@ class SparseSpec:
     def max_inflight_units(self) -> int:
         return -(-self.max_inflight_tokens // self.tokens_per_unit) + 1
 
+    def inflight_start(self, history: int, capacity: int) -> int:
+        """s0 = max(h, floor((c - I) / U) * U): where a row's in-flight range starts (SPEC §2);
+        tokens in [h, s0) are written straight to host pages, [s0, c) into cells."""
+        U = self.tokens_per_unit
+        return max(history, (capacity - self.max_inflight_tokens) // U * U)
+
 
 @dataclass(frozen=True)
 class LayerSpec:

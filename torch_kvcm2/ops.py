@@ -82,8 +82,10 @@ def resolve(
     State ``resident``/``recency`` int32[num_leases, S]; ``selected`` and ``index_table``
     int32[R, K]; ``miss_list`` int32[>= R*(K + max_inflight_units), 4] and ``miss_count``
     int32[1] are overwritten with this call's misses; ``counters`` int64[3] (hits, misses,
-    invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
-    ``window`` is 0 for full attention.
+    invalid) accumulate; ``inflight_slots`` int32[R, ceil(I/U)+1] receives the slot of each
+    in-flight unit (column k: unit floor(s0/U) + k; BAD when none) for write_indices and flush;
+    ``history``/``capacity``/``lease`` int32[R] are the published tables. ``window`` is 0 for
+    full attention.
     """
     _ops.resolve(
         resident, recency, index_table, miss_list, miss_count, counters, selected, history,
@@ -108,6 +110,64 @@ def fetch(
     """
     _ops.fetch(list(cells), list(host_pages), list(page_tables), miss_list, miss_count, slots,
                tokens_per_unit)
+
+
+def locate_inflight(
+    inflight_slots: Tensor,
+    resident: Tensor,
+    history: Tensor,
+    capacity: Tensor,
+    lease: Tensor,
+    tokens_per_unit: int,
+    max_inflight_tokens: int,
+) -> None:
+    """After a resolve: ``inflight_slots[r, k]`` = the slot of the lease holding in-flight unit
+    ``floor(s0/U) + k`` of row r, BAD when none (or unseated). int32[R, ceil(I/U)+1]. Mutates
+    ``inflight_slots``; write_indices and flush read it."""
+    _ops.locate_inflight(inflight_slots, resident, history, capacity, lease, tokens_per_unit,
+                         max_inflight_tokens)
+
+
+def write_indices(
+    out: Tensor,
+    inflight_start: Tensor,
+    resident: Tensor,
+    inflight_slots: Tensor,
+    history: Tensor,
+    capacity: Tensor,
+    lease: Tensor,
+    tokens_per_unit: int,
+    max_inflight_tokens: int,
+) -> None:
+    """OP-WRITE: ``out[r, j]`` = the cell token index ``entry*U + t % U`` of in-flight token
+    ``t = s0 + j`` of row r (its cell is ``index // P``, its row in the cell ``index % P``), BAD
+    beyond the row's in-flight range, for holes and suspended rows, and where no slot holds the
+    unit. ``inflight_start[r]`` receives s0 (BAD for unseated rows). ``out`` int32[R, W] with
+    ``W >= I + U - 1``. Mutates ``out`` and ``inflight_start``.
+    """
+    _ops.write_indices(out, inflight_start, resident, inflight_slots, history, capacity, lease,
+                       tokens_per_unit, max_inflight_tokens)
+
+
+def flush(
+    host_pages: Sequence[Tensor],
+    cells: Sequence[Tensor],
+    resident: Sequence[Tensor],
+    inflight_slots: Sequence[Tensor],
+    page_table: Tensor,
+    new_history: Tensor,
+    history: Tensor,
+    capacity: Tensor,
+    lease: Tensor,
+    unit_params: Sequence[int],
+) -> None:
+    """OP-FLUSH for one sparse pool group: per seated row and buffer ``b``, writes the tokens of
+    ``[s0, min(new_history[r], capacity[r]))`` from their cells to their host pages (``s0`` from
+    the buffer's selection group: ``unit_params[3b:3b+3]`` = slots, tokens_per_unit,
+    max_inflight_tokens). Reads residency only. Mutates ``host_pages``.
+    """
+    _ops.flush(list(host_pages), list(cells), list(resident), list(inflight_slots), page_table,
+               new_history, history, capacity, lease, list(unit_params))
 
 
 def uva_view(host: Tensor) -> Tensor:
@@ -143,6 +203,23 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, selected,
 @torch.library.register_fake("torch_kvcm2::fetch")
 def _(cells, host_pages, page_tables, miss_list, miss_count, slots, tokens_per_unit):
     _check(len(cells) == len(host_pages) == len(page_tables), "fetch: one entry per buffer")
+
+
+@torch.library.register_fake("torch_kvcm2::locate_inflight")
+def _(inflight_slots, resident, history, capacity, lease, tokens_per_unit, max_inflight_tokens):
+    _check(inflight_slots.dim() == 2, "locate_inflight: inflight_slots must be 2-D")
+
+
+@torch.library.register_fake("torch_kvcm2::write_indices")
+def _(out, inflight_start, resident, inflight_slots, history, capacity, lease, tokens_per_unit,
+      max_inflight_tokens):
+    _check(out.shape[1] >= max_inflight_tokens + tokens_per_unit - 1, "write_indices: out is too narrow")
+
+
+@torch.library.register_fake("torch_kvcm2::flush")
+def _(host_pages, cells, resident, inflight_slots, page_table, new_history, history, capacity,
+      lease, unit_params):
+    _check(len(host_pages) == len(cells) == len(resident) == len(inflight_slots), "flush: one entry per buffer")
 
 
 @torch.library.register_fake("torch_kvcm2::uva_view")

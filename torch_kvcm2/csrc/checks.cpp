@@ -132,8 +132,8 @@ void check_fetch(const at::TensorList& cells, const at::TensorList& host_pages,
     TORCH_CHECK(cell.dim() == 4 && host.dim() == 4, op, ": buffer ", b,
                 ": cells and host_pages must be 4-D [n, chunks, tokens_per_page, bytes]");
     TORCH_CHECK(cell.is_contiguous(), op, ": buffer ", b, ": cells must be contiguous");
-    TORCH_CHECK(host.stride(3) == 1 && host.stride(2) == host.size(3) &&
-                    host.stride(1) == host.size(2) * host.size(3),
+    TORCH_CHECK(host.numel() == 0 || (host.stride(3) == 1 && host.stride(2) == host.size(3) &&
+                                      host.stride(1) == host.size(2) * host.size(3)),
                 op, ": buffer ", b, ": host_pages must be contiguous within a page");
     TORCH_CHECK(cell.sizes().slice(1) == host.sizes().slice(1), op, ": buffer ", b,
                 ": cells page layout ", cell.sizes(), " differs from host_pages ", host.sizes());
@@ -146,6 +146,109 @@ void check_fetch(const at::TensorList& cells, const at::TensorList& host_pages,
                 ": tokens_per_unit must divide tokens_per_page");
     TORCH_CHECK(slots % (tokens_per_page / tokens_per_unit) == 0, op,
                 ": slots must be a multiple of units per page");
+  }
+}
+
+void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& resident,
+                           const at::Tensor& history, const at::Tensor& capacity,
+                           const at::Tensor& lease, int64_t tokens_per_unit,
+                           int64_t max_inflight_tokens) {
+  const char* op = "locate_inflight";
+  check_int32_2d(inflight_slots, op, "inflight_slots");
+  check_int32_2d(resident, op, "resident");
+  const int64_t rows = inflight_slots.size(0);
+  check_int32_1d(history, rows, op, "history");
+  check_int32_1d(capacity, rows, op, "capacity");
+  check_int32_1d(lease, rows, op, "lease");
+  for (const at::Tensor* t : {&resident, &history, &capacity, &lease}) {
+    check_same_device(inflight_slots, *t, op, "every tensor");
+  }
+  TORCH_CHECK(tokens_per_unit > 0 && max_inflight_tokens > 0, op,
+              ": tokens_per_unit and max_inflight_tokens must be positive");
+  TORCH_CHECK(inflight_slots.size(1) == max_inflight_units(max_inflight_tokens, tokens_per_unit),
+              op, ": inflight_slots must have ", max_inflight_units(max_inflight_tokens, tokens_per_unit),
+              " columns, got ", inflight_slots.size(1));
+}
+
+void check_write_indices(const at::Tensor& out, const at::Tensor& inflight_start,
+                         const at::Tensor& resident, const at::Tensor& inflight_slots,
+                         const at::Tensor& history, const at::Tensor& capacity,
+                         const at::Tensor& lease, int64_t tokens_per_unit,
+                         int64_t max_inflight_tokens) {
+  const char* op = "write_indices";
+  check_int32_2d(out, op, "out");
+  check_int32_2d(resident, op, "resident");
+  check_int32_2d(inflight_slots, op, "inflight_slots");
+  const int64_t rows = out.size(0);
+  check_int32_1d(inflight_start, rows, op, "inflight_start");
+  check_int32_1d(history, rows, op, "history");
+  check_int32_1d(capacity, rows, op, "capacity");
+  check_int32_1d(lease, rows, op, "lease");
+  for (const at::Tensor* t : {&inflight_start, &resident, &inflight_slots, &history, &capacity,
+                              &lease}) {
+    check_same_device(out, *t, op, "every tensor");
+  }
+  TORCH_CHECK(tokens_per_unit > 0 && max_inflight_tokens > 0, op,
+              ": tokens_per_unit and max_inflight_tokens must be positive");
+  TORCH_CHECK(out.size(1) >= max_inflight_tokens + tokens_per_unit - 1, op, ": out is too narrow: ",
+              out.size(1), " columns, an in-flight range can hold ",
+              max_inflight_tokens + tokens_per_unit - 1, " tokens");
+  TORCH_CHECK(inflight_slots.size(0) == rows &&
+                  inflight_slots.size(1) == max_inflight_units(max_inflight_tokens, tokens_per_unit),
+              op, ": inflight_slots must have shape [", rows, ", ",
+              max_inflight_units(max_inflight_tokens, tokens_per_unit), "], got ",
+              inflight_slots.sizes());
+}
+
+void check_flush(const at::TensorList& host_pages, const at::TensorList& cells,
+                 const at::TensorList& resident, const at::TensorList& inflight_slots,
+                 const at::Tensor& page_table, const at::Tensor& new_history,
+                 const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
+                 at::IntArrayRef unit_params) {
+  const char* op = "flush";
+  check_int32_2d(page_table, op, "page_table");
+  const int64_t rows = page_table.size(0);
+  check_int32_1d(new_history, rows, op, "new_history");
+  check_int32_1d(history, rows, op, "history");
+  check_int32_1d(capacity, rows, op, "capacity");
+  check_int32_1d(lease, rows, op, "lease");
+  for (const at::Tensor* t : {&new_history, &history, &capacity, &lease}) {
+    check_same_device(page_table, *t, op, "every tensor");
+  }
+  const size_t n = host_pages.size();
+  TORCH_CHECK(cells.size() == n && resident.size() == n && inflight_slots.size() == n &&
+                  unit_params.size() == 3 * n,
+              op, ": host_pages, cells, resident, inflight_slots need one entry per buffer and "
+              "unit_params three ints per buffer");
+  for (size_t b = 0; b < n; ++b) {
+    const at::Tensor& cell = cells[b];
+    const at::Tensor& host = host_pages[b];
+    TORCH_CHECK(cell.scalar_type() == at::kByte && host.scalar_type() == at::kByte, op,
+                ": buffer ", b, ": cells and host_pages must be uint8");
+    TORCH_CHECK(cell.dim() == 4 && host.dim() == 4 && cell.is_contiguous() &&
+                    (host.numel() == 0 ||
+                     (host.stride(3) == 1 && host.stride(2) == host.size(3) &&
+                      host.stride(1) == host.size(2) * host.size(3))),
+                op, ": buffer ", b, ": cells must be contiguous and host_pages contiguous within a page");
+    TORCH_CHECK(cell.sizes().slice(1) == host.sizes().slice(1), op, ": buffer ", b,
+                ": cells page layout ", cell.sizes(), " differs from host_pages ", host.sizes());
+    check_int32_2d(resident[b], op, "resident[b]");
+    check_int32_2d(inflight_slots[b], op, "inflight_slots[b]");
+    for (const at::Tensor* t : {&cell, &host, &resident[b], &inflight_slots[b]}) {
+      check_same_device(page_table, *t, op, "every tensor");
+    }
+    const int64_t slots = unit_params[3 * b], unit = unit_params[3 * b + 1],
+                  inflight = unit_params[3 * b + 2];
+    TORCH_CHECK(slots == resident[b].size(1) && unit > 0 && inflight > 0 &&
+                    cell.size(2) % unit == 0 && slots % (cell.size(2) / unit) == 0,
+                op, ": buffer ", b, ": bad unit_params (slots ", slots, ", tokens_per_unit ", unit,
+                ", max_inflight_tokens ", inflight, ")");
+    TORCH_CHECK(inflight_slots[b].size(0) == rows &&
+                    inflight_slots[b].size(1) == max_inflight_units(inflight, unit),
+                op, ": buffer ", b, ": inflight_slots must have shape [", rows, ", ",
+                max_inflight_units(inflight, unit), "]");
+    TORCH_CHECK(cell.size(0) * (cell.size(2) / unit) >= resident[b].size(0) * slots, op,
+                ": buffer ", b, ": fewer cells than leases x slots");
   }
 }
 

@@ -51,8 +51,13 @@ struct RowRange {
   int64_t tokens_per_unit; // U
   int64_t first_live_unit; // units below it sit on pages released by the window (REQ-3)
 
+  // Lengths are device data: a negative history or a capacity below it (bad data) is read as
+  // h = max(h, 0), c = max(c, h), so no negative unit is ever in flight or selectable.
   KVCM2_HD RowRange(int64_t h, int64_t c, int64_t U, int64_t P, int64_t I, int64_t window)
-      : history(h), capacity(c), tokens_per_unit(U) {
+      : history(h > 0 ? h : 0), tokens_per_unit(U) {
+    h = history;
+    capacity = c > h ? c : h;
+    c = capacity;
     const int64_t s = floor_div(c - I, U) * U;
     inflight_start = s > h ? s : h;
     // A page p is released once it lies wholly before h - window: (p + 1) * P <= h - window.
@@ -101,5 +106,25 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
 void check_fetch(const at::TensorList& cells, const at::TensorList& host_pages,
                  const at::TensorList& page_tables, const at::Tensor& miss_list,
                  const at::Tensor& miss_count, int64_t slots, int64_t tokens_per_unit);
+
+// Per buffer of a flush: the resident table of its selection group (int32[num_leases, S]), its
+// cells, its host pages (mutated), and (slots, tokens_per_unit, max_inflight_tokens) in
+// unit_params[3*b .. 3*b+2].
+void check_flush(const at::TensorList& host_pages, const at::TensorList& cells,
+                 const at::TensorList& resident, const at::TensorList& inflight_slots,
+                 const at::Tensor& page_table, const at::Tensor& new_history,
+                 const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
+                 at::IntArrayRef unit_params);
+
+void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& resident,
+                           const at::Tensor& history, const at::Tensor& capacity,
+                           const at::Tensor& lease, int64_t tokens_per_unit,
+                           int64_t max_inflight_tokens);
+
+void check_write_indices(const at::Tensor& out, const at::Tensor& inflight_start,
+                         const at::Tensor& resident, const at::Tensor& inflight_slots,
+                         const at::Tensor& history, const at::Tensor& capacity,
+                         const at::Tensor& lease, int64_t tokens_per_unit,
+                         int64_t max_inflight_tokens);
 
 }  // namespace torch_kvcm2

@@ -31,6 +31,21 @@ TORCH_LIBRARY(torch_kvcm2, m) {
   m.def(
       "fetch(Tensor(a!)[] cells, Tensor[] host_pages, Tensor[] page_tables, Tensor miss_list, "
       "Tensor miss_count, int slots, int tokens_per_unit) -> ()");
+  // After resolve: the slot of each in-flight unit of every seated row (column k: unit
+  // floor(s0/U) + k), read by write_indices and flush so neither scans a lease's S slots.
+  m.def(
+      "locate_inflight(Tensor(a!) inflight_slots, Tensor resident, Tensor history, "
+      "Tensor capacity, Tensor lease, int tokens_per_unit, int max_inflight_tokens) -> ()");
+  // OP-WRITE: per row and in-flight token t = inflight_start + j, its token index in the cells.
+  m.def(
+      "write_indices(Tensor(a!) out, Tensor(b!) inflight_start, Tensor resident, "
+      "Tensor inflight_slots, Tensor history, Tensor capacity, Tensor lease, int tokens_per_unit, "
+      "int max_inflight_tokens) -> ()");
+  // OP-FLUSH: one sparse pool group; cells -> host pages for [s0, min(new_history, c)).
+  m.def(
+      "flush(Tensor(a!)[] host_pages, Tensor[] cells, Tensor[] resident, Tensor[] inflight_slots, "
+      "Tensor page_table, Tensor new_history, Tensor history, Tensor capacity, Tensor lease, "
+      "int[] unit_params) -> ()");
   // Setup only (CUDA builds): a CUDA tensor aliasing a CPU tensor's memory through the
   // device-mapped (UVA) address, registering the memory as pinned+mapped when it is not yet.
   m.def("uva_view(Tensor host) -> Tensor");

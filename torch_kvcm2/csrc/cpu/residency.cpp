@@ -21,8 +21,8 @@ void resolve_row(int32_t* res, int32_t* rec, int32_t* out, const int32_t* sel, i
                  int64_t S, int64_t lease, int64_t row, const RowRange& range, int32_t* miss_list,
                  int32_t* count, GroupCounters& counters) {
   // Step 0: drop resident units that are no longer selectable.
-  for (int64_t s = 0; s < S; ++s)
-    if (res[s] >= 0 && !range.selectable(res[s])) res[s] = BAD;
+  for (int64_t s = 0; s < S; ++s)  // (a negative unit other than BAD is bad data: dropped too)
+    if (res[s] != BAD && !range.selectable(res[s])) res[s] = BAD;
 
   std::unordered_map<int64_t, int64_t> slot_of;  // unit -> slot, after this call's admissions
   for (int64_t s = 0; s < S; ++s)

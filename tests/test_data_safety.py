@@ -1,0 +1,292 @@
+"""SAFE-1..4 and RES-1..4 over long random runs of the whole Batch API.
+
+A model writes deterministic bytes per (layer, buffer, token). Thousands of steps of random
+prefill, decode, speculative rejection, suspend, resume, join, leave and move run the documented
+step order; every step every selected token is read back from its cell and compared, resolve is
+compared with the independent reference model, and RES-1/RES-2 are checked; every few steps and
+at the end every token of history is read back from its host page.
+
+``KVCM2_SAFETY_STEPS`` sets the number of steps (default 600 here; the GPU script runs more).
+"""
+import os
+import random
+
+import pytest
+import torch
+
+import reference
+import torch_kvcm2 as kv
+from torch_kvcm2 import BAD
+
+STEPS = int(os.environ.get("KVCM2_SAFETY_STEPS", "600"))
+P = 4
+MAX_ROWS = 4
+
+
+def make_config(device):
+    # group "a": two layers, 2-token units, mixed chunking; group of layer "b": 1-token units
+    a = kv.SparseSpec(tokens_per_unit=2, width=4, slots=8, max_inflight_tokens=3, selection_id="a")
+    b = kv.SparseSpec(tokens_per_unit=1, width=3, slots=8, max_inflight_tokens=2)
+    layers = [
+        kv.LayerSpec("a0", [kv.BufferSpec("kv", 6, sparse=True, chunks=2), kv.BufferSpec("idx", 4)],
+                     sparse=a),
+        kv.LayerSpec("a1", [kv.BufferSpec("kv", 6, sparse=True, chunks=2),
+                            kv.BufferSpec("rope", 4, sparse=True),
+                            kv.BufferSpec("none", 0, sparse=True)], sparse=a),
+        kv.LayerSpec("b", [kv.BufferSpec("kv", 6, sparse=True, chunks=1)], sparse=b),
+        kv.LayerSpec("dense", [kv.BufferSpec("k", 8)]),
+    ]
+    return kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=MAX_ROWS, max_tokens_per_row=96,
+                          gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device)
+
+
+def token_bytes(key: int, positions: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The bytes the model writes for tokens at ``positions`` of buffer ``key``: [n, nbytes]."""
+    t = positions.long().cpu()[:, None]
+    return ((t * 131 + key * 29 + torch.arange(nbytes) * 7) % 256).to(torch.uint8)
+
+
+class Model:
+    """Drives a batch the way a serving engine would and checks every byte it can see."""
+
+    def __init__(self, device, seed):
+        self.device = device
+        self.rng = random.Random(seed)
+        self.config = make_config(device)
+        self.manager = kv.KVCacheManager(self.config)
+        self.batch = kv.Batch(self.manager)
+        self.buffers = []  # (layer, role, key, group index, bytes_per_token)
+        for group in self.config.selection_groups:
+            for layer in group.layers:
+                for buf in self.config.layer(layer).sparse_buffers:
+                    if buf.bytes_per_token:
+                        self.buffers.append((layer, buf.role, len(self.buffers), group.index,
+                                             buf.bytes_per_token))
+        self.caches = []
+        self.checked_tokens = 0
+
+    # ---- host-side actions ----
+    def membership(self):
+        rng, batch = self.rng, self.batch
+        action = rng.random()
+        members = batch.members()
+        if action < 0.15 and len(members) < MAX_ROWS:
+            cache = self.manager.create_cache()
+            self.caches.append(cache)
+            free = [r for r in range(MAX_ROWS) if r not in members]
+            batch.add(cache, row=rng.choice(free) if rng.random() < 0.5 else None)
+        elif action < 0.22 and members:
+            cache = rng.choice(list(members.values()))
+            self.check_host(cache)
+            cache.close()
+            self.caches.remove(cache)
+        elif action < 0.30 and members and len(members) < MAX_ROWS:
+            cache = rng.choice(list(members.values()))
+            batch.move(cache, rng.choice([r for r in range(MAX_ROWS) if r not in members]))
+        elif action < 0.36 and members:
+            cache = rng.choice(list(members.values()))
+            if cache.suspended:
+                cache.resume()
+            elif cache.history_length == cache.capacity:
+                cache.suspend()
+
+    def grow(self):
+        for cache in self.batch.members().values():
+            if cache.suspended:
+                continue
+            h = cache.history_length
+            if self.rng.random() < 0.15:
+                n = self.rng.randint(1, 24)  # a prefill chunk: mostly straight to host pages
+            else:
+                n = self.rng.randint(0, 3)  # decode (or speculative) tokens, sometimes none
+            n = min(n, self.config.max_tokens_per_row - h)
+            if not cache.resize(capacity=h + n):
+                assert cache.capacity == h  # a failed resize changes nothing
+
+    # ---- the step ----
+    def select(self, group):
+        sp = group.sparse
+        selected = torch.full((MAX_ROWS, sp.width), -1, dtype=torch.int32)
+        for row, cache in self.batch.members().items():
+            h, c = cache.history_length, cache.capacity
+            s0 = sp.inflight_start(h, c)
+            units = list(range(h // sp.tokens_per_unit))
+            units += list(range(s0 // sp.tokens_per_unit, -(-c // sp.tokens_per_unit))) if s0 < c else []
+            for j in range(sp.width):
+                roll = self.rng.random()
+                if roll < 0.1:
+                    selected[row, j] = -1 - self.rng.randint(0, 5)  # padding
+                elif roll < 0.15:
+                    selected[row, j] = self.rng.randint(-(-c // sp.tokens_per_unit), 10 ** 6)  # invalid
+                elif roll < 0.25 and j:
+                    selected[row, j] = selected[row, j - 1]  # duplicate
+                elif units:
+                    recent = units[-6:] if self.rng.random() < 0.6 else units
+                    selected[row, j] = self.rng.choice(recent)  # locality makes hits
+        return selected.to(self.device)
+
+    def resolve_and_check(self, group, selected):
+        batch = self.batch
+        state = batch.groups[group.index]
+        sp = group.sparse
+        before = reference.state_from_tensors(state.resident, state.recency, state.counters)
+        index = batch.resolve(group.index, selected)
+        expected_index, expected_misses, _ = reference.resolve(
+            before, selected.tolist(), batch.history.tolist(), batch.capacity.tolist(),
+            batch.lease.tolist(), sp.tokens_per_unit, P, sp.max_inflight_tokens, group.window or 0)
+        assert index.tolist() == expected_index
+        n = int(state.miss_count)
+        assert sorted(map(tuple, state.miss_list[:n].tolist())) == sorted(expected_misses)
+        assert state.resident.tolist() == before.resident
+        assert state.recency.tolist() == before.recency
+        assert state.counters.tolist() == before.counters
+        reference.check_res1(before)
+        reference.check_res2(before, batch.history.tolist(), batch.capacity.tolist(),
+                             batch.lease.tolist(), sp.tokens_per_unit, P, sp.max_inflight_tokens)
+        return index
+
+    def write(self, group_index):
+        """The model writes its new tokens: [h, s0) to host pages, [s0, c) into cells."""
+        batch = self.batch
+        table, start = batch.write_indices(group_index)
+        table, start = table.cpu(), start.cpu()
+        width = max(1, max((c.capacity - c.history_length for c in batch.members().values()), default=1))
+        positions = torch.full((MAX_ROWS, width), -1, dtype=torch.int32)
+        for row, cache in batch.members().items():
+            if cache.suspended:
+                continue
+            h, s0 = cache.history_length, int(start[row])
+            positions[row, :s0 - h] = torch.arange(h, s0, dtype=torch.int32)
+        positions = positions.to(self.device)
+        for layer, role, key, group, nbytes in self.buffers:
+            if group != group_index:
+                continue
+            host = batch.host_token_indices(layer, role, positions).cpu()
+            ok = host >= 0
+            view = self.manager.storage.view(layer, role)
+            idx = host[ok].long()
+            data = token_bytes(key, positions.cpu()[ok], nbytes).view(len(idx), *view.shape[1::2])
+            view[(idx // P).to(self.device), :, (idx % P).to(self.device)] = data.to(self.device)
+            cells = batch.cells(layer, role)
+            tokens = start[:, None] + torch.arange(table.shape[1])
+            ok = table >= 0
+            idx = table[ok].long()
+            data = token_bytes(key, tokens[ok], nbytes).view(len(idx), *cells.shape[1::2])
+            cells[(idx // P).to(self.device), :, (idx % P).to(self.device)] = data.to(self.device)
+
+    def check_cells(self, group, selected, index):
+        """Every written token of every selected unit reads back from its cell (RES-3)."""
+        U = group.sparse.tokens_per_unit
+        selected, index = selected.cpu(), index.cpu()
+        capacity = self.batch.capacity.cpu()
+        ok = index >= 0
+        rows = torch.arange(MAX_ROWS)[:, None].expand_as(index)[ok]
+        units, entries = selected[ok].long(), index[ok].long()
+        for offset in range(U):
+            tokens = units * U + offset
+            written = tokens < capacity[rows]
+            if not written.any():
+                continue
+            t, idx = tokens[written], entries[written] * U + offset
+            for layer, role, key, g, nbytes in self.buffers:
+                if g != group.index:
+                    continue
+                cells = self.batch.cells(layer, role).cpu()
+                got = cells[idx // P, :, idx % P].reshape(len(idx), nbytes)
+                assert torch.equal(got, token_bytes(key, t, nbytes)), (layer, role)
+                self.checked_tokens += len(idx)
+
+    def check_host(self, cache):
+        """Every token of history reads back from its host page (SAFE-1)."""
+        storage = self.manager.storage
+        t = torch.arange(cache.history_length)
+        for layer, role, key, _, nbytes in self.buffers:
+            pages = torch.tensor(cache.pages(storage.place(layer, role).group), dtype=torch.long)
+            host = storage.slot_pages(layer, role, device_side=False)
+            got = host[pages[t // P], :, t % P].reshape(len(t), nbytes)
+            assert torch.equal(got, token_bytes(key, t, nbytes)), (cache, layer, role)
+
+    def step(self, number):
+        self.membership()
+        self.grow()
+        self.batch.publish()
+        for group in self.config.selection_groups:
+            selected = self.select(group)
+            index = self.resolve_and_check(group, selected)
+            for layer in group.layers:
+                self.batch.fetch(layer)
+            self.write(group.index)
+            self.check_cells(group, selected, index)
+        reject = self.rng.random() < 0.1
+        new_history = self.batch.capacity.tolist()
+        members = self.batch.members()
+        if reject:  # speculative tokens rejected: keep only part of each row's new tokens
+            for row, cache in members.items():
+                new_history[row] = self.rng.randint(cache.history_length, cache.capacity)
+        self.batch.flush(new_history if reject else None)
+        for row, cache in members.items():
+            if cache.suspended:
+                continue
+            target = int(new_history[row])
+            assert cache.resize(history=target)
+            assert cache.resize(capacity=target)  # rejected tokens are dropped
+        if number % 50 == 0:
+            for cache in self.batch.members().values():
+                self.check_host(cache)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_runs_lose_no_kv_and_keep_every_invariant(device, seed):
+    """SAFE-1..4, RES-1..4, OP-RESOLVE against the reference, OP-FETCH/OP-WRITE/OP-FLUSH bytes."""
+    model = Model(device, seed)
+    for number in range(STEPS):
+        model.step(number)
+    for cache in model.caches:
+        model.check_host(cache)
+    assert model.checked_tokens > 1000
+    hits, misses, invalid = model.batch.hit_miss(0).tolist()
+    assert hits and misses and invalid
+
+
+def test_history_cannot_advance_past_an_unflushed_in_flight_token():
+    """SAFE-2 at batch level: without flush, history stops at the in-flight start."""
+    model = Model("cpu", 3)
+    cache = model.manager.create_cache()
+    model.batch.add(cache)
+    assert cache.resize(capacity=10)  # group a: s0 = 6 (I = 3, U = 2); group b: s0 = 8
+    model.batch.publish()
+    with pytest.raises(ValueError, match="SAFE-2"):
+        cache.resize(history=7)
+    assert cache.resize(history=6)
+    model.batch.publish()
+    model.batch.flush()
+    assert cache.resize(history=10)
+
+
+def test_flush_writes_back_only_the_published_in_flight_range():
+    """OP-FLUSH: units outside [max(h, s0), min(new_history, c)) are not written back; flush
+    leaves resident and recency bit-identical; a resumed request flushes nothing."""
+    model = Model("cpu", 4)
+    batch, storage = model.batch, model.manager.storage
+    cache = model.manager.create_cache()
+    batch.add(cache)
+    assert cache.resize(capacity=9)  # group b (U=1, I=2): s0 = 7, in flight 7, 8
+    batch.publish()
+    for group in model.config.selection_groups:
+        batch.resolve(group.index, torch.full((MAX_ROWS, group.sparse.width), -1, dtype=torch.int32))
+    cells = batch.cells("b", "kv")
+    cells.fill_(0xAB)
+    host = storage.slot_pages("b", "kv", device_side=False)
+    host.fill_(0)
+    state = batch.group("b")
+    resident, recency = state.resident.clone(), state.recency.clone()
+    new_history = [8, 0, 0, 0]  # token 8 stays in flight
+    batch.flush(new_history)
+    assert torch.equal(state.resident, resident) and torch.equal(state.recency, recency)
+    slot = cache.pages(storage.place("b", "kv").group)[1]  # tokens 4..7
+    written = (host != 0).any(dim=-1).any(dim=1)  # [slot, token]
+    assert written.nonzero().tolist() == [[slot, 3]]  # token 7 only
+    assert bool((host[slot, :, 3] == 0xAB).all())
+    with pytest.raises(ValueError, match=r"SAFE-2: history \(9\) cannot pass .* \(8\)"):
+        cache.resize(history=9)
+    assert cache.resize(history=8)
