@@ -230,3 +230,29 @@ def test_inspect_reports_recency_order_and_pinned_units(manager):
     assert info["resident"] == [3, 1, 8, 9]  # misses, then pinned
     assert info["pinned"] == [8, 9]
     assert batch.inspect(0, 1) == {"lease": None, "resident": [], "pinned": []}
+
+
+@pytest.mark.cuda
+def test_host_side_calls_refuse_to_run_during_stream_capture():
+    """BAT-4, SAFE-3: publish, membership changes and resize raise while the stream captures."""
+    manager = kv.KVCacheManager(dsa_config("cuda"))
+    batch = kv.Batch(manager)
+    cache = cache_with(manager, 8)
+    stranger = cache_with(manager, 4)
+    batch.add(cache)
+    batch.publish()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    calls = [batch.publish, lambda: batch.add(stranger), lambda: batch.remove(cache),
+             lambda: batch.move(cache, 2), lambda: cache.resize(capacity=9), cache.suspend,
+             cache.close, lambda: kv.Batch(manager, max_rows=1)]
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            for call in calls:
+                with pytest.raises(RuntimeError, match="during CUDA stream capture"):
+                    call()
+        finally:
+            graph.capture_end()
+    assert batch.row_of(cache) == 0 and cache.capacity == 8 and not cache.closed
+    assert batch.published

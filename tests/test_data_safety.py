@@ -6,7 +6,7 @@ step order; every step every selected token is read back from its cell and compa
 compared with the independent reference model, and RES-1/RES-2 are checked; every few steps and
 at the end every token of history is read back from its host page.
 
-``KVCM2_SAFETY_STEPS`` sets the number of steps (default 600 here; the GPU script runs more).
+``KVCM2_SAFETY_STEPS`` sets the number of steps per seed (default 1000; the GPU script sets it).
 """
 import os
 import random
@@ -18,12 +18,12 @@ import reference
 import torch_kvcm2 as kv
 from torch_kvcm2 import BAD
 
-STEPS = int(os.environ.get("KVCM2_SAFETY_STEPS", "600"))
+STEPS = int(os.environ.get("KVCM2_SAFETY_STEPS", "1000"))
 P = 4
 MAX_ROWS = 4
 
 
-def make_config(device):
+def make_config(device, max_total_input_tokens=None):
     # group "a": two layers, 2-token units, mixed chunking; group of layer "b": 1-token units
     a = kv.SparseSpec(tokens_per_unit=2, width=4, slots=8, max_inflight_tokens=3, selection_id="a")
     b = kv.SparseSpec(tokens_per_unit=1, width=3, slots=8, max_inflight_tokens=2)
@@ -37,7 +37,8 @@ def make_config(device):
         kv.LayerSpec("dense", [kv.BufferSpec("k", 8)]),
     ]
     return kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=MAX_ROWS, max_tokens_per_row=96,
-                          gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device)
+                          gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device,
+                          max_total_input_tokens=max_total_input_tokens)
 
 
 def token_bytes(key: int, positions: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -49,10 +50,10 @@ def token_bytes(key: int, positions: torch.Tensor, nbytes: int) -> torch.Tensor:
 class Model:
     """Drives a batch the way a serving engine would and checks every byte it can see."""
 
-    def __init__(self, device, seed):
+    def __init__(self, device, seed, max_total_input_tokens=None):
         self.device = device
         self.rng = random.Random(seed)
-        self.config = make_config(device)
+        self.config = make_config(device, max_total_input_tokens)
         self.manager = kv.KVCacheManager(self.config)
         self.batch = kv.Batch(self.manager)
         self.buffers = []  # (layer, role, key, group index, bytes_per_token)
@@ -290,3 +291,63 @@ def test_flush_writes_back_only_the_published_in_flight_range():
     with pytest.raises(ValueError, match=r"SAFE-2: history \(9\) cannot pass .* \(8\)"):
         cache.resize(history=9)
     assert cache.resize(history=8)
+
+
+def resolve_all(model):
+    for group in model.config.selection_groups:
+        empty = torch.full((MAX_ROWS, group.sparse.width), -1, dtype=torch.int32)
+        model.batch.resolve(group.index, empty.to(model.device))
+
+
+def host_bytes(model):
+    return [model.manager.storage.slot_pages(layer, role, device_side=False).clone()
+            for layer, role, *_ in model.buffers]
+
+
+def test_prefilled_and_resumed_requests_flush_nothing_below_the_in_flight_range():
+    """OP-FLUSH: tokens below s0 were written straight to host pages by the caller, so a
+    prefilled request flushes only [s0, c) and a resumed one (nothing in flight) nothing."""
+    model = Model("cpu", 5)
+    batch = model.batch
+    prefilled, resumed = model.manager.create_cache(), model.manager.create_cache()
+    batch.add(prefilled)
+    batch.add(resumed)
+    assert resumed.resize(capacity=12) and resumed.resize(history=8)  # s0 >= 8 in both groups
+    resumed.resize(capacity=8)
+    resumed.suspend()
+    resumed.resume()
+    assert prefilled.resize(capacity=20)  # group a: s0 = 16; group b: s0 = 18
+    batch.publish()
+    resolve_all(model)
+    for layer, role, *_ in model.buffers:
+        batch.cells(layer, role).fill_(0xAB)
+    before = host_bytes(model)
+    batch.flush()
+    after = host_bytes(model)
+    for (layer, role, _, group, _), old, new in zip(model.buffers, before, after):
+        s0 = model.config.selection_groups[group].sparse.inflight_start(0, 20)
+        changed = sorted({(s, t) for s, _, t in (old != new).any(dim=-1).nonzero().tolist()})
+        pages = prefilled.pages(model.manager.storage.place(layer, role).group)
+        assert changed == [(pages[t // P], t % P) for t in range(s0, 20)], (layer, role)
+
+
+def test_an_over_wide_flush_raises_and_changes_nothing():
+    """OP-FLUSH: in-flight tokens over all rows beyond max_total_input_tokens raise before any
+    work; host pages and watermarks stay as they were."""
+    model = Model("cpu", 6, max_total_input_tokens=3)
+    batch = model.batch
+    caches = [model.manager.create_cache() for _ in range(2)]
+    for cache in caches:
+        batch.add(cache)
+        assert cache.resize(capacity=2)  # 2 in-flight tokens each (group b), 4 in all
+    batch.publish()
+    resolve_all(model)
+    for layer, role, *_ in model.buffers:
+        batch.cells(layer, role).fill_(0xAB)
+    before = host_bytes(model)
+    with pytest.raises(ValueError, match="4 in-flight tokens exceed max_total_input_tokens"):
+        batch.flush()
+    assert all(torch.equal(a, b) for a, b in zip(before, host_bytes(model)))
+    assert [c._flushed for c in caches] == [0, 0]
+    with pytest.raises(ValueError, match="SAFE-2"):
+        caches[0].resize(history=2)
