@@ -394,3 +394,153 @@ def tensor_bytes(t) -> bytes:
 
 def state_from_tensors(resident, recency, counters) -> ResidencyState:
     return ResidencyState(resident.tolist(), recency.tolist(), counters.tolist())
+
+
+# --------------------------------------------------------------------------------------------
+# OP-WRITE / OP-FLUSH: in-flight slots, write indices, write-back
+# --------------------------------------------------------------------------------------------
+#
+# Written from SPEC.md §2 (in-flight range s0, BAD), §8 OP-WRITE / OP-FLUSH, §9 SAFE and
+# docs/DESIGN.md "Writes, write-back and the prefill path". In-flight unit k of a row is unit
+# floor(s0/U) + k; its slot is recorded by `locate_inflight` in column k of `inflight_slots`
+# (int32[R, ceil(I/U) + 1]) and confirmed against `resident` by write_indices and flush.
+
+
+def max_inflight_units(I: int, U: int) -> int:
+    """Columns of ``inflight_slots``: the most units an in-flight range can overlap (CFG-3)."""
+    return ceil_div(I, U) + 1
+
+
+def _row_range(h: int, c: int, U: int, I: int) -> RowRange:
+    # P only matters for windows (not used by the write-back ops): any multiple of U will do.
+    return RowRange(h, c, U, U, I, 0)
+
+
+def _confirmed_slot(resident_row, slot: int, unit: int) -> bool:
+    """A recorded slot is used only when it is in range and really holds ``unit``."""
+    return 0 <= slot < len(resident_row) and resident_row[slot] == unit
+
+
+def locate_inflight(resident, history, capacity, lease, U, I):
+    """``inflight_slots[r][k]`` = the slot of lease ``lease[r]`` holding in-flight unit
+    ``floor(s0/U) + k`` of row r, BAD when that unit is not in flight or not resident; a whole
+    BAD row for unseated rows (lease outside ``[0, len(resident))``).
+
+    ``resident`` is a list of per-lease lists of S unit ordinals. When a unit is held by several
+    slots (bad data breaking RES-1) this model answers the lowest one; tests compare only cases
+    without duplicates."""
+    width = max_inflight_units(I, U)
+    out = []
+    for r, ell in enumerate(lease):
+        if not (0 <= ell < len(resident)):
+            out.append([BAD] * width)
+            continue
+        rng = _row_range(history[r], capacity[r], U, I)
+        held = resident[ell]
+        first = rng.s0 // U
+        line = []
+        for k in range(width):
+            u = first + k
+            if rng.in_flight(u) and u in held:
+                line.append(held.index(u))
+            else:
+                line.append(BAD)
+        out.append(line)
+    return out
+
+
+def write_indices(resident, inflight_slots, history, capacity, lease, U, I, width):
+    """OP-WRITE. Returns ``(out, inflight_start)``: ``out`` R rows of ``width`` ints, column j
+    the cell token index ``(l*S + slot)*U + t % U`` of token ``t = s0 + j`` when ``t < c`` and
+    the recorded slot of its unit (column ``t//U - floor(s0/U)`` of ``inflight_slots``) is in
+    range and holds that unit; BAD otherwise. ``inflight_start[r]`` = s0 (with the bad-length
+    clamp), BAD for unseated rows (whose ``out`` rows are all BAD)."""
+    out, start = [], []
+    for r, ell in enumerate(lease):
+        if not (0 <= ell < len(resident)):
+            out.append([BAD] * width)
+            start.append(BAD)
+            continue
+        rng = _row_range(history[r], capacity[r], U, I)
+        S = len(resident[ell])
+        s0, c = rng.s0, rng.c
+        start.append(s0)
+        first = s0 // U
+        line = []
+        for j in range(width):
+            t = s0 + j
+            if t >= c:
+                line.append(BAD)
+                continue
+            k = t // U - first
+            slot = inflight_slots[r][k] if k < len(inflight_slots[r]) else BAD
+            if not _confirmed_slot(resident[ell], slot, t // U):
+                line.append(BAD)
+                continue
+            line.append(_as_int32_or_bad((ell * S + slot) * U + t % U))
+        out.append(line)
+    return out, start
+
+
+def flush(host_pages, cells, resident, inflight_slots, page_table, new_history, history, capacity,
+          lease, unit_params):
+    """OP-FLUSH for one sparse pool group, on plain data. Per buffer ``b``:
+
+    * ``host_pages[b]``: a CellList of host pages indexed by host slot id (each a list of
+      ``chunks`` bytearrays of ``P*bpc`` bytes); mutated;
+    * ``cells[b]``: a CellList of cells, same layout (read only);
+    * ``resident[b]`` per-lease lists of S ordinals, ``inflight_slots[b]`` per-row lists;
+    * ``unit_params[3b:3b+3]`` = (S, U, I).
+
+    ``page_table`` (rows of host slot ids), ``new_history``, ``history``, ``capacity`` and
+    ``lease`` are shared. Per seated row (lease in ``[0, len(resident[b]))``) with
+    ``lo = s0`` (the buffer's U, I) and ``hi = min(new_history, c)``, every unit u with
+    ``floor(lo/U) <= u`` and ``u*U < hi`` whose recorded slot is confirmed against
+    ``resident[b]`` and whose page ``page_table[r][u // E]`` exists, is not BAD and is below the
+    number of host slots has exactly its tokens ``[max(lo, uU), min(hi, (u+1)U))`` copied, chunk
+    by chunk, from cell entry ``l*S + slot`` to the host page (token row ``t % P``). Nothing else
+    is written. Returns the list of ``(b, r, u, host_slot, first_token, end_token)`` copies made.
+    """
+    copies = []
+    for b in range(len(host_pages)):
+        S, U, I = unit_params[3 * b:3 * b + 3]
+        pages, cell_list = host_pages[b], cells[b]
+        P = cell_list.tokens_per_page
+        E = P // U
+        chunks = len(cell_list[0]) if cell_list else 0
+        chunk_bytes = len(cell_list[0][0]) if chunks else 0
+        if chunk_bytes == 0:
+            continue  # zero-size buffer (CFG-6): nothing to copy
+        bpc = chunk_bytes // P
+        for r, ell in enumerate(lease):
+            if not (0 <= ell < len(resident[b])):
+                continue
+            rng = _row_range(history[r], capacity[r], U, I)
+            lo, hi = rng.s0, min(new_history[r], rng.c)
+            if lo >= hi:
+                continue
+            first = lo // U
+            u = first
+            while u * U < hi:
+                k = u - first
+                slot = inflight_slots[b][r][k] if k < len(inflight_slots[b][r]) else BAD
+                page = u // E
+                table_row = page_table[r]
+                if (_confirmed_slot(resident[b][ell], slot, u) and page < len(table_row)
+                        and 0 <= table_row[page] < len(pages)):
+                    host = table_row[page]
+                    entry = ell * S + slot
+                    cell_idx, piece = divmod(entry, E)
+                    if cell_idx < len(cell_list):
+                        t0, t1 = max(lo, u * U), min(hi, (u + 1) * U)
+                        for ch in range(chunks):
+                            src = cell_list[cell_idx][ch]
+                            dst = pages[host][ch]
+                            for t in range(t0, t1):
+                                row = piece * U + (t - u * U)
+                                dst_row = t % P
+                                dst[dst_row * bpc:(dst_row + 1) * bpc] = \
+                                    src[row * bpc:(row + 1) * bpc]
+                        copies.append((b, r, u, host, t0, t1))
+                u += 1
+    return copies

@@ -82,10 +82,9 @@ def resolve(
     State ``resident``/``recency`` int32[num_leases, S]; ``selected`` and ``index_table``
     int32[R, K]; ``miss_list`` int32[>= R*(K + max_inflight_units), 4] and ``miss_count``
     int32[1] are overwritten with this call's misses; ``counters`` int64[3] (hits, misses,
-    invalid) accumulate; ``inflight_slots`` int32[R, ceil(I/U)+1] receives the slot of each
-    in-flight unit (column k: unit floor(s0/U) + k; BAD when none) for write_indices and flush;
-    ``history``/``capacity``/``lease`` int32[R] are the published tables. ``window`` is 0 for
-    full attention.
+    invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
+    ``window`` is 0 for full attention. Follow it with ``locate_inflight`` before write_indices
+    or flush (``Batch.resolve`` does).
     """
     _ops.resolve(
         resident, recency, index_table, miss_list, miss_count, counters, selected, history,
