@@ -25,6 +25,36 @@ void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,
               a.device());
 }
 
+// The published per-row tables every per-step op reads: int32[rows], on `like`'s device.
+void check_lengths(const at::Tensor& like, int64_t rows, const at::Tensor& history,
+                   const at::Tensor& capacity, const at::Tensor& lease, const char* op) {
+  check_int32_1d(history, rows, op, "history");
+  check_int32_1d(capacity, rows, op, "capacity");
+  check_int32_1d(lease, rows, op, "lease");
+  for (const at::Tensor* t : {&history, &capacity, &lease}) {
+    check_same_device(like, *t, op, "history, capacity and lease");
+  }
+}
+
+// One buffer's cells and host pages: uint8 [n, chunks, P, bytes/chunks] with the same page
+// layout, cells contiguous, host pages contiguous within a page (a zero-size buffer has any
+// strides), both on `like`'s device.
+void check_cells_and_host(const at::Tensor& cell, const at::Tensor& host, const at::Tensor& like,
+                          size_t b, const char* op) {
+  TORCH_CHECK(cell.scalar_type() == at::kByte && host.scalar_type() == at::kByte, op,
+              ": buffer ", b, ": cells and host_pages must be uint8");
+  TORCH_CHECK(cell.dim() == 4 && host.dim() == 4, op, ": buffer ", b,
+              ": cells and host_pages must be 4-D [n, chunks, tokens_per_page, bytes]");
+  TORCH_CHECK(cell.is_contiguous(), op, ": buffer ", b, ": cells must be contiguous");
+  TORCH_CHECK(host.numel() == 0 || (host.stride(3) == 1 && host.stride(2) == host.size(3) &&
+                                    host.stride(1) == host.size(2) * host.size(3)),
+              op, ": buffer ", b, ": host_pages must be contiguous within a page");
+  TORCH_CHECK(cell.sizes().slice(1) == host.sizes().slice(1), op, ": buffer ", b,
+              ": cells page layout ", cell.sizes(), " differs from host_pages ", host.sizes());
+  check_same_device(like, cell, op, "cells");
+  check_same_device(like, host, op, "host_pages");
+}
+
 }  // namespace
 
 void check_convert_page_indices(const at::Tensor& out, const at::Tensor& page_table,
@@ -81,14 +111,12 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
   check_int32_2d(selected, op, "selected");
   const int64_t rows = selected.size(0);
   check_int32_1d(miss_count, 1, op, "miss_count");
-  check_int32_1d(history, rows, op, "history");
-  check_int32_1d(capacity, rows, op, "capacity");
-  check_int32_1d(lease, rows, op, "lease");
+  check_lengths(resident, rows, history, capacity, lease, op);
   TORCH_CHECK(counters.scalar_type() == at::kLong && counters.dim() == 1 &&
                   counters.size(0) == kNumCounters && counters.is_contiguous(),
               op, ": counters must be a contiguous int64 tensor of shape [", kNumCounters, "]");
   for (const at::Tensor* t : {&recency, &index_table, &miss_list, &miss_count, &counters,
-                              &selected, &history, &capacity, &lease}) {
+                              &selected}) {
     check_same_device(resident, *t, op, "every tensor");
   }
   TORCH_CHECK(recency.sizes() == resident.sizes(), op, ": recency has shape ", recency.sizes(),
@@ -126,19 +154,7 @@ void check_fetch(const at::TensorList& cells, const at::TensorList& host_pages,
   TORCH_CHECK(slots > 0 && tokens_per_unit > 0, op, ": slots and tokens_per_unit must be positive");
   for (size_t b = 0; b < cells.size(); ++b) {
     const at::Tensor& cell = cells[b];
-    const at::Tensor& host = host_pages[b];
-    TORCH_CHECK(cell.scalar_type() == at::kByte && host.scalar_type() == at::kByte, op,
-                ": buffer ", b, ": cells and host_pages must be uint8");
-    TORCH_CHECK(cell.dim() == 4 && host.dim() == 4, op, ": buffer ", b,
-                ": cells and host_pages must be 4-D [n, chunks, tokens_per_page, bytes]");
-    TORCH_CHECK(cell.is_contiguous(), op, ": buffer ", b, ": cells must be contiguous");
-    TORCH_CHECK(host.numel() == 0 || (host.stride(3) == 1 && host.stride(2) == host.size(3) &&
-                                      host.stride(1) == host.size(2) * host.size(3)),
-                op, ": buffer ", b, ": host_pages must be contiguous within a page");
-    TORCH_CHECK(cell.sizes().slice(1) == host.sizes().slice(1), op, ": buffer ", b,
-                ": cells page layout ", cell.sizes(), " differs from host_pages ", host.sizes());
-    check_same_device(miss_list, cell, op, "cells");
-    check_same_device(miss_list, host, op, "host_pages");
+    check_cells_and_host(cell, host_pages[b], miss_list, b, op);
     check_same_device(miss_list, page_tables[b], op, "page_tables");
     check_int32_2d(page_tables[b], op, "page_tables[b]");
     const int64_t tokens_per_page = cell.size(2);
@@ -157,12 +173,8 @@ void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& r
   check_int32_2d(inflight_slots, op, "inflight_slots");
   check_int32_2d(resident, op, "resident");
   const int64_t rows = inflight_slots.size(0);
-  check_int32_1d(history, rows, op, "history");
-  check_int32_1d(capacity, rows, op, "capacity");
-  check_int32_1d(lease, rows, op, "lease");
-  for (const at::Tensor* t : {&resident, &history, &capacity, &lease}) {
-    check_same_device(inflight_slots, *t, op, "every tensor");
-  }
+  check_lengths(inflight_slots, rows, history, capacity, lease, op);
+  check_same_device(inflight_slots, resident, op, "resident");
   TORCH_CHECK(tokens_per_unit > 0 && max_inflight_tokens > 0, op,
               ": tokens_per_unit and max_inflight_tokens must be positive");
   TORCH_CHECK(inflight_slots.size(1) == max_inflight_units(max_inflight_tokens, tokens_per_unit),
@@ -181,11 +193,8 @@ void check_write_indices(const at::Tensor& out, const at::Tensor& inflight_start
   check_int32_2d(inflight_slots, op, "inflight_slots");
   const int64_t rows = out.size(0);
   check_int32_1d(inflight_start, rows, op, "inflight_start");
-  check_int32_1d(history, rows, op, "history");
-  check_int32_1d(capacity, rows, op, "capacity");
-  check_int32_1d(lease, rows, op, "lease");
-  for (const at::Tensor* t : {&inflight_start, &resident, &inflight_slots, &history, &capacity,
-                              &lease}) {
+  check_lengths(out, rows, history, capacity, lease, op);
+  for (const at::Tensor* t : {&inflight_start, &resident, &inflight_slots}) {
     check_same_device(out, *t, op, "every tensor");
   }
   TORCH_CHECK(tokens_per_unit > 0 && max_inflight_tokens > 0, op,
@@ -209,12 +218,8 @@ void check_flush(const at::TensorList& host_pages, const at::TensorList& cells,
   check_int32_2d(page_table, op, "page_table");
   const int64_t rows = page_table.size(0);
   check_int32_1d(new_history, rows, op, "new_history");
-  check_int32_1d(history, rows, op, "history");
-  check_int32_1d(capacity, rows, op, "capacity");
-  check_int32_1d(lease, rows, op, "lease");
-  for (const at::Tensor* t : {&new_history, &history, &capacity, &lease}) {
-    check_same_device(page_table, *t, op, "every tensor");
-  }
+  check_same_device(page_table, new_history, op, "new_history");
+  check_lengths(page_table, rows, history, capacity, lease, op);
   const size_t n = host_pages.size();
   TORCH_CHECK(cells.size() == n && resident.size() == n && inflight_slots.size() == n &&
                   unit_params.size() == 3 * n,
@@ -222,21 +227,11 @@ void check_flush(const at::TensorList& host_pages, const at::TensorList& cells,
               "unit_params three ints per buffer");
   for (size_t b = 0; b < n; ++b) {
     const at::Tensor& cell = cells[b];
-    const at::Tensor& host = host_pages[b];
-    TORCH_CHECK(cell.scalar_type() == at::kByte && host.scalar_type() == at::kByte, op,
-                ": buffer ", b, ": cells and host_pages must be uint8");
-    TORCH_CHECK(cell.dim() == 4 && host.dim() == 4 && cell.is_contiguous() &&
-                    (host.numel() == 0 ||
-                     (host.stride(3) == 1 && host.stride(2) == host.size(3) &&
-                      host.stride(1) == host.size(2) * host.size(3))),
-                op, ": buffer ", b, ": cells must be contiguous and host_pages contiguous within a page");
-    TORCH_CHECK(cell.sizes().slice(1) == host.sizes().slice(1), op, ": buffer ", b,
-                ": cells page layout ", cell.sizes(), " differs from host_pages ", host.sizes());
+    check_cells_and_host(cell, host_pages[b], page_table, b, op);
     check_int32_2d(resident[b], op, "resident[b]");
     check_int32_2d(inflight_slots[b], op, "inflight_slots[b]");
-    for (const at::Tensor* t : {&cell, &host, &resident[b], &inflight_slots[b]}) {
-      check_same_device(page_table, *t, op, "every tensor");
-    }
+    check_same_device(page_table, resident[b], op, "resident");
+    check_same_device(page_table, inflight_slots[b], op, "inflight_slots");
     const int64_t slots = unit_params[3 * b], unit = unit_params[3 * b + 1],
                   inflight = unit_params[3 * b + 2];
     TORCH_CHECK(slots == resident[b].size(1) && unit > 0 && inflight > 0 &&

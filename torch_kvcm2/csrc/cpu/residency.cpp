@@ -20,6 +20,9 @@ struct GroupCounters {
 void resolve_row(int32_t* res, int32_t* rec, int32_t* out, const int32_t* sel, int64_t K,
                  int64_t S, int64_t lease, int64_t row, const RowRange& range, int32_t* miss_list,
                  int32_t* count, GroupCounters& counters) {
+  // Bad device data: a recency entry outside [0, S) stands for its own position (as on CUDA).
+  for (int64_t q = 0; q < S; ++q)
+    if (rec[q] < 0 || rec[q] >= S) rec[q] = static_cast<int32_t>(q);
   // Step 0: drop resident units that are no longer selectable.
   for (int64_t s = 0; s < S; ++s)  // (a negative unit other than BAD is bad data: dropped too)
     if (res[s] != BAD && !range.selectable(res[s])) res[s] = BAD;

@@ -359,7 +359,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     hitf[s] = 0;
     cls[s] = kUntouched;
   }
-  // recency must be a permutation of [0, S) (the CPU indexes with it unchecked); an out-of-range
+  // recency must be a permutation of [0, S) (bad device data); an out-of-range
   // entry is replaced so that nothing here can index out of bounds.
   auto stage_rec = [&](int q, int32_t v) {
     rec[q] = static_cast<uint16_t>(static_cast<uint32_t>(v) < static_cast<uint32_t>(S) ? v : q);
