@@ -451,7 +451,9 @@ class Batch:
         self._check_step("Batch.host_token_indices")
         if place.group is None:
             raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
-        self._check_index_tensor("positions", positions, positions.shape[1] if positions.dim() == 2 else -1)
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+            raise ValueError("positions must be a 2-D int32 tensor [max_rows, N]")
+        self._check_index_tensor("positions", positions, positions.shape[1])
         if out is None:
             out = torch.empty_like(positions)
         else:

@@ -55,6 +55,18 @@ void check_cells_and_host(const at::Tensor& cell, const at::Tensor& host, const 
   check_same_device(like, host, op, "host_pages");
 }
 
+// The per-row in-flight slot records: int32[rows, ceil(I/U) + 1].
+void check_inflight_slots(const at::Tensor& inflight_slots, int64_t rows, int64_t tokens_per_unit,
+                          int64_t max_inflight_tokens, const char* op) {
+  TORCH_CHECK(tokens_per_unit > 0 && max_inflight_tokens > 0, op,
+              ": tokens_per_unit and max_inflight_tokens must be positive");
+  check_int32_2d(inflight_slots, op, "inflight_slots");
+  const int64_t units = max_inflight_units(max_inflight_tokens, tokens_per_unit);
+  TORCH_CHECK(inflight_slots.size(0) == rows && inflight_slots.size(1) == units, op,
+              ": inflight_slots must have shape [", rows, ", ", units, "], got ",
+              inflight_slots.sizes());
+}
+
 }  // namespace
 
 void check_convert_page_indices(const at::Tensor& out, const at::Tensor& page_table,
@@ -175,11 +187,7 @@ void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& r
   const int64_t rows = inflight_slots.size(0);
   check_lengths(inflight_slots, rows, history, capacity, lease, op);
   check_same_device(inflight_slots, resident, op, "resident");
-  TORCH_CHECK(tokens_per_unit > 0 && max_inflight_tokens > 0, op,
-              ": tokens_per_unit and max_inflight_tokens must be positive");
-  TORCH_CHECK(inflight_slots.size(1) == max_inflight_units(max_inflight_tokens, tokens_per_unit),
-              op, ": inflight_slots must have ", max_inflight_units(max_inflight_tokens, tokens_per_unit),
-              " columns, got ", inflight_slots.size(1));
+  check_inflight_slots(inflight_slots, rows, tokens_per_unit, max_inflight_tokens, op);
 }
 
 void check_write_indices(const at::Tensor& out, const at::Tensor& inflight_start,
@@ -190,23 +198,16 @@ void check_write_indices(const at::Tensor& out, const at::Tensor& inflight_start
   const char* op = "write_indices";
   check_int32_2d(out, op, "out");
   check_int32_2d(resident, op, "resident");
-  check_int32_2d(inflight_slots, op, "inflight_slots");
   const int64_t rows = out.size(0);
   check_int32_1d(inflight_start, rows, op, "inflight_start");
   check_lengths(out, rows, history, capacity, lease, op);
   for (const at::Tensor* t : {&inflight_start, &resident, &inflight_slots}) {
     check_same_device(out, *t, op, "every tensor");
   }
-  TORCH_CHECK(tokens_per_unit > 0 && max_inflight_tokens > 0, op,
-              ": tokens_per_unit and max_inflight_tokens must be positive");
+  check_inflight_slots(inflight_slots, rows, tokens_per_unit, max_inflight_tokens, op);
   TORCH_CHECK(out.size(1) >= max_inflight_tokens + tokens_per_unit - 1, op, ": out is too narrow: ",
               out.size(1), " columns, an in-flight range can hold ",
               max_inflight_tokens + tokens_per_unit - 1, " tokens");
-  TORCH_CHECK(inflight_slots.size(0) == rows &&
-                  inflight_slots.size(1) == max_inflight_units(max_inflight_tokens, tokens_per_unit),
-              op, ": inflight_slots must have shape [", rows, ", ",
-              max_inflight_units(max_inflight_tokens, tokens_per_unit), "], got ",
-              inflight_slots.sizes());
 }
 
 void check_flush(const at::TensorList& host_pages, const at::TensorList& cells,
@@ -229,7 +230,6 @@ void check_flush(const at::TensorList& host_pages, const at::TensorList& cells,
     const at::Tensor& cell = cells[b];
     check_cells_and_host(cell, host_pages[b], page_table, b, op);
     check_int32_2d(resident[b], op, "resident[b]");
-    check_int32_2d(inflight_slots[b], op, "inflight_slots[b]");
     check_same_device(page_table, resident[b], op, "resident");
     check_same_device(page_table, inflight_slots[b], op, "inflight_slots");
     const int64_t slots = unit_params[3 * b], unit = unit_params[3 * b + 1],
@@ -238,10 +238,7 @@ void check_flush(const at::TensorList& host_pages, const at::TensorList& cells,
                     cell.size(2) % unit == 0 && slots % (cell.size(2) / unit) == 0,
                 op, ": buffer ", b, ": bad unit_params (slots ", slots, ", tokens_per_unit ", unit,
                 ", max_inflight_tokens ", inflight, ")");
-    TORCH_CHECK(inflight_slots[b].size(0) == rows &&
-                    inflight_slots[b].size(1) == max_inflight_units(inflight, unit),
-                op, ": buffer ", b, ": inflight_slots must have shape [", rows, ", ",
-                max_inflight_units(inflight, unit), "]");
+    check_inflight_slots(inflight_slots[b], rows, unit, inflight, op);
     TORCH_CHECK(cell.size(0) * (cell.size(2) / unit) >= resident[b].size(0) * slots, op,
                 ": buffer ", b, ": fewer cells than leases x slots");
   }
