@@ -331,23 +331,28 @@ def test_prefilled_and_resumed_requests_flush_nothing_below_the_in_flight_range(
         assert changed == [(pages[t // P], t % P) for t in range(s0, 20)], (layer, role)
 
 
-def test_an_over_wide_flush_raises_and_changes_nothing():
-    """OP-FLUSH: in-flight tokens over all rows beyond max_total_input_tokens raise before any
-    work; host pages and watermarks stay as they were."""
+def test_an_over_wide_flush_is_refused_before_any_work():
+    """OP-FLUSH: in-flight tokens over all rows beyond max_total_input_tokens (the flush work
+    list) are refused by publish, before any step runs; nothing is published or flushed."""
     model = Model("cpu", 6, max_total_input_tokens=3)
     batch = model.batch
     caches = [model.manager.create_cache() for _ in range(2)]
     for cache in caches:
         batch.add(cache)
         assert cache.resize(capacity=2)  # 2 in-flight tokens each (group b), 4 in all
-    batch.publish()
-    resolve_all(model)
-    for layer, role, *_ in model.buffers:
-        batch.cells(layer, role).fill_(0xAB)
+    tables = [t.clone() for t in (*batch.page_tables, batch.history, batch.capacity, batch.lease)]
     before = host_bytes(model)
-    with pytest.raises(ValueError, match="4 in-flight tokens exceed max_total_input_tokens"):
+    with pytest.raises(ValueError, match="4 in-flight tokens over all rows exceed"):
+        batch.publish()
+    assert not batch.published
+    assert all(torch.equal(a, b) for a, b in zip(
+        tables, (*batch.page_tables, batch.history, batch.capacity, batch.lease)))
+    with pytest.raises(RuntimeError, match="unpublished"):
         batch.flush()
     assert all(torch.equal(a, b) for a, b in zip(before, host_bytes(model)))
     assert [c._flushed for c in caches] == [0, 0]
-    with pytest.raises(ValueError, match="SAFE-2"):
-        caches[0].resize(history=2)
+    assert caches[1].resize(capacity=1)  # within the bound again
+    batch.publish()
+    resolve_all(model)
+    batch.flush()
+    assert caches[0].resize(history=2) and caches[1].resize(history=1)

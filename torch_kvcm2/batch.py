@@ -116,7 +116,11 @@ class Batch:
         self._dirty: set[int] = set()
         self._granted: set[int] = set()  # leases whose residency publish() must clear
         self._published = [(0, 0, BAD)] * max_rows  # host mirror: (history, capacity, lease)
+        self._fetch_events: dict[int, torch.cuda.Event] = {}
         self._closed = False
+        for tensor in self.state_tensors():
+            # fixed addresses: cudagraph trees take them as static inputs, never copying them
+            torch._dynamo.mark_static_address(tensor)
 
     def _new_group_state(self, group: SelectionGroup) -> GroupState:
         dev, rows, sp = self.config.device, self.max_rows, group.sparse
@@ -150,6 +154,20 @@ class Batch:
             hosts.append(storage.slot_pages(layer, buf.role))
             tables.append(self.page_tables[place.group])
         return cells, hosts, tables
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the per-step ops read or write (tables, residency, outputs, cells and the
+        host pages' device views); their addresses never change (BAT-1)."""
+        tensors = [*self.page_tables, self.history, self.capacity, self.lease]
+        for state in self.groups:
+            tensors += [state.resident, state.recency, state.index_table, state.miss_list,
+                        state.miss_count, state.counters, state.inflight_slots, state.write_table,
+                        state.inflight_start]
+        for cells, hosts, _ in self._fetch_args.values():
+            tensors += cells + hosts
+        for hosts, *_ in self._flush_args:
+            tensors += hosts
+        return tensors
 
     def _new_flush_args(self) -> list[tuple]:
         """Per sparse pool group with cells: the argument lists of its one flush launch, covering
@@ -256,6 +274,17 @@ class Batch:
         if not self._dirty and not self._granted:
             return
         rows, leases = sorted(self._dirty), sorted(self._granted)
+        published = list(self._published)
+        for row in rows:
+            cache, lease = self._rows[row], self._row_lease[row]
+            seated = cache is not None and lease != BAD
+            published[row] = (cache.history_length, cache.capacity, lease) if seated else (0, 0, BAD)
+        width = self._flush_width(published)
+        if width > self.config.max_total_input_tokens:
+            raise ValueError(
+                f"Batch.publish: {width} in-flight tokens over all rows exceed "
+                f"max_total_input_tokens ({self.config.max_total_input_tokens}), the bound of "
+                f"the flush work list; nothing was published")
         payload, indices = self._staging[self._flip]
         event = self._staging_events[self._flip]
         if event is not None:
@@ -267,9 +296,7 @@ class Batch:
             lease = self._row_lease[row]
             if cache is None or lease == BAD:  # hole or suspended: BAD / 0
                 flat.extend([BAD] * (G * pages) + [0, 0, BAD])
-                self._published[row] = (0, 0, BAD)
                 continue
-            self._published[row] = (cache.history_length, cache.capacity, lease)
             for page_list in cache._pages:
                 flat.extend(page_list)
                 flat.extend([BAD] * (pages - len(page_list)))
@@ -298,6 +325,7 @@ class Batch:
                 state.resident.index_fill_(0, lease_index, BAD)
                 order = torch.arange(slots, dtype=INT32, device=self.config.device)
                 state.recency.index_copy_(0, lease_index, order.expand(m, slots))
+        self._published = published
         self._dirty.clear()
         self._granted.clear()
 
@@ -328,6 +356,8 @@ class Batch:
         if out is not None:
             self._check_index_tensor("out", out, sp.width)
             table = out
+        if self._fetch_events:
+            self._wait_fetches(state)
         ops.resolve(state.resident, state.recency, table, state.miss_list, state.miss_count,
                     state.counters, selected, self.history, self.capacity, self.lease,
                     sp.tokens_per_unit, self.config.tokens_per_page, sp.max_inflight_tokens,
@@ -385,36 +415,34 @@ class Batch:
         """OP-FLUSH: write back every in-flight token below the row's new history from its cell
         to its host page, for every sparse buffer of every sparse layer, one launch per sparse
         pool group. ``new_history``: None (every in-flight token: the published capacity), a
-        sequence of ints or a CPU tensor (int32[max_rows]), or an int32[max_rows] CUDA tensor.
+        sequence of ints, or an int32[max_rows] tensor.
 
         Afterwards ``KVCache.resize`` may advance a row's history through what was flushed
-        (SAFE-2). With a CUDA tensor the host cannot see the values and takes the published
-        capacity as the bound: the caller must not advance history past what it passed. Raises
-        ValueError, before any work, when the rows' in-flight tokens exceed
-        ``max_total_input_tokens``. Inside a captured graph the host bookkeeping is skipped:
-        call ``record_flush()`` after each replay."""
+        (SAFE-2). When the host cannot see the values (a CUDA tensor) it takes the published
+        capacity as the bound: the caller must not advance history past what it passed. Inside
+        ``torch.compile`` or stream capture the host bookkeeping is skipped: call
+        ``record_flush()`` after the compiled call or the replay. The work-list bound
+        (``max_total_input_tokens``) is enforced by ``publish``."""
         self._check_step("Batch.flush")
-        known = None  # host-visible per-row targets, when the caller gave them
+        known = None  # host-visible per-row targets
         if new_history is None:
             target = self.capacity
         else:
             if not isinstance(new_history, torch.Tensor):
-                new_history = torch.tensor(list(new_history), dtype=INT32)
-            if new_history.device.type == "cpu":
+                known = [int(v) for v in new_history]
+                new_history = torch.tensor(known, dtype=INT32)
+            elif new_history.device.type == "cpu" and not torch.compiler.is_compiling():
                 known = new_history.tolist()
-                new_history = new_history.to(self.config.device)
-            self._check_index_tensor("new_history", new_history.view(-1, 1), 1)
-            target = new_history
-        width = self._flush_width()
-        if width > self.config.max_total_input_tokens:
-            raise ValueError(
-                f"Batch.flush: {width} in-flight tokens exceed max_total_input_tokens "
-                f"({self.config.max_total_input_tokens})")
+            target = new_history.to(self.config.device)
+            self._check_index_tensor("new_history", target.view(-1, 1), 1)
         for hosts, cells, resident, slots, table, params in self._flush_args:
             ops.flush(hosts, cells, resident, slots, table, target, self.history,
                       self.capacity, self.lease, params)
-        if not (self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            self.record_flush(known)
+        if torch.compiler.is_compiling():
+            return
+        if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self.record_flush(known)
 
     def record_flush(self, new_history: Optional[list] = None) -> None:
         """Host bookkeeping of a flush (the SAFE-2 watermark): every seated row's tokens up to
@@ -427,14 +455,14 @@ class Batch:
                 done = c if new_history is None else min(int(new_history[row]), c)
                 cache._flushed = max(cache._flushed, done)
 
-    def _flush_width(self) -> int:
-        """The most in-flight tokens a flush can write back over all rows, from the host mirror
-        of the published lengths (the flush work-list bound of OP-FLUSH)."""
+    def _flush_width(self, published: list) -> int:
+        """The most in-flight tokens a flush can write back over all rows with these published
+        (history, capacity, lease) rows: the flush work-list bound of OP-FLUSH."""
         widest = 0
         for group in self.config.selection_groups:
             sp = group.sparse
             total = 0
-            for h, c, lease in self._published:
+            for h, c, lease in published:
                 if lease != BAD:
                     total += max(c - sp.inflight_start(h, c), 0)
             widest = max(widest, total)
@@ -462,6 +490,21 @@ class Batch:
         ops.convert_token_indices(out, positions, self.page_tables[place.group], self.capacity,
                                   scale, place.pos, self.config.tokens_per_page)
         return out
+
+    def record_fetch(self, group: Union[int, str]) -> None:
+        """The ordering contract of SPEC §8 across streams: call on the stream that ran a fetch
+        of ``group`` (after it); the group's next ``resolve`` makes its stream wait for it.
+        Not needed when every op of a group runs on one stream. CUDA only; eager only."""
+        state = self.group(group)
+        if self.config.device.type != "cuda":
+            return
+        event = self._fetch_events.setdefault(state.spec.index, torch.cuda.Event())
+        event.record()
+
+    def _wait_fetches(self, state: GroupState) -> None:
+        event = self._fetch_events.pop(state.spec.index, None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     def cells(self, layer: str, role: str) -> torch.Tensor:
         """The cells of a sparse buffer: uint8[max_rows*S/E, chunks, P, B/chunks]; the token with

@@ -1,0 +1,114 @@
+"""A small decode step over the whole Batch API, shared by the compile and CUDA-graph tests.
+
+Two selection groups ("g0": layers a0, a1 with 1-token units; "g1": layer b0 with 2-token
+units), a sparse latent buffer of 16 bytes per token viewed as 4 int32 words. The step runs the
+documented order: resolve, write_indices, per layer fetch, write the new token into the cells,
+an integer "attention" that reads every selected unit's tokens from the cells; then flush. All
+of it is tensor code with fixed shapes, so it can be traced with fullgraph=True and captured.
+"""
+import random
+
+import torch
+
+import torch_kvcm2 as kv
+
+P, ROWS, WORDS = 4, 4, 4  # tokens per page, rows, int32 words per token
+
+
+def make_batch(device):
+    g0 = kv.SparseSpec(tokens_per_unit=1, width=4, slots=12, max_inflight_tokens=2, selection_id="g0")
+    g1 = kv.SparseSpec(tokens_per_unit=2, width=3, slots=8, max_inflight_tokens=2, selection_id="g1")
+    latent = kv.BufferSpec("kv", 4 * WORDS, sparse=True)
+    layers = [kv.LayerSpec("a0", [latent], sparse=g0), kv.LayerSpec("a1", [latent], sparse=g0),
+              kv.LayerSpec("b0", [latent, kv.BufferSpec("k", 8)], sparse=g1)]
+    config = kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=ROWS, max_tokens_per_row=64,
+                            gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device)
+    manager = kv.KVCacheManager(config)
+    return manager, kv.Batch(manager)
+
+
+def write_tokens(cells: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` int32[R, WORDS] to cell token indices ``index`` int32[R], skipping BAD,
+    with no data-dependent shapes: an exact int32 add of (new - old) at every valid index and of
+    0 at BAD ones (routed to token 0), so duplicates of token 0 change nothing."""
+    tokens = cells.view(-1, P, WORDS * 4).view(torch.int32).view(-1, WORDS)
+    valid = index >= 0
+    safe = torch.where(valid, index, torch.zeros_like(index)).long()
+    delta = torch.where(valid[:, None], values - tokens[safe], torch.zeros_like(values))
+    tokens.index_put_((safe,), delta, accumulate=True)
+
+
+def attend(cells: torch.Tensor, index: torch.Tensor, U: int) -> torch.Tensor:
+    """Sum of every word of every token of every selected unit, per row (int64[R])."""
+    tokens = cells.view(-1, P, WORDS * 4).view(torch.int32).view(-1, WORDS)
+    valid = index >= 0
+    entry = torch.where(valid, index, torch.zeros_like(index)).long()
+    total = torch.zeros(index.shape[0], dtype=torch.int64, device=index.device)
+    for j in range(U):
+        words = tokens[entry * U + j].long().sum(-1)
+        total = total + torch.where(valid, words, torch.zeros_like(words)).sum(-1)
+    return total
+
+
+def step(batch, selected, new_tokens):
+    """One decode step. ``selected``: per group int32[ROWS, K]; ``new_tokens``: per layer
+    int32[ROWS, WORDS], the KV of each row's one new token. Returns per-layer outputs."""
+    outputs = []
+    for group in batch.config.selection_groups:
+        index = batch.resolve(group.index, selected[group.index])
+        table, _ = batch.write_indices(group.index)
+        for layer in group.layers:
+            batch.fetch(layer)
+            cells = batch.cells(layer, "kv")
+            write_tokens(cells, table[:, 0], new_tokens[layer])
+            outputs.append(attend(cells, index, group.sparse.tokens_per_unit))
+    batch.flush()
+    return outputs
+
+
+class Driver:
+    """Host side of a decode loop: membership, lengths and inputs from a seeded generator, so
+    two drivers with one seed feed two batches identically."""
+
+    def __init__(self, device, seed):
+        self.device = device
+        self.manager, self.batch = make_batch(device)
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.caches = []
+        for _ in range(3):
+            self.join()
+
+    def join(self):
+        cache = self.manager.create_cache()
+        length = self.rng.randint(6, 20)  # imported history (DESIGN.md), one new token
+        assert cache.resize(capacity=length + 8) and cache.resize(history=length)
+        assert cache.resize(capacity=length + 1)
+        self.batch.add(cache)
+        self.caches.append(cache)
+
+    def leave(self):
+        cache = self.caches.pop(self.rng.randrange(len(self.caches)))
+        cache.close()
+
+    def inputs(self):
+        selected = []
+        for group in self.batch.config.selection_groups:
+            sp = group.sparse
+            sel = torch.full((ROWS, sp.width), -1, dtype=torch.int32)
+            for row, cache in self.batch.members().items():
+                units = cache.history_length // sp.tokens_per_unit
+                picks = torch.randint(0, units, (sp.width,), generator=self.gen)
+                sel[row] = picks.to(torch.int32)
+            selected.append(sel.to(self.device))
+        new_tokens = {layer.name: torch.randint(-2**31, 2**31 - 1, (ROWS, WORDS), generator=self.gen,
+                                                dtype=torch.int32).to(self.device)
+                      for layer in self.batch.config.layers}
+        return selected, new_tokens
+
+    def advance(self):
+        """After a step: history takes the new token, capacity makes room for the next."""
+        for cache in self.caches:
+            assert cache.resize(history=cache.capacity)
+            assert cache.resize(capacity=cache.capacity + 1)
+        self.batch.publish()
