@@ -157,8 +157,8 @@ def test_windowed_sparse_group_carries_its_window():
 
 
 def test_max_total_input_tokens_default_and_explicit():
-    # default: max_rows x the largest max_inflight_tokens (100, layer X)
-    assert make_config().max_total_input_tokens == MAX_ROWS * 100
+    # default: max_rows x the widest in-flight range, I + U - 1 (100 + 64 - 1, layer X)
+    assert make_config().max_total_input_tokens == MAX_ROWS * 163
     only_dsa = [LayerSpec("L0", [INDEXER_K, LATENT], sparse=DSA)]
     assert make_config(only_dsa).max_total_input_tokens == MAX_ROWS * 64
     assert make_config(only_dsa, max_total_input_tokens=5).max_total_input_tokens == 5

@@ -335,8 +335,12 @@ class Batch:
 
     # ---- per-step entry points (SPEC §8) ----
     def group(self, group: Union[int, str]) -> GroupState:
-        """A selection group's state, by index or by the name of one of its layers."""
+        """A selection group's state, by index, by its ``selection_id`` or by the name of one of
+        its layers."""
         if isinstance(group, str):
+            for spec in self.config.selection_groups:
+                if spec.key == ("id", group):
+                    return self.groups[spec.index]
             return self.groups[self.config.group_of(group).index]
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.groups):
             raise KeyError(f"unknown selection group {group!r} (there are {len(self.groups)})")

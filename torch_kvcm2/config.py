@@ -109,8 +109,9 @@ class SelectionGroup:
 class CacheConfig:
     """Everything the manager needs (CFG-1).
 
-    ``max_total_input_tokens`` bounds the new tokens per step over all rows (the write-back work
-    lists); by default ``max_rows`` times the largest ``max_inflight_tokens``. Budgets are bytes:
+    ``max_total_input_tokens`` bounds the in-flight tokens of all rows (the write-back work
+    list); by default ``max_rows`` times the largest in-flight range,
+    ``max_inflight_tokens + tokens_per_unit - 1``. Budgets are bytes:
     ``gpu_budget_bytes`` pays for dense pools, cells and device tables, ``host_budget_bytes`` for
     sparse pools and pinned staging (STO-4).
     """
@@ -136,7 +137,9 @@ class CacheConfig:
             self._validate_layer(layer)
         object.__setattr__(self, "selection_groups", self._group_layers())
         if self.max_total_input_tokens is None:
-            widest = max((g.sparse.max_inflight_tokens for g in self.selection_groups), default=1)
+            # a unit-aligned in-flight range holds up to I + U - 1 tokens
+            widest = max((g.sparse.max_inflight_tokens + g.sparse.tokens_per_unit - 1
+                          for g in self.selection_groups), default=1)
             object.__setattr__(self, "max_total_input_tokens", self.max_rows * widest)
 
     # ---- derived views ----

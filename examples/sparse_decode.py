@@ -1,0 +1,495 @@
+"""End-to-end sparse-attention decoding with torch_kvcm2, checked against a dense reference.
+
+A small DSA/NSA-style decoder (deterministic random weights) whose layers keep their latent KV
+history in host pages and attend, each step, only to the units their selection group's indexer
+picked, read back from the request's GPU cells. Layers 0-1 share indexer "g0", layers 2-3 share
+"g1" (with the defaults); a group's first layer runs the indexer and the one resolve of the
+group. Per layer two buffers:
+
+* ``indexer_k``: dense, in a paged GPU pool; the indexer scores a query against the indexer keys
+  of every history unit (a unit's score is the best of its tokens) and picks its top-K units;
+* ``kv``: the sparse MLA-style latent (float16, stored as bytes), one row of latent per token.
+
+Each query attends to its top-K earlier units plus the unit it is in (always, as in MoBA), all
+read from the cells through the index table of ``Batch.resolve``. Prompts are prefilled (their
+attention runs on the activations, as an engine's prefill kernel does; the cache only stores
+them), then N tokens are decoded in the documented order: publish; per group the indexer and
+resolve on its first layer; per layer fetch, write the new token's KV, attention over the cells;
+flush; resize. Every decode attention output is compared with a dense reference that keeps every
+token's latent in an ordinary tensor; every indexer key read from the pool and, at the end, every
+history token on the host pages are compared bit for bit. Any mismatch exits with status 1.
+
+    python examples/sparse_decode.py [--compile] [--device cpu] [--help for the sizes]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+
+import torch_kvcm2 as kv
+from torch_kvcm2 import BAD, ops
+
+KV_DTYPE = torch.float16  # the latent as stored; attention math runs in float32
+KEY_DTYPE = torch.float32  # indexer keys as stored
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:  # not `assert`: the checks must survive python -O
+        raise CheckFailed(what)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=4, help="requests decoded together")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=2, help="layers per selection group")
+    p.add_argument("--prompt-lengths", default="100,250,500,1000",
+                   help="comma-separated prompt lengths, cycled over the rows")
+    p.add_argument("--steps", type=int, default=64, help="decode steps")
+    p.add_argument("--topk", "-K", type=int, default=8,
+                   help="history units the indexer picks per row (the current unit comes on top)")
+    p.add_argument("--slots", "-S", type=int, default=32, help="cell slots per request and group")
+    p.add_argument("--tokens-per-unit", "-U", type=int, default=4)
+    p.add_argument("--tokens-per-page", "-P", type=int, default=16)
+    p.add_argument("--inflight", type=int, default=8, help="max in-flight tokens per row (I)")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--latent", type=int, default=32, help="latent KV width (float16 values)")
+    p.add_argument("--index-dim", type=int, default=16, help="indexer key width (float32)")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--compile", action="store_true",
+                   help="run the cells attention under torch.compile(fullgraph=True), checked "
+                        "against eager")
+    args = p.parse_args(argv)
+    lengths = [int(n) for n in args.prompt_lengths.split(",")]
+    args.prompts = [lengths[i % len(lengths)] for i in range(args.rows)]
+    return args
+
+
+def pick_device(choice: str) -> torch.device:
+    usable = kv.has_cuda_kernels() and torch.cuda.is_available()
+    if choice == "cuda" and not usable:
+        sys.exit("--device cuda: needs a GPU and an extension built with CUDA kernels")
+    return torch.device("cuda" if choice == "cuda" or (choice == "auto" and usable) else "cpu")
+
+
+# ---------------------------------------------------------------- cache configuration
+
+def build_config(args, device) -> kv.CacheConfig:
+    P, U, L = args.tokens_per_page, args.tokens_per_unit, args.layers
+    max_tokens = -(-(max(args.prompts) + args.steps + 1) // P) * P  # whole pages
+    sparse = {}  # one SparseSpec per selection group; its layers share residency and resolve
+    layers = []
+    for i in range(L):
+        group = f"g{i // args.group_size}"
+        spec = sparse.setdefault(group, kv.SparseSpec(
+            tokens_per_unit=U, width=args.topk + 1, slots=args.slots,
+            max_inflight_tokens=args.inflight, selection_id=group))
+        # Only a group's first layer runs the indexer: the others' indexer_k is zero-size, which
+        # costs no memory and no copies (CFG-6).
+        leader = i % args.group_size == 0
+        index_bytes = args.index_dim * KEY_DTYPE.itemsize if leader else 0
+        layers.append(kv.LayerSpec(f"layer{i}", [
+            kv.BufferSpec("kv", args.latent * KV_DTYPE.itemsize, sparse=True),
+            kv.BufferSpec("indexer_k", index_bytes)], sparse=spec))
+    # Budgets: every page of every row, the cells, plus generous slack for the batch's tables.
+    pages = args.rows * max_tokens // P
+    host = pages * P * L * args.latent * KV_DTYPE.itemsize
+    dense = pages * P * len(sparse) * args.index_dim * KEY_DTYPE.itemsize
+    cells = args.rows * L * args.slots * U * args.latent * KV_DTYPE.itemsize
+    tables = 64 * args.rows * (max_tokens // P + args.slots + args.topk + args.inflight) * len(sparse)
+    return kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=args.rows,
+                          max_tokens_per_row=max_tokens, gpu_budget_bytes=dense + cells + tables + (1 << 20),
+                          host_budget_bytes=host + (1 << 20), device=device)
+
+
+def as_tokens(paged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A paged uint8 buffer [pages, 1, P, B] (chunks=1: token-major) as one row of ``dtype`` per
+    token index: token index i is page i // P, row i % P."""
+    return paged.flatten(0, 2).view(dtype)
+
+
+def write_tokens(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """target[index[r, j]] = values[r, j] for every index that is not BAD."""
+    ok = index >= 0
+    target[index[ok].long()] = values[ok]
+
+
+# ---------------------------------------------------------------- the model
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Model:
+    """Token embeddings, and per layer: q = W_q x (H heads over the latent), latent = W_kv x,
+    output W_o; a group's first layer also has the indexer's query and key projections."""
+
+    def __init__(self, args, config, device):
+        g = torch.Generator().manual_seed(args.seed)
+
+        def weight(rows, cols):
+            return (torch.randn(rows, cols, generator=g) / math.sqrt(rows)).to(device)
+
+        d, H, D = args.d_model, args.heads, args.latent
+        self.heads = H
+        self.embedding = torch.randn(args.vocab, d, generator=g).to(device)
+        self.w = {}
+        for group in config.selection_groups:
+            for i, layer in enumerate(group.layers):
+                w = {"q": weight(d, H * D), "kv": weight(d, D), "o": weight(H * D, d)}
+                if i == 0:
+                    w.update(iq=weight(d, args.index_dim), ik=weight(d, args.index_dim))
+                self.w[layer] = w
+
+    def attention_inputs(self, layer, x):
+        """(normed x, q float32[..., H, D], latent KV_DTYPE[..., D]) of tokens x[..., d]."""
+        h, w = rms_norm(x), self.w[layer]
+        q = (h @ w["q"]).unflatten(-1, (self.heads, -1))
+        return h, q, (h @ w["kv"]).to(KV_DTYPE)
+
+    def indexer_inputs(self, layer, h):
+        w = self.w[layer]
+        return h @ w["iq"], (h @ w["ik"]).to(KEY_DTYPE)
+
+    def residual(self, layer, x, attended):
+        return x + attended.flatten(-2) @ self.w[layer]["o"]
+
+    def sample(self, x, generator):
+        logits = rms_norm(x) @ self.embedding.T * x.shape[-1] ** -0.5  # unit-variance logits
+        return torch.multinomial(logits.float().softmax(-1).cpu(), 1, generator=generator)
+
+
+# ---------------------------------------------------------------- indexer and attention
+
+def select_units(query, keys, key_ok, qpos, K: int, U: int) -> torch.Tensor:
+    """The indexer: per query (float32[R, Tq, Di] at positions qpos[R, Tq]) its own unit, then
+    its top-K earlier units by the best score of their tokens' keys (keys[R, T, Di], key_ok[R, T]).
+    Returns int32[R, Tq, K + 1] unit ordinals, -1 where fewer than K earlier units exist."""
+    R, T = keys.shape[:2]
+    scores = torch.einsum("rqd,rtd->rqt", query, keys.float())
+    scores = scores.masked_fill(~key_ok[:, None, :], -math.inf)
+    unit_scores = scores.unflatten(-1, (T // U, U)).amax(-1)
+    current = qpos.div(U, rounding_mode="floor")
+    earlier = torch.arange(T // U, device=keys.device) < current[..., None]
+    top = unit_scores.masked_fill(~earlier, -math.inf).topk(K, dim=-1)
+    picks = torch.where(top.values > -math.inf, top.indices, BAD)
+    return torch.cat([current[..., None], picks], -1).int()
+
+
+def unit_tokens(units: torch.Tensor, U: int) -> torch.Tensor:
+    """[..., W] unit numbers u -> [..., W*U] token numbers u*U + t: with entries these are cell
+    token indices (entry*U + t mod U), with ordinals token positions."""
+    return (units[..., None].long() * U + torch.arange(U, device=units.device)).flatten(-2)
+
+
+def softmax_attend(q, kv, valid):
+    """Attention of q[..., H, D] over kv[..., N, D] where valid[..., N], in float32. The latent
+    is both key and value (MLA with the projections absorbed)."""
+    scores = torch.einsum("...hd,...nd->...hn", q, kv) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~valid[..., None, :], -math.inf)
+    return torch.einsum("...hn,...nd->...hd", scores.softmax(-1), kv)
+
+
+def attend_cells(q, cells, index, selected, capacity, U: int):
+    """Decode attention of q[R, H, D] over the selected units, read from a layer's cells
+    (uint8[cells, 1, P, B]) through the index table (int32[R, W] entries) of ``Batch.resolve``;
+    ``selected`` (its unit ordinals) masks each unit's tokens at or past ``capacity``. A pure
+    tensor function with fixed shapes: what --compile compiles."""
+    latent = as_tokens(cells, KV_DTYPE)
+    tokens = unit_tokens(index.clamp(min=0), U)
+    valid = (index >= 0).repeat_interleave(U, -1) & (unit_tokens(selected, U) < capacity[:, None])
+    return softmax_attend(q, latent[tokens].float(), valid)
+
+
+def attend_dense(q, kv, selected, qpos, U: int):
+    """Attention of q[R, Tq, H, D] at positions qpos[R, Tq] over the selected units' tokens at
+    or before qpos, taken from a dense latent kv[R, T, D] (prefill activations, the reference)."""
+    positions = unit_tokens(selected, U)  # [R, Tq, W*U]
+    valid = (selected >= 0).repeat_interleave(U, -1) & (positions <= qpos[..., None])
+    rows = torch.arange(kv.shape[0], device=kv.device)[:, None, None]
+    positions = positions.clamp(0, kv.shape[1] - 1)  # a unit may run past a prompt: masked
+    return softmax_attend(q, kv[rows, positions].float(), valid)
+
+
+# ---------------------------------------------------------------- dense reference
+
+class DenseReference:
+    """Every token's latent and indexer key in ordinary [rows, max_tokens, ...] tensors."""
+
+    def __init__(self, config, args, device):
+        R, T = args.rows, config.max_tokens_per_row
+        self.kv = {layer.name: torch.zeros(R, T, args.latent, dtype=KV_DTYPE, device=device)
+                   for layer in config.layers}
+        self.keys = {g.layers[0]: torch.zeros(R, T, args.index_dim, dtype=KEY_DTYPE, device=device)
+                     for g in config.selection_groups}
+
+    @staticmethod
+    def store(table, positions, values):
+        ok = positions >= 0
+        rows = torch.arange(table.shape[0], device=table.device)[:, None].expand_as(positions)
+        table[rows[ok], positions[ok].long()] = values[ok]
+
+
+# ---------------------------------------------------------------- the decoder
+
+class SparseDecoder:
+    """The model running on a torch_kvcm2 cache, with the dense reference alongside."""
+
+    def __init__(self, args, device):
+        self.args, self.device = args, device
+        self.config = build_config(args, device)
+        self.manager = kv.KVCacheManager(self.config)
+        self.batch = kv.Batch(self.manager)
+        self.model = Model(args, self.config, device)
+        self.ref = DenseReference(self.config, args, device)
+        self.caches = [self.manager.create_cache() for _ in args.prompts]
+        T = self.config.max_tokens_per_row
+        self.all_positions = torch.arange(T, dtype=torch.int32, device=device).repeat(args.rows, 1)
+        self.attention = attend_cells
+        if args.compile:
+            self.attention = torch.compile(attend_cells, fullgraph=True, dynamic=False)
+        self.sampler = torch.Generator().manual_seed(args.seed + 1)
+        self.checked, self.max_error = 0, 0.0
+        self.timer = Timer(device)  # runs during decode only
+
+    # ---- cache access ----
+    def token_indices(self, layer, role, positions):
+        """Token indices of ``positions`` (int32[rows, N], -1 = none) in the buffer's paged view,
+        through the page table of its pool group (OP-INDEX, token form)."""
+        storage, place = self.manager.storage, self.manager.storage.place(layer, role)
+        out = torch.empty_like(positions)
+        ops.convert_token_indices(out, positions, self.batch.page_tables[place.group],
+                                  self.batch.capacity, storage.groups[place.group].scale,
+                                  place.pos, self.config.tokens_per_page)
+        return out
+
+    def write_indexer_keys(self, layer, positions, keys):
+        view = as_tokens(self.manager.storage.view(layer, "indexer_k"), KEY_DTYPE)
+        write_tokens(view, self.token_indices(layer, "indexer_k", positions), keys)
+
+    def read_indexer_keys(self, layer):
+        """Every row's indexer keys for all positions, read from the dense pool, and a mask of
+        those that exist (below capacity); checked against the reference."""
+        index = self.token_indices(layer, "indexer_k", self.all_positions)
+        keys = as_tokens(self.manager.storage.view(layer, "indexer_k"), KEY_DTYPE)
+        keys, ok = keys[index.clamp(min=0).long()], index >= 0
+        with self.timer.paused():
+            check(torch.equal(keys[ok], self.ref.keys[layer][ok]), f"{layer}: indexer keys differ")
+        return keys, ok
+
+    def write_kv(self, layer, positions, latent, table, start):
+        """Tokens at ``positions`` [rows, N] (-1 = none): [history, start) straight to their host
+        pages (the prefill path), [start, capacity) into their cells (write_indices)."""
+        host = torch.where((positions >= 0) & (positions < start[:, None]), positions, BAD)
+        pages = as_tokens(self.manager.storage.view(layer, "kv"), KV_DTYPE)
+        write_tokens(pages, self.batch.host_token_indices(layer, "kv", host), latent)
+        column = (positions - start[:, None]).long()
+        in_cells = (positions >= 0) & (column >= 0)
+        index = torch.where(in_cells, table.gather(1, column.clamp(0, table.shape[1] - 1)), BAD)
+        write_tokens(as_tokens(self.batch.cells(layer, "kv"), KV_DTYPE), index, latent)
+
+    # ---- one forward pass over new tokens ----
+    def forward(self, tokens, positions, qpos):
+        """Run tokens [rows, N] at positions (-1 = padding) through every layer, writing their
+        KV; queries sit at qpos. N > 1 is a prefill (attention over the activations), N == 1 a
+        decode step (attention over the cells, checked). Returns the final hidden states."""
+        batch, U, K = self.batch, self.args.tokens_per_unit, self.args.topk
+        decode = tokens.shape[1] == 1
+        batch.publish()
+        x = self.model.embedding[tokens]
+        for group in self.config.selection_groups:
+            for i, layer in enumerate(group.layers):
+                h, q, latent = self.model.attention_inputs(layer, x)
+                if i == 0:  # the group's indexer and its one resolve, shared by its layers
+                    iq, ik = self.model.indexer_inputs(layer, h)
+                    self.ref.store(self.ref.keys[layer], positions, ik)
+                    self.write_indexer_keys(layer, positions, ik)
+                    keys, key_ok = self.read_indexer_keys(layer)
+                    selected = select_units(iq, keys, key_ok, qpos, K, U)
+                    # A prefill has no history to select from: resolve only seats its tail.
+                    wanted = selected[:, 0] if decode else torch.full_like(selected[:, 0], BAD)
+                    index = batch.resolve(group.index, wanted)
+                    table, start = batch.write_indices(group.index)
+                batch.fetch(layer)  # every layer of the group, after each resolve
+                self.write_kv(layer, positions, latent, table, start)
+                self.ref.store(self.ref.kv[layer], positions, latent)
+                if decode:
+                    out = self.decode_attention(layer, q[:, 0], index, selected, qpos)[:, None]
+                else:
+                    out = attend_dense(q, latent, selected, qpos, U)
+                x = self.model.residual(layer, x, out)
+        batch.flush()
+        for cache in self.caches:  # flushed: history advances; room for the next token
+            check(cache.resize(history=cache.capacity, capacity=cache.capacity + 1),
+                  "resize: out of pages")
+        return x
+
+    def decode_attention(self, layer, q, index, selected, qpos):
+        """Attention over the cells (compiled with --compile), checked against eager and the
+        dense reference with the checks' time kept out of the timing."""
+        cells = self.batch.cells(layer, "kv")
+        U = self.args.tokens_per_unit
+        out = self.attention(q, cells, index, selected[:, 0], self.batch.capacity, U)
+        with self.timer.paused():
+            if self.args.compile:
+                eager = attend_cells(q, cells, index, selected[:, 0], self.batch.capacity, U)
+                torch.testing.assert_close(out, eager,
+                                           msg=lambda m: f"{layer}: compiled != eager\n{m}")
+            want = attend_dense(q[:, None], self.ref.kv[layer], selected, qpos, U)[:, 0]
+            torch.testing.assert_close(out, want,
+                                       msg=lambda m: f"{layer}: cells != dense reference\n{m}")
+            self.max_error = max(self.max_error, (out - want).abs().max().item())
+            self.checked += out.shape[0]
+        return out
+
+    # ---- the run ----
+    def prefill(self):
+        for cache, length in zip(self.caches, self.args.prompts):
+            check(cache.resize(capacity=length), "resize: out of pages")  # the whole prompt is new
+            self.batch.add(cache)
+        R, N = self.args.rows, max(self.args.prompts)
+        prompt = torch.randint(self.args.vocab, (R, N), generator=self.sampler).to(self.device)
+        qpos = torch.arange(N, dtype=torch.int32, device=self.device).repeat(R, 1)
+        lengths = torch.tensor(self.args.prompts, device=self.device)
+        positions = torch.where(qpos < lengths[:, None], qpos, BAD)
+        x = self.forward(prompt, positions, qpos)
+        last = x[torch.arange(R, device=self.device), lengths - 1]
+        return self.model.sample(last, self.sampler).to(self.device)
+
+    def decode(self, tokens, steps):
+        for step in range(steps):
+            positions = torch.tensor([[c.history_length] for c in self.caches],
+                                     dtype=torch.int32, device=self.device)
+            x = self.forward(tokens, positions, positions)
+            tokens = self.model.sample(x[:, 0], self.sampler).to(self.device)
+            progress(step + 1, steps)
+
+    def verify_host_pages(self):
+        """Every history token of every layer is on its host pages, bit for bit."""
+        self.batch.publish()
+        history = torch.tensor([c.history_length for c in self.caches], device=self.device)
+        positions = torch.where(self.all_positions < history[:, None], self.all_positions, BAD)
+        for layer in self.ref.kv:
+            index = self.batch.host_token_indices(layer, "kv", positions)
+            pages = as_tokens(self.manager.storage.view(layer, "kv"), KV_DTYPE)
+            ok = index >= 0
+            check(torch.equal(ok, positions >= 0), f"{layer}: a history token has no host page")
+            check(torch.equal(pages[index[ok].long()], self.ref.kv[layer][ok]),
+                  f"{layer}: host pages differ from the reference")
+        return int(history.sum()) * len(self.ref.kv)
+
+
+class Timer:
+    """Wall time of the model with the checks paused out (synchronising the GPU at each edge)."""
+
+    def __init__(self, device):
+        self.device, self.elapsed, self.started = device, 0.0, None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def start(self):
+        self._sync()
+        self.started = time.perf_counter()
+
+    def stop(self):
+        if self.started is not None:
+            self._sync()
+            self.elapsed += time.perf_counter() - self.started
+            self.started = None
+
+    @contextmanager
+    def paused(self):
+        running = self.started is not None
+        self.stop()
+        try:
+            yield
+        finally:
+            if running:
+                self.start()
+
+
+def progress(done: int, total: int, width: int = 30) -> None:
+    filled = width * done // total
+    if filled == width * (done - 1) // total and done < total:
+        return  # redraw only when the bar grows: a log file gets at most `width` frames
+    sys.stderr.write(f"\rdecode [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def report(run: SparseDecoder, args, host_tokens: int, compile_s: float) -> None:
+    batch, config = run.batch, run.config
+    print(f"checks passed: {run.checked} decode attention outputs match the dense reference "
+          f"(max abs diff {run.max_error:.1e}){' and eager' if args.compile else ''}; "
+          f"{host_tokens} history tokens x layer verified on host pages")
+    own = args.rows * args.steps  # each query's own unit is resident: a hit every decode step
+    for group in config.selection_groups:
+        s = batch.hit_rate(group.index)
+        print(f"hit rate {group.name} ({', '.join(group.layers)}): {s['hit_rate']:.2f} "
+              f"({s['hits']} hits, {own} of them the query's own unit; {s['misses']} misses; "
+              f"{s['invalid']} invalid)")
+    B = args.latent * KV_DTYPE.itemsize
+    cells = args.slots * args.tokens_per_unit * B
+    longest = max(c.history_length for c in run.caches)
+    dense = longest * B
+    print(f"GPU bytes per request per sparse layer: cells {cells:,} B ({args.slots} slots x "
+          f"{args.tokens_per_unit} tokens x {B} B) vs a dense layout {dense:,} B ({longest} "
+          f"tokens of history x {B} B): {cells / dense:.0%}; all {args.layers} layers: "
+          f"{cells * args.layers:,} B vs {dense * args.layers:,} B")
+    tokens = args.rows * args.steps
+    note = f"; compiling took {compile_s:.1f} s, not counted" if args.compile else ""
+    print(f"decode: {tokens} tokens in {run.timer.elapsed:.2f} s = "
+          f"{tokens / run.timer.elapsed:.0f} tokens/s ({args.rows} rows; checks not counted{note})")
+
+
+def warm_up_compile(run: SparseDecoder) -> float:
+    """Compile the cells attention once, on the shapes decode will use, outside the timing."""
+    start = time.perf_counter()
+    group = run.batch.groups[0]
+    layer = group.spec.layers[0]
+    q = torch.zeros(run.args.rows, run.args.heads, run.args.latent, device=run.device)
+    index = group.index_table
+    run.attention(q, run.batch.cells(layer, "kv"), index, torch.full_like(index, BAD),
+                  run.batch.capacity, run.args.tokens_per_unit)
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    run = SparseDecoder(args, device)
+    groups = "; ".join(f"{g.name}: {', '.join(g.layers)}" for g in run.config.selection_groups)
+    print(f"device {device}: {args.rows} request(s), prompts {args.prompts}, {args.layers} layers "
+          f"({groups}); units of {args.tokens_per_unit} tokens, top-{args.topk} units + the "
+          f"current one, {args.slots} slots per request", flush=True)
+    try:
+        tokens = run.prefill()
+        compile_s = warm_up_compile(run) if args.compile else 0.0
+        run.timer.start()
+        run.decode(tokens, args.steps)
+        run.timer.stop()
+        host_tokens = run.verify_host_pages()
+    except (CheckFailed, AssertionError) as error:
+        sys.stderr.write(f"\nCHECK FAILED: {error}\n")
+        return 1
+    report(run, args, host_tokens, compile_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
