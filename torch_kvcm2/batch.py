@@ -119,8 +119,10 @@ class Batch:
         self._fetch_events: dict[int, torch.cuda.Event] = {}
         self._closed = False
         for tensor in self.state_tensors():
-            # fixed addresses: cudagraph trees take them as static inputs, never copying them
-            torch._dynamo.mark_static_address(tensor)
+            # Fixed addresses: guarded static addresses are installed in the compiled graph as
+            # attributes (guarded by identity, which never changes) instead of lifted inputs, so
+            # cudagraph trees neither copy them nor count their mutation as an input mutation.
+            torch._dynamo.mark_static_address(tensor, guard=True)
 
     def _new_group_state(self, group: SelectionGroup) -> GroupState:
         dev, rows, sp = self.config.device, self.max_rows, group.sparse
