@@ -16,7 +16,6 @@ import torch
 
 import reference
 import torch_kvcm2 as kv
-from torch_kvcm2 import BAD
 
 STEPS = int(os.environ.get("KVCM2_SAFETY_STEPS", "1000"))
 P = 4

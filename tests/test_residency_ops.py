@@ -930,7 +930,7 @@ class RandomDriver:
         rng, U = self.rng, self.U
         sel = []
         for r in range(self.rows):
-            h, c = self.h[r], self.c[r]
+            c = self.c[r]
             top = max(1, ref.ceil_div(c, U) + 2)
             recent = [u for u in resident_rows.get(r, []) if u != BAD]
             row = []

@@ -482,7 +482,7 @@ def test_flush_worked_example(device):
     """OP-FLUSH: per seated row exactly the tokens of [s0, min(new_history, c)) are copied,
     chunk by chunk, from cell entry l*S+slot to their host page; the head unit's history token,
     tokens past new_history and a prefill's host-direct range [h, s0) are not written."""
-    U, I, S, P, chunks, bpt = 2, 4, 8, 4, 2, 2  # E = 2, one byte per token per chunk
+    U, I, S, P, chunks = 2, 4, 8, 4, 2  # E = 2, one byte per token per chunk
     resident = [[BAD] * S for _ in range(2)]
     resident[1][5], resident[1][2] = 4, 5  # row 0: h=9, c=12 -> s0=9, units 4, 5
     resident[0][0], resident[0][7], resident[0][3] = 5, 6, 7  # row 1: h=2, c=15 -> s0=10
