@@ -1,28 +1,45 @@
 """torch_kvcm2 benchmarks: one command, one table, ratios against ceilings measured in the same run.
 
-    python benchmarks/run.py [--json out.json]   # on the GPU machine
+    python benchmarks/run.py [--json out.json]   # on the GPU machine (all of PERF.md's ids)
+    python benchmarks/run.py --scaling           # also the scaling table (rows, K, S, miss rate)
     python benchmarks/run.py --quick             # CPU smoke run of the harness (no numbers claimed)
 
 On CUDA it first measures the copy-engine H2D / D2H bandwidth and the HBM copy bandwidth, then
 times each op as CUDA-graph replays (several calls per graph, state restored between replays, so
 launch overhead is amortised and every replay does the same work) and checks each op's outputs
 before its time counts. Targets are PERF.md's.
+
+Beyond the single ops: P-TORCH times a straightforward torch-op resolve + fetch against the
+library's on P-RES's workload (eagerly: it synchronises); P-STEP times a whole decode step of
+cache ops (61 sparse layers in 16 selection groups) as one graph replay, next to the same step
+with 61 private groups (P-STEP-HS, the HiSparse shape); P-CAP reads the GPU bytes per request
+off the batch's cell tensors at two context lengths.
+
+Memory on the GPU machine (default run): P-STEP's 61 layers x 64 rows x 4096 slots x 656 B are
+10.5 GB of GPU cells and 64 rows x 2,560 tokens of history x 61 layers are 6.7 GB of pinned
+host pages; P-STEP and P-STEP-HS are built one after the other (peak ~10.6 GB GPU, ~6.7 GB
+pinned). Everything else is below 1 GB on either side.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 import torch_kvcm2 as kv
 from torch_kvcm2 import ops
+from torch_kvcm2.batch import batch_memory_bytes
+from torch_kvcm2.storage import Storage
 
 MLA_ROW = 656  # bytes per token of DeepSeek's FP8 MLA latent row
+PAGE = 64  # tokens per page in every benchmark
 
 
 @dataclass
@@ -52,9 +69,11 @@ class Timer:
     def __init__(self, device: str, repeats: int):
         self.device, self.repeats = device, repeats
 
-    def graph(self, body, calls: int, reset=lambda: None) -> float:
+    def graph(self, body, calls: int, reset=lambda: None, keep: bool = False):
         """Median µs per call of ``body`` (run ``calls`` times in one captured graph); ``reset``
-        runs, untimed, before every replay so each replay does the same work."""
+        runs, untimed, before every replay so each replay does the same work. With ``keep`` it
+        returns ``(us, replay)``: ``replay()`` resets and runs the captured graph once more
+        (synchronised), so a check can look at what the graph itself wrote."""
         if self.device == "cpu":
             times = []
             for _ in range(self.repeats):
@@ -63,7 +82,14 @@ class Timer:
                 for _ in range(calls):
                     body()
                 times.append((time.perf_counter() - start) * 1e6 / calls)
-            return statistics.median(times)
+
+            def replay_cpu():
+                reset()
+                for _ in range(calls):
+                    body()
+
+            us = statistics.median(times)
+            return (us, replay_cpu) if keep else us
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside capture
@@ -81,6 +107,36 @@ class Timer:
             reset()
             start.record()
             graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+        us = statistics.median(times)
+        if not keep:
+            return us
+
+        def replay():
+            reset()
+            graph.replay()
+            torch.cuda.synchronize()
+
+        return us, replay
+
+    def eager(self, body, calls: int, reset=lambda: None) -> float:
+        """Median µs per call of ``body`` run eagerly (for code that synchronises and so cannot be
+        captured): CUDA events around ``calls`` calls, after one warm-up call."""
+        if self.device == "cpu":
+            return self.graph(body, calls, reset)
+        reset()
+        body()
+        torch.cuda.synchronize()
+        times = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(self.repeats):
+            reset()
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(calls):
+                body()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3 / calls)
@@ -115,15 +171,41 @@ def ceilings(timer: Timer, device: str, quick: bool) -> dict:
     return {"h2d": h2d, "d2h": d2h, "hbm": hbm}
 
 
+def release(device: str) -> None:
+    """Free what the last benchmark held: batches and caches refer to each other (a cycle), so
+    their cells and pinned host pages go only with a collection."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def sparse_config(device, *, rows, width, slots, unit, page, bytes_per_token, layers=1,
-                  inflight=16, tokens_per_row, host_bytes):
-    sparse = kv.SparseSpec(unit, width, slots, inflight, selection_id="g")
+                  inflight=16, tokens_per_row, host_bytes=None, groups=None):
+    """Layers ``l0..`` with one sparse buffer ``kv`` each, all in one host pool group.
+    ``groups`` lists the selection-group sizes in layer order (default: one group of all
+    layers; a group of one layer is private). The GPU budget is the batch's exact reserve (there
+    are no dense pools) plus 64 MiB; ``host_bytes`` defaults to pages for ``tokens_per_row``
+    tokens of every row."""
+    groups = [layers] if groups is None else list(groups)
+    assert sum(groups) == layers, (groups, layers)
     buf = kv.BufferSpec("kv", bytes_per_token, sparse=True)
-    specs = [kv.LayerSpec(f"l{i}", [buf], sparse=sparse) for i in range(layers)]
-    batch_gpu = rows * slots * unit * bytes_per_token * layers
-    return kv.CacheConfig(tokens_per_page=page, layers=specs, max_rows=rows,
-                          max_tokens_per_row=tokens_per_row, gpu_budget_bytes=batch_gpu + (64 << 20),
-                          host_budget_bytes=host_bytes, device=device)
+    specs = []
+    for gi, size in enumerate(groups):
+        sparse = kv.SparseSpec(unit, width, slots, inflight, selection_id=f"g{gi}" if size > 1 else None)
+        for _ in range(size):
+            specs.append(kv.LayerSpec(f"l{len(specs)}", [buf], sparse=sparse))
+
+    def make(gpu, host):
+        return kv.CacheConfig(tokens_per_page=page, layers=specs, max_rows=rows,
+                              max_tokens_per_row=tokens_per_row, gpu_budget_bytes=gpu,
+                              host_budget_bytes=host, device=device)
+
+    probe = make(0, 0)
+    reserve = {m: rows * n for m, n in batch_memory_bytes(probe, len(Storage(probe).groups), 1).items()}
+    if host_bytes is None:
+        pages = -(-tokens_per_row // page)
+        host_bytes = rows * pages * layers * page * bytes_per_token + (1 << 20)
+    return make(reserve["gpu"] + (64 << 20), reserve["host"] + host_bytes)
 
 
 def seat(manager, batch, rows, history, capacity=None):
@@ -140,17 +222,71 @@ def seat(manager, batch, rows, history, capacity=None):
     return caches
 
 
-def bench_resolve(timer, device, quick) -> Result:
-    """P-RES: 64 rows, K=2048, S=4096, U=1, 1% misses per step."""
+def fill_random(host: torch.Tensor, device: str, seed: int) -> None:
+    """Random bytes in a (pinned) host pool, generated on ``device`` in 256 MiB chunks (on CUDA
+    the copy engine writes them: gigabytes in well under a second)."""
+    flat = host.view(-1)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    chunk = 1 << 28
+    for i in range(0, flat.numel(), chunk):
+        n = min(chunk, flat.numel() - i)
+        flat[i:i + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=gen))
+
+
+def snapshot(states) -> list:
+    """Residency state and counters of selection groups, to restore between replays."""
+    return [[t.clone() for t in (s.resident, s.recency, s.counters)] for s in states]
+
+
+def restore(states, saved) -> None:
+    for s, copies in zip(states, saved):
+        for t, c in zip((s.resident, s.recency, s.counters), copies):
+            t.copy_(c)
+
+
+def rows_isin(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row: is ``a[r, j]`` among ``b[r, :]`` (non-negative int tensors, same rows)."""
+    off = torch.arange(a.shape[0], device=a.device, dtype=torch.int64)[:, None] << 32
+    return torch.isin(a.long() + off, b.long() + off)
+
+
+def host_units(host: torch.Tensor, page_table: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[R, K, B]`` of units (U = 1, one chunk) ``units[r, k]`` of row r on its host pages;
+    ``host`` is ``slot_pages(...)`` (the device-side view on CUDA: a gather over PCIe)."""
+    units = units.long()
+    slots = page_table.long().gather(1, units // PAGE)
+    return host[:, 0][slots, units % PAGE]
+
+
+def cell_units(cells: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[R, K, B]`` of the cells at ``entries`` (U = 1, one chunk)."""
+    entries = entries.long()
+    return cells[:, 0][entries // PAGE, entries % PAGE]
+
+
+def check_selection(cells, host, page_table, selected, index_table, fresh) -> None:
+    """Every selected unit reads back from its cell through the index table: the host bytes
+    where the unit was fetched in the checked run (``fresh``), zeros where it was a hit (the
+    cells were zeroed before that run, so a hit that was fetched again, or a miss that was not,
+    shows)."""
+    assert bool((index_table >= 0).all()), "a selected unit has no entry"
+    want = torch.where(fresh[..., None], host_units(host, page_table, selected), 0)
+    got = cell_units(cells, index_table)
+    assert torch.equal(got, want.to(torch.uint8)), "cells hold wrong bytes for the selection"
+
+
+def resolve_workload(device, quick, seed=0):
+    """P-RES's workload: 64 rows, K=2048, S=4096, U=1, history 8K; selections ``sels[0..calls]``
+    where each replaces 1% of the previous one with never-used units."""
     rows, K, S = (4, 256, 512) if quick else (64, 2048, 4096)
     history = 8 * K
-    config = sparse_config(device, rows=rows, width=K, slots=S, unit=1, page=64,
+    config = sparse_config(device, rows=rows, width=K, slots=S, unit=1, page=PAGE,
                            bytes_per_token=MLA_ROW, tokens_per_row=history + 64,
                            host_bytes=rows * (history + 128) * MLA_ROW + (16 << 20))
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     seat(manager, batch, rows, history)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     calls = 4 if quick else 16
     new = max(1, K // 100)
     order = [torch.randperm(history, generator=g) for _ in range(rows)]  # fresh units come in order
@@ -161,24 +297,33 @@ def bench_resolve(timer, device, quick) -> Result:
         for r in range(rows):
             fresh = order[r][K + step * new:K + (step + 1) * new]
             current[r, torch.randperm(K, generator=g)[:new]] = fresh
-    state = batch.group(0)
-    batch.resolve(0, sels[0])  # steady state: the first selection resident
-    saved = [t.clone() for t in (state.resident, state.recency, state.counters)]
-    index = iter(range(10 ** 9))
+    return SimpleNamespace(manager=manager, batch=batch, state=batch.group(0), sels=sels, rows=rows,
+                           K=K, S=S, history=history, calls=calls, new=new)
 
-    def reset():
-        for t, s in zip((state.resident, state.recency, state.counters), saved):
-            t.copy_(s)
+
+def bench_resolve(timer, device, quick) -> Result:
+    """P-RES: 64 rows, K=2048, S=4096, U=1, 1% misses per step."""
+    w = resolve_workload(device, quick)
+    batch, state, rows, K, S, calls, new = w.batch, w.state, w.rows, w.K, w.S, w.calls, w.new
+    batch.resolve(0, w.sels[0])  # steady state: the first selection resident
+    saved = snapshot([state])
+    step = [0]
+
+    def reset():  # every replay: the steady state, then sels[1..calls] in order
+        restore([state], saved)
+        step[0] = 0
 
     def body():
-        batch.resolve(0, sels[1 + next(index) % calls])
+        batch.resolve(0, w.sels[1 + step[0] % calls])
+        step[0] += 1
 
     us = timer.graph(body, calls, reset)
     # check: one replay's outputs — every selection resolved, 1% misses per step
     reset()
-    for i in range(calls):
-        table = batch.resolve(0, sels[1 + i])
-    hits, misses, invalid = (state.counters - saved[2]).tolist()
+    for _ in range(calls):
+        body()
+    table = state.index_table
+    hits, misses, invalid = (state.counters - saved[0][2]).tolist()
     ok = (misses == calls * rows * new and invalid == 0 and hits == calls * rows * (K - new)
           and bool((table >= 0).all()))
     assert ok, f"resolve produced hits={hits} misses={misses} invalid={invalid}"
@@ -276,9 +421,383 @@ def bench_index(timer, device, quick, ceil) -> Result:
     return Result("P-INDEX", f"{rows} x {pages} pages", us, nbytes, "HBM copy", ceil["hbm"], ">= 60% of HBM")
 
 
+class TorchResolveFetch:
+    """The baseline a user writes first (PERF.md's peers): resolve + fetch of one selection group
+    in plain torch ops, vectorised over rows. Hits: ``torch.isin`` of the selection against the
+    resident units (rows kept apart by a per-row key offset) and ``sort`` + ``searchsorted`` for
+    the slot of each hit; victims: ``argsort`` of a last-use stamp with the selected slots
+    masked off (LRU); fetch: the missed units by boolean mask (``nonzero``: a host
+    synchronisation, so it runs eagerly) gathered by advanced indexing from the host pages'
+    view into the cells. Covers P-RES's workload (U = 1, no padding, no duplicates, no tokens in
+    flight); rows hold leases 0..R-1."""
+
+    def __init__(self, resident, recency, cells, host, page_table):
+        R, S = resident.shape
+        dev = resident.device
+        self.S = S
+        self.resident = resident.long()  # a copy: the library's state is left alone
+        self.stamp = torch.empty_like(self.resident).scatter_(
+            1, recency.long(), torch.arange(S, device=dev).expand(R, S).contiguous())
+        self.now = S
+        self.off = torch.arange(R, device=dev, dtype=torch.int64)[:, None] << 32
+        self.lease = torch.arange(R, device=dev, dtype=torch.int64)[:, None]
+        self.cells, self.host, self.page_table = cells, host[:, 0], page_table.long()
+        self.hits = torch.zeros((), dtype=torch.int64, device=dev)
+        self.misses = torch.zeros((), dtype=torch.int64, device=dev)
+        self.table = None
+
+    def state(self) -> tuple:
+        return (self.resident.clone(), self.stamp.clone(), self.now)
+
+    def restore(self, state) -> None:
+        self.resident.copy_(state[0])
+        self.stamp.copy_(state[1])
+        self.now = state[2]
+        self.hits.zero_()
+        self.misses.zero_()
+
+    def step(self, selected: torch.Tensor) -> torch.Tensor:
+        S, sel = self.S, selected.long()
+        key_res = torch.where(self.resident >= 0, self.resident + self.off, -1)
+        key_sel = sel + self.off
+        hit = torch.isin(key_sel, key_res)  # [R, K]
+        held = torch.isin(key_res, key_sel)  # [R, S]: slots holding a selected unit
+        sorted_res, order = key_res.sort(dim=1)
+        pos = torch.searchsorted(sorted_res, key_sel).clamp_(max=S - 1)
+        hit_slot = order.gather(1, pos)
+        lru = self.stamp.masked_fill(held, torch.iinfo(torch.int64).max).argsort(dim=1, stable=True)
+        miss = ~hit
+        rank = (miss.cumsum(1) - 1).clamp_(min=0)  # the n-th miss of a row takes its n-th victim
+        slot = torch.where(hit, hit_slot, lru.gather(1, rank))
+        self.resident.scatter_(1, slot, sel)
+        self.stamp.scatter_(1, slot, torch.where(hit, self.now + 1, self.now))  # misses, then hits
+        self.now += 2
+        r, j = miss.nonzero(as_tuple=True)  # host synchronisation
+        unit, entry = sel[r, j], r * S + slot[r, j]
+        page = self.page_table[r, unit // PAGE]
+        self.cells[:, 0][entry // PAGE, entry % PAGE] = self.host[page, unit % PAGE]
+        self.hits += hit.sum()
+        self.misses += miss.sum()
+        self.table = self.lease * S + slot
+        return self.table
+
+
+def bench_torch(timer, device, quick) -> Result:
+    """P-TORCH: resolve + fetch on P-RES's workload, the library (graph-replayed) against
+    TorchResolveFetch (eager: it synchronises); same hits/misses, correct cell bytes for both."""
+    w = resolve_workload(device, quick, seed=3)
+    batch, state, manager, rows, K, S, calls, new = (w.batch, w.state, w.manager, w.rows, w.K,
+                                                     w.S, w.calls, w.new)
+    fill_random(manager.storage.groups[0].data, device, seed=4)
+    assert batch.lease.tolist() == list(range(rows))
+    batch.resolve(0, w.sels[0])
+    batch.fetch("l0")  # steady state: the first selection resident and in its cells
+    saved = snapshot([state])
+    cells = batch.cells("l0", "kv")
+    host = manager.storage.slot_pages("l0", "kv")  # what ops see (the UVA view on CUDA)
+    page_table = batch.page_tables[manager.storage.place("l0", "kv").group]
+    ref = TorchResolveFetch(state.resident, state.recency, cells.clone(), host, page_table)
+    ref_saved = ref.state()
+    step = [0]
+
+    def lib_reset():
+        restore([state], saved)
+        step[0] = 0
+
+    def lib_body():
+        batch.resolve(0, w.sels[1 + step[0] % calls])
+        batch.fetch("l0")
+        step[0] += 1
+
+    def torch_reset():
+        ref.restore(ref_saved)
+        step[0] = 0
+
+    def torch_body():
+        ref.step(w.sels[1 + step[0] % calls])
+        step[0] += 1
+
+    lib_us = timer.graph(lib_body, calls, lib_reset)
+    torch_us = timer.eager(torch_body, calls, torch_reset)
+    # check both from the steady state with zeroed cells: same counts; every unit of the last
+    # selection reads back its host bytes if it was fetched in these steps, zeros if it was a hit
+    cells.zero_()
+    ref.cells.zero_()
+    lib_reset()
+    for _ in range(calls):
+        lib_body()
+    torch_reset()
+    for _ in range(calls):
+        torch_body()
+    want = (calls * rows * (K - new), calls * rows * new)
+    hits, misses, invalid = (state.counters - saved[0][2]).tolist()
+    assert (hits, misses, invalid) == (*want, 0), f"library: hits={hits} misses={misses} invalid={invalid}"
+    assert (int(ref.hits), int(ref.misses)) == want, f"torch: hits={int(ref.hits)} misses={int(ref.misses)}"
+    last = w.sels[calls]
+    fresh = ~rows_isin(last, w.sels[0])
+    check_selection(cells, host, page_table, last, state.index_table, fresh)
+    check_selection(ref.cells, host, page_table, last, ref.table, fresh)
+    ratio = torch_us / lib_us
+    how = ("eager, timed with CUDA events: its boolean-mask fetch synchronises, so it cannot be "
+           "captured" if device == "cuda" else "eager, wall clock")
+    return Result("P-TORCH", f"res+fetch {rows}x{K}x{S}: torch(eager) {ratio:.1f}x", lib_us,
+                  target=">= 20x vs torch", passed=None if device == "cpu" else ratio >= 20,
+                  extra={"torch_us": torch_us, "library_us": lib_us, "ratio": ratio,
+                         "note": f"P-RES's workload (1% misses); library resolve + fetch {lib_us:.1f} "
+                                 f"us per step (graph-replayed, {calls} steps per graph) vs torch ops "
+                                 f"{torch_us:.1f} us per step ({how}): {ratio:.1f}x; same hits/misses, "
+                                 f"cells of both checked against the host pages"})
+
+
+def step_sizes(quick: bool) -> dict:
+    """P-STEP's shape. Default: 64 rows, K=2048, S=4096, U=1, 656-B rows, 2% misses, 61 sparse
+    layers; history 2,560 tokens per row (enough for K + the misses; the host pool holds 41
+    pages per row of all 61 layers: 6.7 GB pinned); cells 61 x 64 x 4096 x 656 B = 10.5 GB."""
+    if quick:
+        return {"rows": 4, "K": 64, "S": 128, "history": 128, "groups": [4, 4, 1]}
+    return {"rows": 64, "K": 2048, "S": 4096, "history": 2560, "groups": [4] * 15 + [1]}
+
+
+def run_step(timer, device, quick, groups, seed) -> dict:
+    """A full decode step of cache ops with the given selection-group sizes: per group one
+    resolve, per layer one fetch, then one write_indices per group and one flush, captured as
+    one graph and replayed from the steady state (the previous selection resident and fetched,
+    one token in flight per row). Checks every group's counters and index table, and on sampled
+    layers (cells zeroed before a last replay) every selected unit's bytes and the flushed token."""
+    sz = step_sizes(quick)
+    R, K, S, H = sz["rows"], sz["K"], sz["S"], sz["history"]
+    L, G, B = sum(groups), len(groups), MLA_ROW
+    config = sparse_config(device, rows=R, width=K, slots=S, unit=1, page=PAGE, bytes_per_token=B,
+                           layers=L, inflight=16, tokens_per_row=H + 64, groups=groups)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    seat(manager, batch, R, H, capacity=H + 1)  # token H is in flight
+    pool = manager.storage.groups[0]
+    assert len(manager.storage.groups) == 1 and len(batch._flush_args) == 1
+    fill_random(pool.data, device, seed)
+    new = max(1, round(K * 0.02))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    order = torch.rand((G, R, H), generator=gen, device=device).argsort(-1)
+    sel0 = order[..., :K]
+    pos = torch.rand((G, R, K), generator=gen, device=device).argsort(-1)[..., :new]
+    sel1 = sel0.scatter(2, pos, order[..., K:K + new])  # 2% never-used units per row
+    fresh = torch.zeros((G, R, K), dtype=torch.bool, device=device).scatter_(2, pos, True)
+    sels0 = [sel0[g].to(torch.int32).contiguous() for g in range(G)]
+    sels1 = [sel1[g].to(torch.int32).contiguous() for g in range(G)]
+    del order, sel0, sel1, pos
+    group_layers = [spec.layers for spec in config.selection_groups]
+    assert [len(ls) for ls in group_layers] == list(groups)
+    for gi, layers in enumerate(group_layers):  # steady state
+        batch.resolve(gi, sels0[gi])
+        for layer in layers:
+            batch.fetch(layer)
+        batch.write_indices(gi)
+    states = batch.groups
+    saved = snapshot(states)
+
+    def reset():
+        restore(states, saved)
+
+    def body():
+        for gi, layers in enumerate(group_layers):
+            batch.resolve(gi, sels1[gi])
+            for layer in layers:
+                batch.fetch(layer)
+        for gi in range(G):
+            batch.write_indices(gi)
+        batch.flush()
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    us, replay = timer.graph(body, 1, reset, keep=True)
+    # a last replay with the sampled layers' cells zeroed, a pattern in their in-flight cell and
+    # zeros in the host bytes of that token
+    sample = sorted({group_layers[0][0], group_layers[G // 2][-1], group_layers[-1][-1]},
+                    key=lambda name: int(name[1:]))
+    page_table = batch.page_tables[0]
+    host_slot = page_table[:, H // PAGE].long()
+    patterns = {}
+    for layer in sample:
+        gi, li = config.group_of(layer).index, int(layer[1:])
+        cells = batch.cells(layer, "kv")
+        cells.zero_()
+        write = states[gi].write_table[:, 0].long()
+        assert bool((write >= 0).all()), "no cell for the in-flight token"
+        pattern = ((torch.arange(R, device=device) * 3 + li * 7 + 1) % 256).to(torch.uint8)
+        patterns[layer] = pattern[:, None].expand(R, B)
+        cells[:, 0][write // PAGE, write % PAGE] = patterns[layer]
+        manager.storage.slot_pages(layer, "kv")[:, 0][host_slot, H % PAGE] = 0
+    replay()
+    del replay
+    for gi, st in enumerate(states):
+        got = (st.counters - saved[gi][2]).tolist()
+        assert got == [R * (K - new), R * new, 0], f"group {gi}: hits, misses, invalid = {got}"
+        assert bool((st.index_table >= 0).all()), f"group {gi}: a selected unit has no entry"
+    for layer in sample:
+        gi = config.group_of(layer).index
+        host = manager.storage.slot_pages(layer, "kv")
+        check_selection(batch.cells(layer, "kv"), host, page_table, sels1[gi], states[gi].index_table,
+                        fresh[gi])
+        assert torch.equal(host[:, 0][host_slot, H % PAGE], patterns[layer]), f"{layer}: flush wrote wrong bytes"
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    cells_bytes = sum(batch.cells(layer, "kv").numel() for ls in group_layers for layer in ls)
+    return {"us": us, "rows": R, "K": K, "S": S, "history": H, "layers": L, "groups": G, "new": new,
+            "fetch_bytes": R * new * B * L, "flush_bytes": R * B * L, "cells_bytes": cells_bytes,
+            "host_bytes": pool.data.numel(), "gpu_peak_bytes": peak, "sample": sample}
+
+
+def bench_step(timer, device, quick, ceil, pres_us) -> list:
+    """P-STEP (selection groups) and P-STEP-HS (61 private groups: per-layer resolve + fetch, the
+    HiSparse shape), built one after the other so only one set of cells and host pages lives."""
+    groups = step_sizes(quick)["groups"]
+    grouped = run_step(timer, device, quick, groups, seed=5)
+    release(device)
+    private = run_step(timer, device, quick, [1] * sum(groups), seed=6)
+    release(device)
+    out = []
+    for rid, s in (("P-STEP", grouped), ("P-STEP-HS", private)):
+        nbytes = s["fetch_bytes"] + s["flush_bytes"]
+        ideal = s["fetch_bytes"] / (ceil["h2d"] * 1e3) + s["flush_bytes"] / (ceil["d2h"] * 1e3)
+        limit = 1.2 * ideal + s["groups"] * pres_us
+        shape = (f"{s['layers']}L/{s['groups']}G x {s['rows']}r K={s['K']} S={s['S']} "
+                 f"{100 * s['new'] / s['K']:.0f}%")
+        note = (f"{s['layers']} layers in {s['groups']} selection groups, {s['rows']} rows, "
+                f"{s['new']} misses per row per group; bytes moved {nbytes / 1e6:.3f} MB (fetch "
+                f"{s['fetch_bytes'] / 1e6:.3f} + flush {s['flush_bytes'] / 1e6:.3f}); at CE "
+                f"bandwidth {ideal:.0f} us; limit 1.2 x {ideal:.0f} + {s['groups']} x P-RES "
+                f"{pres_us:.1f} = {limit:.0f} us; measured {s['us']:.0f} us; GPU cells "
+                f"{s['cells_bytes'] / 1e9:.2f} GB (peak allocated {s['gpu_peak_bytes'] / 1e9:.2f} GB), "
+                f"pinned host pages {s['host_bytes'] / 1e9:.2f} GB; bytes checked on {s['sample']}")
+        if rid == "P-STEP-HS":
+            note += f"; P-STEP (grouped) is {s['us'] / grouped['us']:.2f}x faster"
+            target, passed = "reference for P-STEP", None
+        else:
+            target, passed = f"<= {limit:.0f} us", None if device == "cpu" else s["us"] <= limit
+        out.append(Result(rid, shape, s["us"], nbytes, "CE H2D", ceil["h2d"], target, passed,
+                          extra={k: v for k, v in s.items() if k != "sample"} |
+                          {"ideal_us": ideal, "limit_us": limit, "pres_us": pres_us, "note": note}))
+    return out
+
+
+def bench_capacity(device, quick) -> Result:
+    """P-CAP: GPU bytes per request of the sparse layers, read off the batch's cell tensors
+    (numel / max_rows) with one request seated at each of two context lengths and one resolve +
+    fetch over its whole history; must equal S x U x bytes_per_token per sparse buffer at both."""
+    K, S, rows, layers, B = (64, 128, 2, 2, MLA_ROW) if quick else (2048, 4096, 2, 2, MLA_ROW)
+    contexts = (1024, 4096) if quick else (32768, 131072)
+    found = []
+    for ctx in contexts:
+        pages = -(-(ctx + 2 * PAGE) // PAGE)
+        config = sparse_config(device, rows=rows, width=K, slots=S, unit=1, page=PAGE, bytes_per_token=B,
+                               layers=layers, tokens_per_row=ctx + 2 * PAGE, groups=[1] * layers,
+                               host_bytes=pages * layers * PAGE * B + (1 << 20))  # one request
+        manager = kv.KVCacheManager(config)
+        batch = kv.Batch(manager)
+        g = torch.Generator().manual_seed(ctx)
+        selected = torch.full((rows, K), -1, dtype=torch.int32)
+        selected[0] = torch.randperm(ctx, generator=g)[:K].to(torch.int32)
+        selected = selected.to(device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated() if device == "cuda" else 0
+        seat(manager, batch, 1, ctx)
+        for gi in range(layers):
+            batch.resolve(gi, selected)
+            batch.fetch(f"l{gi}")
+        grew = torch.cuda.memory_allocated() - before if device == "cuda" else 0
+        for gi in range(layers):
+            assert batch.hit_rate(gi)["misses"] == K, "resolve over the whole context missed"
+        cells = sum(batch.cells(f"l{i}", "kv").numel() for i in range(layers)) // batch.max_rows
+        assert cells == layers * S * 1 * B, f"cells per request {cells} != S x U x B x layers"
+        tables = batch_memory_bytes(config, len(manager.storage.groups), 1)["gpu"] - cells
+        found.append({"context": ctx, "cells_bytes": cells, "dense_bytes": layers * ctx * B,
+                      "table_bytes": tables, "gpu_alloc_for_request": grew})
+        del manager, batch
+        release(device)
+    assert len({f["cells_bytes"] for f in found}) == 1, "cells per request depend on the context"
+    per_layer = found[0]["cells_bytes"] // layers
+    lo, hi = found
+    note = (f"per request per sparse layer: cells {per_layer / 1e6:.2f} MB (S={S} x U=1 x {B} B) at "
+            f"{lo['context']} and at {hi['context']} tokens, vs a dense layout "
+            f"{lo['dense_bytes'] / layers / 1e6:.1f} / {hi['dense_bytes'] / layers / 1e6:.1f} MB; "
+            f"61 layers: {61 * per_layer / 1e9:.3f} GB vs {61 * lo['dense_bytes'] / layers / 1e9:.2f} / "
+            f"{61 * hi['dense_bytes'] / layers / 1e9:.2f} GB; device tables + residency per row "
+            f"{lo['table_bytes']} / {hi['table_bytes']} B (4 B per {PAGE}-token page); GPU memory "
+            f"allocated by seating + a step: {lo['gpu_alloc_for_request']} / {hi['gpu_alloc_for_request']} B")
+    k = lambda n: f"{n // 1024}K"
+    return Result("P-CAP", f"{per_layer / 1e6:.2f} MB/req/layer @{k(lo['context'])}={k(hi['context'])} "
+                  f"(dense {hi['dense_bytes'] / layers / 1e6:.0f} MB)", 0.0,
+                  target="indep. of context", passed=None if device == "cpu" else True,
+                  extra={"contexts": found, "cells_bytes_per_layer": per_layer, "note": note})
+
+
+def scaling_point(timer, device, rows, K, S, miss, seed) -> dict:
+    """One resolve + fetch step (one layer, U=1, 656-B rows) from the steady state, with
+    ``miss`` of the selection replaced by never-used units; checked like P-STEP."""
+    new = max(1, round(K * miss))
+    H = -(-(K + new) // PAGE) * PAGE
+    config = sparse_config(device, rows=rows, width=K, slots=S, unit=1, page=PAGE, bytes_per_token=MLA_ROW,
+                           tokens_per_row=H + 64)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    seat(manager, batch, rows, H)
+    fill_random(manager.storage.groups[0].data, device, seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    order = torch.rand((rows, H), generator=gen, device=device).argsort(-1)
+    pos = torch.rand((rows, K), generator=gen, device=device).argsort(-1)[:, :new]
+    sel0 = order[:, :K].to(torch.int32).contiguous()
+    sel1 = order[:, :K].scatter(1, pos, order[:, K:K + new]).to(torch.int32).contiguous()
+    fresh = torch.zeros((rows, K), dtype=torch.bool, device=device).scatter_(1, pos, True)
+    state = batch.group(0)
+    batch.resolve(0, sel0)
+    batch.fetch("l0")
+    saved = snapshot([state])
+
+    def body():
+        batch.resolve(0, sel1)
+        batch.fetch("l0")
+
+    us, replay = timer.graph(body, 1, lambda: restore([state], saved), keep=True)
+    cells = batch.cells("l0", "kv")
+    cells.zero_()
+    replay()
+    got = (state.counters - saved[0][2]).tolist()
+    assert got == [rows * (K - new), rows * new, 0], f"hits, misses, invalid = {got}"
+    check_selection(cells, manager.storage.slot_pages("l0", "kv"), batch.page_tables[0], sel1,
+                    state.index_table, fresh)
+    return {"rows": rows, "K": K, "S": S, "miss_pct": 100 * new / K, "misses": rows * new,
+            "bytes": rows * new * MLA_ROW, "us": us}
+
+
+def bench_scaling(timer, device, quick) -> list:
+    """Time per step (resolve + fetch of one layer) and bytes moved, one dimension varied at a
+    time from 64 rows, K=2048, S=4096, 2% misses: time should follow bytes moved, not rows x S."""
+    if quick:
+        base = {"rows": 4, "K": 128, "S": 256, "miss": 0.02}
+        sweeps = {"rows": [1, 4, 8], "K": [64, 128], "S": [128, 256, 512], "miss": [0.01, 0.1, 1.0]}
+        fixed = {"S": {"K": 64}}
+    else:
+        base = {"rows": 64, "K": 2048, "S": 4096, "miss": 0.02}
+        sweeps = {"rows": [1, 4, 16, 64, 256], "K": [512, 1024, 2048], "S": [1024, 2048, 4096, 8192],
+                  "miss": [0.001, 0.01, 0.02, 0.1, 0.5, 1.0]}
+        fixed = {"S": {"K": 512}}  # S = 1K needs K <= S - 17
+    points = []
+    for name, values in sweeps.items():
+        for v in values:
+            shape = {**base, **fixed.get(name, {}), name: v}
+            point = scaling_point(timer, device, shape["rows"], shape["K"], shape["S"], shape["miss"],
+                                  seed=len(points))
+            points.append({"sweep": name, **point})
+            release(device)
+    return points
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small CPU smoke run of the harness")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also the scaling table: rows, K, S and miss rate swept (takes longer)")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
@@ -298,8 +817,14 @@ def main(argv=None) -> int:
         bench_flush(timer, device, args.quick, ceil),
         bench_index(timer, device, args.quick, ceil),
     ]
+    release(device)
+    results.append(bench_torch(timer, device, args.quick))
+    release(device)
+    results += bench_step(timer, device, args.quick, ceil, pres_us=results[0].median_us)
+    results.append(bench_capacity(device, args.quick))
+    scaling = bench_scaling(timer, device, args.quick) if args.scaling else []
     for r in results:
-        if r.passed is None and r.ceiling_gbs and device == "cuda":
+        if r.passed is None and r.ceiling_gbs and device == "cuda" and "%" in r.target:
             r.passed = r.pct >= float(r.target.split("%")[0].split()[-1])
     title = "CPU smoke run: numbers are not claims" if device == "cpu" else torch.cuda.get_device_name()
     print(f"# torch_kvcm2 benchmarks — {title}")
@@ -311,10 +836,23 @@ def main(argv=None) -> int:
         verdict = "-" if r.passed is None else ("yes" if r.passed else "NO")
         print(f"| {r.id:12} | {r.shape:44} | {r.median_us:9.2f} | {r.gbs:7.1f} | {r.pct:6.1f} | "
               f"{r.target:20} | {verdict:4} |")
+    for r in results:
+        if r.extra.get("note"):
+            print(f"# {r.id}: {r.extra['note']}")
+    if scaling:
+        print("# scaling: one resolve + fetch step (1 layer, U=1, 656-B rows) from the steady state, "
+              "one dimension varied at a time")
+        print(f"| {'sweep':5} | {'rows':>4} | {'K':>5} | {'S':>5} | {'miss %':>6} | {'misses':>7} | "
+              f"{'MB moved':>8} | {'median us':>9} | {'GB/s':>6} |")
+        print(f"|{'-' * 7}|{'-' * 6}|{'-' * 7}|{'-' * 7}|{'-' * 8}|{'-' * 9}|{'-' * 10}|{'-' * 11}|{'-' * 8}|")
+        for p in scaling:
+            print(f"| {p['sweep']:5} | {p['rows']:4} | {p['K']:5} | {p['S']:5} | {p['miss_pct']:6.2f} | "
+                  f"{p['misses']:7} | {p['bytes'] / 1e6:8.3f} | {p['us']:9.2f} | {p['bytes'] / p['us'] / 1e3:6.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": title, "ceilings_gbs": ceil,
-                       "results": [{**r.__dict__, "gbs": r.gbs, "pct": r.pct} for r in results]}, f, indent=1)
+                       "results": [{**r.__dict__, "gbs": r.gbs, "pct": r.pct} for r in results],
+                       "scaling": scaling}, f, indent=1)
     return 0
 
 

@@ -2,7 +2,7 @@
 # The GPU round trip, run on the device machine from the repo root:
 #   build the CUDA extension against the machine's torch, run the CUDA tests, a long data-safety
 #   run and the benchmarks. Logs go to $OUT (the device tool brings them back).
-# Usage: [LONG=0] [BENCH=0] [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
+# Usage: [LONG=0] [BENCH=0] [SCALING=1] [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" TORCH_KVCM2_CUDA=1
@@ -26,5 +26,5 @@ echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
 [ "${LONG:-1}" = 1 ] && KVCM2_SAFETY_STEPS="${KVCM2_SAFETY_STEPS:-3000}" python3 -m pytest -q -p no:cacheprovider -m cuda \
   tests/test_data_safety.py 2>&1 | tee "$OUT/tests_safety_long.log" | tail -3
 if [ "${BENCH:-1}" = 1 ]; then
-  python3 benchmarks/run.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+  python3 benchmarks/run.py --json "$OUT/bench.json" ${SCALING:+--scaling} 2>&1 | tee "$OUT/bench.txt"
 fi

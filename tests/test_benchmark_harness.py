@@ -4,17 +4,61 @@ import json
 import os
 import sys
 
+import pytest
 
-def test_quick_benchmark_run_checks_outputs_and_writes_json(tmp_path, capsys):
+IDS = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP", "P-STEP-HS",
+       "P-CAP"]
+
+
+@pytest.fixture(scope="module")
+def bench():
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "run.py")
     spec = importlib.util.spec_from_file_location("kvcm2_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(bench)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_benchmark_run_checks_outputs_and_writes_json(bench, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert bench.main(["--quick", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    ids = [r["id"] for r in data["results"]]
-    assert ids == ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX"]
-    assert all(r["median_us"] > 0 for r in data["results"])
-    assert "numbers are not claims" in capsys.readouterr().out
+    results = {r["id"]: r for r in data["results"]}
+    assert [r["id"] for r in data["results"]] == IDS
+    assert all(r["median_us"] > 0 for r in data["results"] if r["id"] != "P-CAP")
+    assert all(r["passed"] is None for r in data["results"])  # the CPU run claims nothing
+    assert data["scaling"] == []
+    printed = capsys.readouterr().out
+    assert "numbers are not claims" in printed
+    for rid in ("P-TORCH", "P-STEP", "P-STEP-HS", "P-CAP"):
+        assert f"# {rid}: " in printed  # its note under the table
+
+    torch_ = results["P-TORCH"]["extra"]
+    assert torch_["torch_us"] > 0 and torch_["ratio"] == pytest.approx(torch_["torch_us"] / torch_["library_us"])
+
+    sizes = bench.step_sizes(quick=True)
+    for rid, groups in (("P-STEP", len(sizes["groups"])), ("P-STEP-HS", sum(sizes["groups"]))):
+        r = results[rid]
+        e = r["extra"]
+        layers, rows = sum(sizes["groups"]), sizes["rows"]
+        assert (e["layers"], e["groups"], e["rows"], e["K"], e["S"]) == (layers, groups, rows, sizes["K"], sizes["S"])
+        assert e["fetch_bytes"] == rows * e["new"] * 656 * layers and e["flush_bytes"] == rows * 656 * layers
+        assert r["nbytes"] == e["fetch_bytes"] + e["flush_bytes"]
+        assert e["cells_bytes"] == layers * rows * sizes["S"] * 656
+        assert e["limit_us"] == pytest.approx(1.2 * e["ideal_us"] + groups * results["P-RES"]["median_us"])
+
+    cap = results["P-CAP"]["extra"]
+    assert len(cap["contexts"]) == 2 and cap["contexts"][0]["context"] < cap["contexts"][1]["context"]
+    assert {c["cells_bytes"] for c in cap["contexts"]} == {2 * cap["cells_bytes_per_layer"]}
+    assert cap["cells_bytes_per_layer"] == 128 * 656  # S x U x bytes_per_token (quick: S = 128)
+    assert all(c["dense_bytes"] == 2 * c["context"] * 656 for c in cap["contexts"])
+
+
+def test_scaling_table_is_checked_and_follows_bytes(bench):
+    points = bench.bench_scaling(bench.Timer("cpu", 1), "cpu", quick=True)
+    assert {p["sweep"] for p in points} == {"rows", "K", "S", "miss"}
+    assert all(p["us"] > 0 and p["bytes"] == p["misses"] * 656 for p in points)
+    miss = [p for p in points if p["sweep"] == "miss"]
+    assert [p["miss_pct"] for p in miss] == sorted(p["miss_pct"] for p in miss)
+    assert miss[-1]["miss_pct"] == 100 and miss[-1]["misses"] == miss[-1]["rows"] * miss[-1]["K"]
