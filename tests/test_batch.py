@@ -178,6 +178,10 @@ def test_per_step_calls_validate_their_arguments(manager):
         (KeyError, lambda: batch.resolve("swa", good)),
         (KeyError, lambda: batch.fetch("nope")),
         (KeyError, lambda: batch.fetch("swa")),
+        (KeyError, lambda: batch.fetch("shared0", "nope")),
+        (TypeError, lambda: batch.fetch()),
+        (ValueError, lambda: batch.fetch("shared0", "private")),  # two selection groups
+        (ValueError, lambda: batch.fetch("shared0", "shared1", "shared0")),
         (TypeError, lambda: batch.resolve(0, [[0]])),
     ]
     counters = batch.hit_miss(0).clone()
@@ -187,18 +191,55 @@ def test_per_step_calls_validate_their_arguments(manager):
     assert torch.equal(batch.hit_miss(0), counters)
 
 
+def fill_host_tokens(manager, cache, layer, value):
+    """Every token t of ``cache``'s pages of ``layer``'s latent gets bytes value(t)."""
+    host = manager.storage.view(layer, "kv", device_side=False)
+    place = manager.storage.place(layer, "kv")
+    scale = manager.storage.groups[place.group].scale
+    P = manager.config.tokens_per_page
+    for ordinal, slot in enumerate(cache.pages(place.group)):
+        for t in range(P):
+            host[slot * scale + place.pos, 0, t] = value(ordinal * P + t)
+
+
+def test_fetch_of_several_layers_in_one_call_equals_fetch_per_layer(manager):
+    """OP-FETCH: Batch.fetch(a, b, ...) of layers of one group fills each layer's cells exactly
+    as one fetch per layer does (one launch serves several layers' buffers)."""
+    layers = ["shared0", "shared1", "shared2"]
+    batches = []
+    for together in (False, True):
+        mgr = kv.KVCacheManager(dsa_config())
+        batch = kv.Batch(mgr)
+        cache = cache_with(mgr, 12)
+        batch.add(cache)
+        batch.publish()
+        for i, layer in enumerate(layers):
+            fill_host_tokens(mgr, cache, layer, lambda t, i=i: 50 * i + t)
+        selected = torch.full((4, 4), -1, dtype=torch.int32)
+        selected[0] = torch.tensor([9, 1, 4, 11])
+        batch.resolve("idx", selected)
+        if together:
+            batch.fetch(*layers)
+        else:
+            for layer in layers:
+                batch.fetch(layer)
+        batches.append(batch)
+    for i, layer in enumerate(layers):
+        per_layer, together = (b.cells(layer, "kv") for b in batches)
+        assert torch.equal(per_layer, together), layer
+        table = batches[1].group("idx").index_table
+        for j, unit in enumerate((9, 1, 4, 11)):
+            entry = int(table[0, j])
+            assert bool((together[entry // 4, 0, entry % 4] == 50 * i + unit).all()), (layer, unit)
+
+
 def test_fused_fetch_is_for_layers_alone_in_their_group(manager):
     """OP-FETCH-FUSED: a shared group is refused with ValueError."""
     batch = kv.Batch(manager)
     cache = cache_with(manager, 8)
     batch.add(cache)
     batch.publish()
-    host = manager.storage.view("private", "kv", device_side=False)
-    place = manager.storage.place("private", "kv")
-    scale = manager.storage.groups[place.group].scale
-    for ordinal, slot in enumerate(cache.pages(place.group)):
-        for t in range(4):
-            host[slot * scale + place.pos, 0, t] = 10 * ordinal + t
+    fill_host_tokens(manager, cache, "private", lambda t: 10 * (t // 4) + t % 4)
     selected = torch.full((4, 4), -1, dtype=torch.int32)
     selected[0, :2] = torch.tensor([6, 2])
     with pytest.raises(ValueError, match="shares selection group"):

@@ -23,8 +23,9 @@ def op_samples(device):
     selected, _ = driver.inputs()
     batch.resolve(0, selected[0])
     state, sp = batch.groups[0], groups[0].sparse
-    cells, hosts, tables = batch._fetch_args["a0"]
-    flush_hosts, flush_cells, flush_res, flush_slots, flush_table, params = batch._flush_args[0]
+    fetch_args = batch._fetch_args["a0"]  # cells, host pools, positions, page tables
+    flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table, params = \
+        batch._flush_args[0]
     positions = torch.arange(8, dtype=torch.int32, device=device).repeat(4, 1)
     return {
         "convert_page_indices": (torch.empty(4, 16, dtype=torch.int32, device=device),
@@ -34,16 +35,29 @@ def op_samples(device):
         "resolve": (state.resident, state.recency, state.index_table, state.miss_list,
                     state.miss_count, state.counters, selected[0], batch.history, batch.capacity,
                     batch.lease, sp.tokens_per_unit, 4, sp.max_inflight_tokens, 0),
-        "fetch": (cells, hosts, tables, state.miss_list, state.miss_count, sp.slots,
-                  sp.tokens_per_unit),
+        "fetch": (*fetch_args, state.miss_list, state.miss_count, sp.slots, sp.tokens_per_unit),
         "locate_inflight": (state.inflight_slots, state.resident, batch.history, batch.capacity,
                             batch.lease, sp.tokens_per_unit, sp.max_inflight_tokens),
         "write_indices": (state.write_table, state.inflight_start, state.resident,
                           state.inflight_slots, batch.history, batch.capacity, batch.lease,
                           sp.tokens_per_unit, sp.max_inflight_tokens),
-        "flush": (flush_hosts, flush_cells, flush_res, flush_slots, flush_table, batch.capacity,
-                  batch.history, batch.capacity, batch.lease, params),
+        "flush": (flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table,
+                  batch.capacity, batch.history, batch.capacity, batch.lease, params),
     }
+
+
+def test_state_tensors_never_alias():
+    """What a compiled step mutates enters it as distinct, non-overlapping tensors: fetch and
+    flush take each pool group's whole pool, never per-buffer views (which alias, so AOTAutograd
+    would mutate them through a synthetic base and cudagraph trees would refuse the graph).
+    The stepping batch has three layers' latents in one pool group."""
+    batch = Driver("cpu", seed=3).batch
+    assert len(batch._flush_args) == 1 and len(batch.manager.storage.groups) == 2
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for t in batch.state_tensors() if t.numel())
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start
+    assert len({id(t) for t in batch.state_tensors()}) == len(batch.state_tensors())
 
 
 def test_every_registered_op_is_covered():

@@ -523,7 +523,8 @@ class Layer:
         # the host pool group: [slots, scale, chunks, P, bpc]; this buffer is pos `pos`
         pool = torch.randint(0, 256, (host_slots, scale, chunks, P, self.bpc), generator=gen,
                              dtype=torch.uint8)
-        self.host = pool.to(device)[:, pos]  # strided across slots when scale > 1
+        self.pos = pos
+        self._set_pool(pool.to(device))
         num_cells = num_leases * S // E
         g = 1 if guard else 0
         self._cells = torch.randint(0, 256, (num_cells + 2 * g, chunks, P, self.bpc),
@@ -539,11 +540,19 @@ class Layer:
         self.ref_cells = ref.pages_from_tensor(self.cells)
         self.ref_host = ref.pages_from_tensor(self.host)
 
+    def _set_pool(self, pool5):
+        """pool5: [slots, scale, chunks, P, bpc]. ``pool`` is what fetch takes (the pool group's
+        [slots, scale, page_bytes]); ``host`` this buffer's pages (strided when scale > 1)."""
+        slots, scale, chunks, P, bpc = pool5.shape
+        self._pool5 = pool5
+        self.pool = pool5.view(slots, scale, chunks * P * bpc)
+        self.host = pool5[:, self.pos]
+
     def clone_to(self, device):
         """A copy of this buffer (host pool, page table, cells, reference) on `device`."""
         other = object.__new__(Layer)
         other.__dict__.update(self.__dict__)
-        other.host = self.host.to(device)
+        other._set_pool(self._pool5.to(device))
         other.page_table = self.page_table.to(device)
         other._cells = self._cells.clone().to(device)
         n, g = self.cells.shape[0], self.guard
@@ -561,7 +570,7 @@ class Layer:
 
 
 def run_fetch(layers, miss_list, miss_count, S, U):
-    ops.fetch([l.cells for l in layers], [l.host for l in layers],
+    ops.fetch([l.cells for l in layers], [l.pool for l in layers], [l.pos for l in layers],
               [l.page_table for l in layers], miss_list, miss_count, S, U)
 
 
@@ -744,19 +753,21 @@ def test_op_fetch_bad_host_arguments_raise():
     ml = t32([[0, 0, 0, 0]], "cpu")
     mc = t32([1], "cpu")
     before = layer.cells.clone()
+    cells, pool, table = layer.cells, layer.pool, layer.page_table
     calls = [
-        lambda: ops.fetch([layer.cells], [], [layer.page_table], ml, mc, 8, 2),
-        lambda: ops.fetch([layer.cells.view(torch.int8)], [layer.host], [layer.page_table], ml,
-                          mc, 8, 2),
-        lambda: ops.fetch([layer.cells], [layer.host[:, :, :2].contiguous()],
-                          [layer.page_table], ml, mc, 8, 2),
-        lambda: ops.fetch([layer.cells], [layer.host], [layer.page_table.long()], ml, mc, 8, 2),
-        lambda: ops.fetch([layer.cells], [layer.host], [layer.page_table], ml[:, :3].contiguous(),
-                          mc, 8, 2),
-        lambda: ops.fetch([layer.cells], [layer.host], [layer.page_table], ml, mc.long(), 8, 2),
-        lambda: ops.fetch([layer.cells], [layer.host], [layer.page_table], ml, mc, 0, 2),
-        lambda: ops.fetch([layer.cells], [layer.host], [layer.page_table], ml, mc, 8, 3),
-        lambda: ops.fetch([layer.cells], [layer.host], [layer.page_table], ml, mc, 7, 2),
+        lambda: ops.fetch([cells], [], [0], [table], ml, mc, 8, 2),
+        lambda: ops.fetch([cells], [pool], [], [table], ml, mc, 8, 2),
+        lambda: ops.fetch([cells.view(torch.int8)], [pool], [0], [table], ml, mc, 8, 2),
+        lambda: ops.fetch([cells], [pool[:, :, :2].contiguous()], [0], [table], ml, mc, 8, 2),
+        lambda: ops.fetch([cells], [layer.host], [0], [table], ml, mc, 8, 2),  # a 4-D view
+        lambda: ops.fetch([cells], [pool], [1], [table], ml, mc, 8, 2),  # position past scale
+        lambda: ops.fetch([cells], [pool], [-1], [table], ml, mc, 8, 2),
+        lambda: ops.fetch([cells], [pool], [0], [table.long()], ml, mc, 8, 2),
+        lambda: ops.fetch([cells], [pool], [0], [table], ml[:, :3].contiguous(), mc, 8, 2),
+        lambda: ops.fetch([cells], [pool], [0], [table], ml, mc.long(), 8, 2),
+        lambda: ops.fetch([cells], [pool], [0], [table], ml, mc, 0, 2),
+        lambda: ops.fetch([cells], [pool], [0], [table], ml, mc, 8, 3),
+        lambda: ops.fetch([cells], [pool], [0], [table], ml, mc, 7, 2),
     ]
     for i, call in enumerate(calls):
         with pytest.raises((RuntimeError, ValueError)):
@@ -786,8 +797,8 @@ def test_op_resolve_and_fetch_opcheck(device):
                     host_slots=6, rows=2, max_pages=16, guard=False) for c_ in (1, 2)]
     torch.library.opcheck(
         torch.ops.torch_kvcm2.fetch.default,
-        ([l.cells for l in layers], [l.host for l in layers], [l.page_table for l in layers],
-         g.miss_list, g.miss_count, 8, 2))
+        ([l.cells for l in layers], [l.pool for l in layers], [l.pos for l in layers],
+         [l.page_table for l in layers], g.miss_list, g.miss_count, 8, 2))
     # opcheck works on copies; the state is unchanged and still agrees with the reference
     assert g.resident.cpu().tolist() == g.ref.resident
     g.step([[3, 8, 8, -1], [4, 2, 6, 1]], [32, 9], [32, 11], [1, 0])
@@ -813,13 +824,13 @@ def test_op_resolve_and_fetch_mixed_devices_raise():
     ops.resolve(*args)
     before = layer.cells.clone()
     for which in range(5):
-        parts = [[layer.cells], [layer.host], [layer.page_table], g.miss_list, g.miss_count]
+        parts = [[layer.cells], [layer.pool], [layer.page_table], g.miss_list, g.miss_count]
         if which < 3:
             parts[which] = [parts[which][0].cpu()]
         else:
             parts[which] = parts[which].cpu()
         with pytest.raises(RuntimeError):
-            ops.fetch(*parts, 8, 2)
+            ops.fetch(parts[0], parts[1], [0], *parts[2:], 8, 2)
     assert torch.equal(before, layer.cells)
 
 
@@ -829,10 +840,10 @@ def test_op_resolve_fetch_torch_compile_fullgraph_equals_eager():
     torch._dynamo.reset()
 
     def step(resident, recency, index_table, miss_list, miss_count, counters, selected, history,
-             capacity, lease, cells, host, page_table):
+             capacity, lease, cells, pool, page_table):
         ops.resolve(resident, recency, index_table, miss_list, miss_count, counters, selected,
                     history, capacity, lease, 2, 4, 4, 0)
-        ops.fetch([cells], [host], [page_table], miss_list, miss_count, 8, 2)
+        ops.fetch([cells], [pool], [0], [page_table], miss_list, miss_count, 8, 2)
         return index_table.clone()
 
     gen = torch.Generator().manual_seed(8)
@@ -849,7 +860,7 @@ def test_op_resolve_fetch_torch_compile_fullgraph_equals_eager():
         for g, cells, fn in ((eager_g, eager_cells, step), (comp_g, comp_cells, compiled)):
             tensors = (t32(sel, "cpu"), t32(h, "cpu"), t32(c, "cpu"), t32(lease, "cpu"))
             outs.append(fn(g.resident, g.recency, g.index_table, g.miss_list, g.miss_count,
-                           g.counters, *tensors, cells, layer.host, layer.page_table))
+                           g.counters, *tensors, cells, layer.pool, layer.page_table))
         assert torch.equal(outs[0], outs[1])
         for name in ("resident", "recency", "index_table", "miss_count", "counters"):
             assert torch.equal(getattr(eager_g, name), getattr(comp_g, name)), name

@@ -412,6 +412,11 @@ class FlushCase:
                                             generator=gen, dtype=U8))
         self.unit_params = [v for U, I, S, chunks, g in buffers for v in (S, U, I)]
 
+    def pool_args(self, pool):
+        """What flush takes for this pool: the inner slots (between the guards) and buffer b at
+        position b."""
+        return pool[1:-1], list(range(len(self.buffers)))
+
     def host_views(self, pool):
         """Buffer b's host pages: position b of every inner slot (strided across slots)."""
         inner = pool[1:-1]
@@ -433,7 +438,7 @@ class FlushCase:
         lengths = [t32(x, device) for x in (self.new_history, self.h, self.c, self.lease)]
         read_only = [x.clone() for x in cells + list(resident.values()) + list(inflight.values())
                      + [table] + lengths]
-        ops.flush(self.host_views(pool), cells,
+        ops.flush(*self.pool_args(pool), cells,
                   [resident[g] for *_, g in self.buffers], [inflight[g] for *_, g in self.buffers],
                   table, *lengths, self.unit_params)
         if device == "cuda":
@@ -493,7 +498,8 @@ def test_flush_worked_example(device):
     table = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     host = torch.zeros(12, chunks, P, 1, dtype=U8)
     dev_host = host.to(device)
-    ops.flush([dev_host], [cells.to(device)], [t32(resident, device)], [t32(inflight, device)],
+    ops.flush(dev_host.view(len(host), 1, -1), [0], [cells.to(device)], [t32(resident, device)],
+              [t32(inflight, device)],
               t32(table, device), t32(new_h, device), t32(h, device), t32(c, device),
               t32(lease, device), [S, U, I])
     got = dev_host.cpu()
@@ -539,7 +545,8 @@ def test_flush_stale_records_bad_pages_copy_nothing(device):
     cells = torch.randint(1, 256, (3, 1, P, 2), generator=torch.Generator().manual_seed(3),
                           dtype=U8)
     dev_host = host.to(device)
-    ops.flush([dev_host], [cells.to(device)], [t32(resident, device)], [t32(inflight, device)],
+    ops.flush(dev_host.view(len(host), 1, -1), [0], [cells.to(device)], [t32(resident, device)],
+              [t32(inflight, device)],
               t32(table, device), t32(new_h, device), t32(h, device), t32(c, device),
               t32(lease, device), [S, U, I])
     got = dev_host.cpu()
@@ -591,8 +598,8 @@ def test_flush_zero_size_buffer(device):
     resident = t32(case.resident[0], device)
     inflight = t32(case.inflight[0], device)
     zero_cells = torch.empty(5 * 8 // 2, 2, 4, 0, dtype=U8, device=device)
-    zero_host = torch.empty(case.host_slots, 2, 4, 0, dtype=U8, device=device)
-    ops.flush(case.host_views(pool) + [zero_host], [case.cells[0].to(device), zero_cells],
+    # the zero-size buffer sits at the pool's unused position 1
+    ops.flush(*case.pool_args(pool)[:1], [0, 1], [case.cells[0].to(device), zero_cells],
               [resident, resident], [inflight, inflight], t32(case.page_table, device),
               *[t32(x, device) for x in (case.new_history, case.h, case.c, case.lease)],
               case.unit_params * 2)
@@ -622,7 +629,8 @@ def test_writeback_ops_lengths_near_int32_max(device):
     host = torch.zeros(4, 1, 8, 1, dtype=U8, device=device)
     cells = torch.ones(2, 1, 8, 1, dtype=U8, device=device)  # E = 2: 2 cells hold 4 slots
     for new_h, cap in ((INT32_MAX, c), (INT32_MAX, INT32_MAX - 1), (h + 3, c)):
-        ops.flush([host], [cells], [t32(resident, device)], [t32(located[:1], device)],
+        ops.flush(host.view(4, 1, 8), [0], [cells], [t32(resident, device)],
+                  [t32(located[:1], device)],
                   t32([[0, 1, 2, 3]], device), t32([new_h], device), t32([h], device),
                   t32([cap], device), t32([0], device), [S, U, I])
     assert host.cpu().sum().item() == 0
@@ -661,7 +669,7 @@ def test_locate_inflight_duplicate_units_bad_data(device):
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_writeback_ops_opcheck(device):
     """INT-1: locate_inflight, write_indices and flush pass torch.library.opcheck (all default
-    utilities) on small samples, flush with strided host views of a scale-2 pool."""
+    utilities) on small samples, flush with two buffers at positions of a scale-3 pool."""
     rng = random.Random(5)
     U, I, S = 2, 5, 8
     case = RowsCase(rng, U=U, I=I, S=S, rows=4, num_leases=3)
@@ -684,9 +692,7 @@ def test_writeback_ops_opcheck(device):
                    lengths=([3, 1, 2], [9, 8, 2], [1, 0, 2], [8, 8, 2]))
     assert fc.expected()[1]  # the sample copies something
     pool = fc.pool.clone().to(device)
-    views = fc.host_views(pool)
-    assert views[0].stride(0) == fc.scale * fc.page_bytes > fc.page_bytes
-    args = (views, [x.to(device) for x in fc.cells],
+    args = (*fc.pool_args(pool), [x.to(device) for x in fc.cells],
             [t32(fc.resident[g], device) for *_, g in fc.buffers],
             [t32(fc.inflight[g], device) for *_, g in fc.buffers], t32(fc.page_table, device),
             *[t32(x, device) for x in (fc.new_history, fc.h, fc.c, fc.lease)], fc.unit_params)
@@ -788,42 +794,49 @@ def test_flush_bad_arguments_raise():
     fc.page_table = [[3 * r + p for p in range(3)] for r in range(3)]
     assert fc.host_slots >= 9
     pool = fc.pool.clone()
-    views = fc.host_views(pool)
+    inner, positions = fc.pool_args(pool)
     resident, inflight = t32(fc.resident[0]), t32(fc.inflight[0])
     table = t32(fc.page_table)
     nh, h, c, lease = (t32(x) for x in (fc.new_history, fc.h, fc.c, fc.lease))
-    good = [views, list(fc.cells), [resident, resident], [inflight, inflight], table, nh, h, c,
-            lease, list(fc.unit_params)]
+    good = [inner, positions, list(fc.cells), [resident, resident], [inflight, inflight], table,
+            nh, h, c, lease, list(fc.unit_params)]
     cells0 = fc.cells[0]
+    slots, scale, page = inner.shape
     bad = {
-        "cells list short": (1, fc.cells[:1]),
-        "resident list long": (2, [resident] * 3),
-        "inflight list short": (3, [inflight]),
-        "unit_params short": (9, fc.unit_params[:5]),
-        "unit_params long": (9, fc.unit_params + [8, 2, 5]),
-        "slots != resident width": (9, [4, 2, 5, 8, 2, 5]),
-        "U does not divide P": (9, [8, 3, 5, 8, 2, 5]),
-        "S not a multiple of E": {2: [resident[:, :7].contiguous(), resident],
-                                  9: [7, 2, 5, 8, 2, 5]},
-        "U = 0": (9, [8, 0, 5, 8, 2, 5]),
-        "I = 0": (9, [8, 2, 0, 8, 2, 5]),
-        "I changes record width": (9, [8, 2, 7, 8, 2, 5]),
-        "cells int8": (1, [cells0.view(torch.int8), fc.cells[1]]),
-        "cells layout differs": (1, [fc.cells[1], fc.cells[0]]),
-        "cells too few": (1, [cells0[:-1].contiguous(), fc.cells[1]]),
-        "cells 3-D": (1, [cells0.view(cells0.shape[0], 1, -1), fc.cells[1]]),
-        "host not contiguous in page": (0, [views[0].transpose(2, 3), views[1]]),
-        "resident int64": (2, [resident.long(), resident]),
-        "inflight int64": (3, [inflight.long(), inflight]),
-        "inflight columns": (3, [t32([[BAD] * 5] * 3), inflight]),
-        "inflight rows": (3, [inflight[:2].contiguous(), inflight]),
-        "page_table int64": (4, table.long()),
-        "page_table 1-D": (4, table.view(-1)),
-        "new_history length": (5, t32([9, 8])),
-        "new_history int64": (5, nh.long()),
-        "history length": (6, t32([3, 1, 2, 0])),
-        "capacity int64": (7, c.long()),
-        "lease length": (8, t32([1, 0])),
+        "positions short": (1, positions[:1]),
+        "position past scale": (1, [0, scale]),
+        "position negative": (1, [-1, 1]),
+        "host pool 4-D": (0, inner.view(slots, scale, 4, -1)),
+        "host pool int8": (0, inner.view(torch.int8)),
+        "host pages differ in size": (0, inner[:, :, :-1]),
+        "host not contiguous in page": (0, pool.new_zeros(slots, page, scale).transpose(1, 2)),
+        "cells list short": (2, fc.cells[:1]),
+        "resident list long": (3, [resident] * 3),
+        "inflight list short": (4, [inflight]),
+        "unit_params short": (10, fc.unit_params[:5]),
+        "unit_params long": (10, fc.unit_params + [8, 2, 5]),
+        "slots != resident width": (10, [4, 2, 5, 8, 2, 5]),
+        "U does not divide P": (10, [8, 3, 5, 8, 2, 5]),
+        "S not a multiple of E": {3: [resident[:, :7].contiguous(), resident],
+                                  10: [7, 2, 5, 8, 2, 5]},
+        "U = 0": (10, [8, 0, 5, 8, 2, 5]),
+        "I = 0": (10, [8, 2, 0, 8, 2, 5]),
+        "I changes record width": (10, [8, 2, 7, 8, 2, 5]),
+        "cells int8": (2, [cells0.view(torch.int8), fc.cells[1]]),
+        "cells layout differs": (2, [fc.cells[1][:, :, :, :1].contiguous(), fc.cells[0]]),
+        "cells too few": (2, [cells0[:-1].contiguous(), fc.cells[1]]),
+        "cells 3-D": (2, [cells0.view(cells0.shape[0], 1, -1), fc.cells[1]]),
+        "resident int64": (3, [resident.long(), resident]),
+        "inflight int64": (4, [inflight.long(), inflight]),
+        "inflight columns": (4, [t32([[BAD] * 5] * 3), inflight]),
+        "inflight rows": (4, [inflight[:2].contiguous(), inflight]),
+        "page_table int64": (5, table.long()),
+        "page_table 1-D": (5, table.view(-1)),
+        "new_history length": (6, t32([9, 8])),
+        "new_history int64": (6, nh.long()),
+        "history length": (7, t32([3, 1, 2, 0])),
+        "capacity int64": (8, c.long()),
+        "lease length": (9, t32([1, 0])),
     }
     for label, change in bad.items():
         call = list(good)
@@ -861,11 +874,11 @@ def test_writeback_ops_mixed_devices_raise():
         call = list(args)
         call[i] = call[i].cpu()
         _expect_raise(lambda: ops.write_indices(*call), [out, start], f"write arg {i}")
-    host = torch.zeros(6, 1, 4, 2, dtype=U8, device=d)
+    host = torch.zeros(6, 1, 4 * 2, dtype=U8, device=d)
     cells = torch.ones(4 * 2, 1, 4, 2, dtype=U8, device=d)
     table = t32([[0, 1, 2], [3, 4, 5]], d)
-    fargs = [[host], [cells], [resident], [slots], table, c, h, c, lease, [S, U, I]]
-    for i in range(9):
+    fargs = [host, [0], [cells], [resident], [slots], table, c, h, c, lease, [S, U, I]]
+    for i in (0, 2, 3, 4, 5, 6, 7, 8, 9):
         call = list(fargs)
         call[i] = [call[i][0].cpu()] if isinstance(call[i], list) else call[i].cpu()
         _expect_raise(lambda: ops.flush(*call), [host], f"flush arg {i}")

@@ -143,9 +143,10 @@ class Batch:
 
     def _new_cells(self, group: SelectionGroup, layer: str) -> tuple:
         """Cells of each non-zero sparse buffer of ``layer``: ``num_leases*S/E`` cells laid out
-        like pages of that buffer; plus the host pages and page table fetch reads for it."""
+        like pages of that buffer; plus what fetch reads for each: its pool group's memory, its
+        position in a slot, and the group's page table."""
         storage, P = self.manager.storage, self.config.tokens_per_page
-        cells, hosts, tables = [], [], []
+        cells, pools, positions, tables = [], [], [], []
         for buf in _sparse_buffers(self.config, layer):
             place = storage.place(layer, buf.role)
             shape = (self.max_rows * group.sparse.slots // group.units_per_page, buf.chunks, P,
@@ -153,26 +154,28 @@ class Batch:
             cell = torch.zeros(shape, dtype=torch.uint8, device=self.config.device)
             self._cells[(layer, buf.role)] = cell
             cells.append(cell)
-            hosts.append(storage.slot_pages(layer, buf.role))
+            pool, pos = storage.pool(layer, buf.role)
+            pools.append(pool)
+            positions.append(pos)
             tables.append(self.page_tables[place.group])
-        return cells, hosts, tables
+        return cells, pools, positions, tables
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor the per-step ops read or write (tables, residency, outputs, cells and the
-        host pages' device views); their addresses never change (BAT-1)."""
+        host pools' device views), each once; their addresses never change (BAT-1)."""
         tensors = [*self.page_tables, self.history, self.capacity, self.lease]
         for state in self.groups:
             tensors += [state.resident, state.recency, state.index_table, state.miss_list,
                         state.miss_count, state.counters, state.inflight_slots, state.write_table,
                         state.inflight_start]
-        for cells, hosts, _ in self._fetch_args.values():
-            tensors += cells + hosts
-        for hosts, *_ in self._flush_args:
-            tensors += hosts
-        return tensors
+        for cells, pools, _, _ in self._fetch_args.values():
+            tensors += cells + pools
+        tensors += [args[0] for args in self._flush_args]
+        unique = {id(t): t for t in tensors}
+        return list(unique.values())
 
     def _new_flush_args(self) -> list[tuple]:
-        """Per sparse pool group with cells: the argument lists of its one flush launch, covering
+        """Per sparse pool group with cells: the arguments of its one flush launch, covering
         every non-zero sparse buffer of every sparse layer in it (OP-FLUSH)."""
         storage = self.manager.storage
         per_pool: dict[int, list] = {}
@@ -182,14 +185,14 @@ class Batch:
                 for buf in _sparse_buffers(self.config, layer):
                     place = storage.place(layer, buf.role)
                     per_pool.setdefault(place.group, []).append((
-                        storage.slot_pages(layer, buf.role), self._cells[(layer, buf.role)],
-                        state.resident, state.inflight_slots,
-                        (sp.slots, sp.tokens_per_unit, sp.max_inflight_tokens)))
+                        place.pos, self._cells[(layer, buf.role)], state.resident,
+                        state.inflight_slots, (sp.slots, sp.tokens_per_unit, sp.max_inflight_tokens)))
         args = []
         for pool, entries in per_pool.items():
-            hosts, cells, resident, slots, params = zip(*entries)
-            args.append((list(hosts), list(cells), list(resident), list(slots),
-                         self.page_tables[pool], [p for ps in params for p in ps]))
+            positions, cells, resident, slots, params = zip(*entries)
+            args.append((storage.groups[pool].device_data, list(positions), list(cells),
+                         list(resident), list(slots), self.page_tables[pool],
+                         [p for ps in params for p in ps]))
         return args
 
     # ---- membership (BAT-2) ----
@@ -372,14 +375,26 @@ class Batch:
                             self.lease, sp.tokens_per_unit, sp.max_inflight_tokens)
         return table
 
-    def fetch(self, layer: str) -> None:
-        """OP-FETCH: copy every unit missed by the group's last resolve into ``layer``'s cells.
-        Every layer of the group must be fetched after each resolve of the group."""
-        cells, hosts, tables = self._layer_args(layer)
+    def fetch(self, *layers: str) -> None:
+        """OP-FETCH: copy every unit missed by the group's last resolve into the cells of each
+        given layer, all of one selection group, in one launch (up to 8 buffers per launch).
+        Every layer of the group must be fetched after each resolve of the group: per layer just
+        before its attention, or several at once, which keeps more copies in flight."""
+        if not layers:
+            raise TypeError("Batch.fetch: name at least one layer")
+        args = [self._layer_args(layer) for layer in layers]
         self._check_step("Batch.fetch")
-        state = self.groups[self.config.group_of(layer).index]
+        group = self.config.group_of(layers[0])
+        for layer in layers[1:]:
+            if self.config.group_of(layer) is not group:
+                raise ValueError(f"Batch.fetch: layers {layers[0]!r} and {layer!r} are in different "
+                                 f"selection groups; one fetch serves one group's miss list")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"Batch.fetch: a layer is named twice in {list(layers)}")
+        cells, pools, positions, tables = ([x for a in args for x in a[i]] for i in range(4))
+        state = self.groups[group.index]
         if cells:
-            ops.fetch(cells, hosts, tables, state.miss_list, state.miss_count,
+            ops.fetch(cells, pools, positions, tables, state.miss_list, state.miss_count,
                       state.spec.sparse.slots, state.spec.sparse.tokens_per_unit)
 
     def fetch_sparse_pages(self, layer: str, selected: torch.Tensor,
@@ -441,8 +456,8 @@ class Batch:
                 known = new_history.tolist()
             target = new_history.to(self.config.device)
             self._check_index_tensor("new_history", target.view(-1, 1), 1)
-        for hosts, cells, resident, slots, table, params in self._flush_args:
-            ops.flush(hosts, cells, resident, slots, table, target, self.history,
+        for pool, positions, cells, resident, slots, table, params in self._flush_args:
+            ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
                       self.capacity, self.lease, params)
         if torch.compiler.is_compiling():
             return

@@ -94,7 +94,8 @@ def resolve(
 
 def fetch(
     cells: Sequence[Tensor],
-    host_pages: Sequence[Tensor],
+    host_pools: Sequence[Tensor],
+    positions: Sequence[int],
     page_tables: Sequence[Tensor],
     miss_list: Tensor,
     miss_count: Tensor,
@@ -102,13 +103,14 @@ def fetch(
     tokens_per_unit: int,
 ) -> None:
     """OP-FETCH: copies each listed missed unit of every given buffer from its host page into its
-    cell, chunk by chunk. Per buffer ``b``: ``cells[b]`` uint8[num_cells, chunks, P, B/chunks],
-    ``host_pages[b]`` the same page layout indexed by host slot id, ``page_tables[b]`` the int32
-    page table of its pool group. Entries with bad values (BAD page, out of range) are skipped.
-    Mutates ``cells``.
+    cell, chunk by chunk. Per buffer ``b``: ``cells[b]`` uint8[num_cells, chunks, P, B/chunks];
+    its host pages are ``host_pools[b][slot, positions[b]]``, where ``host_pools[b]`` is its pool
+    group's whole pool uint8[num_slots, scale, page_bytes] (``Storage.pool``; the same tensor for
+    buffers of one group) and ``page_tables[b]`` that group's int32 page table. Entries with bad
+    values (BAD page, out of range) are skipped. Mutates ``cells``.
     """
-    _ops.fetch(list(cells), list(host_pages), list(page_tables), miss_list, miss_count, slots,
-               tokens_per_unit)
+    _ops.fetch(list(cells), list(host_pools), list(positions), list(page_tables), miss_list,
+               miss_count, slots, tokens_per_unit)
 
 
 def locate_inflight(
@@ -149,7 +151,8 @@ def write_indices(
 
 
 def flush(
-    host_pages: Sequence[Tensor],
+    host_pool: Tensor,
+    positions: Sequence[int],
     cells: Sequence[Tensor],
     resident: Sequence[Tensor],
     inflight_slots: Sequence[Tensor],
@@ -160,13 +163,14 @@ def flush(
     lease: Tensor,
     unit_params: Sequence[int],
 ) -> None:
-    """OP-FLUSH for one sparse pool group: per seated row and buffer ``b``, writes the tokens of
+    """OP-FLUSH for one sparse pool group, ``host_pool`` uint8[num_slots, scale, page_bytes]: per
+    seated row and buffer ``b`` (at ``positions[b]`` in a slot), writes the tokens of
     ``[s0, min(new_history[r], capacity[r]))`` from their cells to their host pages (``s0`` from
     the buffer's selection group: ``unit_params[3b:3b+3]`` = slots, tokens_per_unit,
-    max_inflight_tokens). Reads residency only. Mutates ``host_pages``.
+    max_inflight_tokens). Reads residency only. Mutates ``host_pool``.
     """
-    _ops.flush(list(host_pages), list(cells), list(resident), list(inflight_slots), page_table,
-               new_history, history, capacity, lease, list(unit_params))
+    _ops.flush(host_pool, list(positions), list(cells), list(resident), list(inflight_slots),
+               page_table, new_history, history, capacity, lease, list(unit_params))
 
 
 def uva_view(host: Tensor) -> Tensor:
@@ -200,8 +204,9 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, selected,
 
 
 @torch.library.register_fake("torch_kvcm2::fetch")
-def _(cells, host_pages, page_tables, miss_list, miss_count, slots, tokens_per_unit):
-    _check(len(cells) == len(host_pages) == len(page_tables), "fetch: one entry per buffer")
+def _(cells, host_pools, positions, page_tables, miss_list, miss_count, slots, tokens_per_unit):
+    _check(len(cells) == len(host_pools) == len(positions) == len(page_tables),
+           "fetch: one entry per buffer")
 
 
 @torch.library.register_fake("torch_kvcm2::locate_inflight")
@@ -216,9 +221,10 @@ def _(out, inflight_start, resident, inflight_slots, history, capacity, lease, t
 
 
 @torch.library.register_fake("torch_kvcm2::flush")
-def _(host_pages, cells, resident, inflight_slots, page_table, new_history, history, capacity,
-      lease, unit_params):
-    _check(len(host_pages) == len(cells) == len(resident) == len(inflight_slots), "flush: one entry per buffer")
+def _(host_pool, positions, cells, resident, inflight_slots, page_table, new_history, history,
+      capacity, lease, unit_params):
+    _check(len(positions) == len(cells) == len(resident) == len(inflight_slots),
+           "flush: one entry per buffer")
 
 
 @torch.library.register_fake("torch_kvcm2::uva_view")

@@ -164,9 +164,20 @@ class Storage:
         data = group.device_data if device_side else group.data
         return data.view(group.num_slots * group.scale, *self._page_layout(place))
 
+    def pool(self, layer: str, role: str, device_side: bool = True) -> tuple[torch.Tensor, int]:
+        """``(data, pos)``: the buffer's pool group memory ``uint8[num_slots, scale, page_bytes]``
+        and the buffer's position in a slot, as ``fetch`` and ``flush`` take them (the whole pool,
+        never a per-buffer view: views of one pool would alias each other inside a compiled
+        step). Page of slot ``s``: ``data[s, pos]``."""
+        place = self.place(layer, role)
+        if place.group is None:
+            raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
+        group = self.groups[place.group]
+        return (group.device_data if device_side else group.data), place.pos
+
     def slot_pages(self, layer: str, role: str, device_side: bool = True) -> torch.Tensor:
         """The buffer's pages indexed by slot id: ``[num_slots, chunks, P, B/chunks]``, a strided
-        view (slot stride = the group's slot bytes), as ``fetch`` and ``flush`` take them."""
+        view (slot stride = the group's slot bytes), for reading and writing pages by slot."""
         place = self.place(layer, role)
         group = self.groups[place.group]
         data = group.device_data if device_side else group.data

@@ -36,23 +36,26 @@ void check_lengths(const at::Tensor& like, int64_t rows, const at::Tensor& histo
   }
 }
 
-// One buffer's cells and host pages: uint8 [n, chunks, P, bytes/chunks] with the same page
-// layout, cells contiguous, host pages contiguous within a page (a zero-size buffer has any
-// strides), both on `like`'s device.
-void check_cells_and_host(const at::Tensor& cell, const at::Tensor& host, const at::Tensor& like,
-                          size_t b, const char* op) {
-  TORCH_CHECK(cell.scalar_type() == at::kByte && host.scalar_type() == at::kByte, op,
-              ": buffer ", b, ": cells and host_pages must be uint8");
-  TORCH_CHECK(cell.dim() == 4 && host.dim() == 4, op, ": buffer ", b,
-              ": cells and host_pages must be 4-D [n, chunks, tokens_per_page, bytes]");
+// One buffer's cells, uint8 [n, chunks, P, bytes/chunks] contiguous, and its host pages: pool
+// uint8 [num_slots, scale, page_bytes] contiguous within a page, with page_bytes the cells' page
+// size (any when that is zero) and 0 <= pos < scale; both on `like`'s device.
+void check_cells_and_host(const at::Tensor& cell, const at::Tensor& pool, int64_t pos,
+                          const at::Tensor& like, size_t b, const char* op) {
+  TORCH_CHECK(cell.scalar_type() == at::kByte && pool.scalar_type() == at::kByte, op,
+              ": buffer ", b, ": cells and host pools must be uint8");
+  TORCH_CHECK(cell.dim() == 4, op, ": buffer ", b,
+              ": cells must be 4-D [n, chunks, tokens_per_page, bytes]");
+  TORCH_CHECK(pool.dim() == 3, op, ": buffer ", b,
+              ": host pool must be 3-D [num_slots, scale, page_bytes]");
   TORCH_CHECK(cell.is_contiguous(), op, ": buffer ", b, ": cells must be contiguous");
-  TORCH_CHECK(host.numel() == 0 || (host.stride(3) == 1 && host.stride(2) == host.size(3) &&
-                                    host.stride(1) == host.size(2) * host.size(3)),
-              op, ": buffer ", b, ": host_pages must be contiguous within a page");
-  TORCH_CHECK(cell.sizes().slice(1) == host.sizes().slice(1), op, ": buffer ", b,
-              ": cells page layout ", cell.sizes(), " differs from host_pages ", host.sizes());
+  const int64_t page_bytes = cell.size(1) * cell.size(2) * cell.size(3);
+  TORCH_CHECK(pos >= 0 && pos < pool.size(1), op, ": buffer ", b, ": position ", pos,
+              " outside the pool's ", pool.size(1), " pages per slot");
+  TORCH_CHECK(page_bytes == 0 || (pool.size(2) == page_bytes && pool.stride(2) == 1), op,
+              ": buffer ", b, ": cells pages of ", page_bytes, " bytes differ from host pool ",
+              pool.sizes(), " (pages must be contiguous)");
   check_same_device(like, cell, op, "cells");
-  check_same_device(like, host, op, "host_pages");
+  check_same_device(like, pool, op, "host pools");
 }
 
 // The per-row in-flight slot records: int32[rows, ceil(I/U) + 1].
@@ -151,22 +154,25 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
   TORCH_CHECK(resident.size(0) * slots <= INT32_MAX, op, ": too many entries for int32");
 }
 
-void check_fetch(const at::TensorList& cells, const at::TensorList& host_pages,
-                 const at::TensorList& page_tables, const at::Tensor& miss_list,
-                 const at::Tensor& miss_count, int64_t slots, int64_t tokens_per_unit) {
+void check_fetch(const at::TensorList& cells, const at::TensorList& host_pools,
+                 at::IntArrayRef positions, const at::TensorList& page_tables,
+                 const at::Tensor& miss_list, const at::Tensor& miss_count, int64_t slots,
+                 int64_t tokens_per_unit) {
   const char* op = "fetch";
   check_int32_2d(miss_list, op, "miss_list");
   TORCH_CHECK(miss_list.size(1) == kMissFields, op, ": miss_list must have ", kMissFields,
               " columns, got ", miss_list.size(1));
   check_int32_1d(miss_count, 1, op, "miss_count");
   check_same_device(miss_list, miss_count, op, "miss_count");
-  TORCH_CHECK(cells.size() == host_pages.size() && cells.size() == page_tables.size(), op,
-              ": cells, host_pages and page_tables must have one entry per buffer, got ",
-              cells.size(), ", ", host_pages.size(), ", ", page_tables.size());
+  TORCH_CHECK(cells.size() == host_pools.size() && cells.size() == positions.size() &&
+                  cells.size() == page_tables.size(),
+              op, ": cells, host_pools, positions and page_tables must have one entry per buffer, "
+              "got ", cells.size(), ", ", host_pools.size(), ", ", positions.size(), ", ",
+              page_tables.size());
   TORCH_CHECK(slots > 0 && tokens_per_unit > 0, op, ": slots and tokens_per_unit must be positive");
   for (size_t b = 0; b < cells.size(); ++b) {
     const at::Tensor& cell = cells[b];
-    check_cells_and_host(cell, host_pages[b], miss_list, b, op);
+    check_cells_and_host(cell, host_pools[b], positions[b], miss_list, b, op);
     check_same_device(miss_list, page_tables[b], op, "page_tables");
     check_int32_2d(page_tables[b], op, "page_tables[b]");
     const int64_t tokens_per_page = cell.size(2);
@@ -210,25 +216,26 @@ void check_write_indices(const at::Tensor& out, const at::Tensor& inflight_start
               max_inflight_tokens + tokens_per_unit - 1, " tokens");
 }
 
-void check_flush(const at::TensorList& host_pages, const at::TensorList& cells,
-                 const at::TensorList& resident, const at::TensorList& inflight_slots,
-                 const at::Tensor& page_table, const at::Tensor& new_history,
-                 const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
-                 at::IntArrayRef unit_params) {
+void check_flush(const at::Tensor& host_pool, at::IntArrayRef positions,
+                 const at::TensorList& cells, const at::TensorList& resident,
+                 const at::TensorList& inflight_slots, const at::Tensor& page_table,
+                 const at::Tensor& new_history, const at::Tensor& history,
+                 const at::Tensor& capacity, const at::Tensor& lease, at::IntArrayRef unit_params) {
   const char* op = "flush";
   check_int32_2d(page_table, op, "page_table");
   const int64_t rows = page_table.size(0);
   check_int32_1d(new_history, rows, op, "new_history");
   check_same_device(page_table, new_history, op, "new_history");
   check_lengths(page_table, rows, history, capacity, lease, op);
-  const size_t n = host_pages.size();
-  TORCH_CHECK(cells.size() == n && resident.size() == n && inflight_slots.size() == n &&
+  check_same_device(page_table, host_pool, op, "host_pool");
+  const size_t n = cells.size();
+  TORCH_CHECK(positions.size() == n && resident.size() == n && inflight_slots.size() == n &&
                   unit_params.size() == 3 * n,
-              op, ": host_pages, cells, resident, inflight_slots need one entry per buffer and "
+              op, ": positions, cells, resident, inflight_slots need one entry per buffer and "
               "unit_params three ints per buffer");
   for (size_t b = 0; b < n; ++b) {
     const at::Tensor& cell = cells[b];
-    check_cells_and_host(cell, host_pages[b], page_table, b, op);
+    check_cells_and_host(cell, host_pool, positions[b], page_table, b, op);
     check_int32_2d(resident[b], op, "resident[b]");
     check_same_device(page_table, resident[b], op, "resident");
     check_same_device(page_table, inflight_slots[b], op, "inflight_slots");

@@ -82,6 +82,33 @@ struct RowRange {
   KVCM2_HD bool needs_fetch_on_admit(int64_t u) const { return u * tokens_per_unit < history; }
 };
 
+// The slot holding in-flight unit u of a row, or BAD. locate_inflight records it after each
+// resolve (slots_row: the row's miu records); the resident row confirms it, so a stale record
+// (a resize without a resolve since) yields BAD.
+KVCM2_HD int64_t inflight_slot(const RowRange& range, int64_t u, const int32_t* slots_row,
+                               int64_t miu, const int32_t* resident_row, int64_t S) {
+  const int64_t k = u - range.first_inflight_unit();
+  if (k < 0 || k >= miu) return BAD;
+  const int64_t slot = slots_row[k];
+  return (slot >= 0 && slot < S && resident_row[slot] == u) ? slot : BAD;
+}
+
+// A sparse buffer's host pages inside its pool group's memory. Ops take the group's whole pool,
+// uint8 [num_slots, scale, page_bytes] (its device-mapped view on CUDA), and the buffer's
+// position in a slot, never a per-buffer view: views of one pool passed side by side alias, and
+// torch.compile would route their mutation through a synthetic base (which cudagraph trees then
+// refuse as a mutated input). Slot s's page of the buffer starts at data + s * slot_stride.
+struct HostPages {
+  uint8_t* data;
+  int64_t slot_stride;
+  int64_t slots;
+};
+
+inline HostPages host_pages_of(const at::Tensor& pool, int64_t pos) {
+  return {static_cast<uint8_t*>(pool.data_ptr()) + pos * pool.stride(1), pool.stride(0),
+          pool.size(0)};
+}
+
 // ---- argument checks, shared by the CPU and CUDA wrappers (metadata only, never values) ----
 
 void check_convert_page_indices(const at::Tensor& out, const at::Tensor& page_table,
@@ -100,18 +127,19 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
                    int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window);
 
 // cells[b]: [num_cells, chunks, P, bytes_per_token / chunks] uint8, contiguous.
-// host_pages[b]: [num_slots, chunks, P, bytes_per_token / chunks] uint8, inner dims contiguous,
-//   dim 0 indexed by the pool group's slot id (stride = the pool group's slot bytes).
+// host_pools[b], positions[b]: the buffer's pool group and position in a slot (HostPages),
+//   host_pools[b] uint8 [num_slots, scale, chunks * P * bytes_per_token / chunks].
 // page_tables[b]: int32 [rows, max_pages_per_row] of the buffer's pool group.
-void check_fetch(const at::TensorList& cells, const at::TensorList& host_pages,
-                 const at::TensorList& page_tables, const at::Tensor& miss_list,
-                 const at::Tensor& miss_count, int64_t slots, int64_t tokens_per_unit);
+void check_fetch(const at::TensorList& cells, const at::TensorList& host_pools,
+                 at::IntArrayRef positions, const at::TensorList& page_tables,
+                 const at::Tensor& miss_list, const at::Tensor& miss_count, int64_t slots,
+                 int64_t tokens_per_unit);
 
-// Per buffer of a flush: the resident table of its selection group (int32[num_leases, S]), its
-// cells, its host pages (mutated), and (slots, tokens_per_unit, max_inflight_tokens) in
-// unit_params[3*b .. 3*b+2].
-void check_flush(const at::TensorList& host_pages, const at::TensorList& cells,
-                 const at::TensorList& resident, const at::TensorList& inflight_slots,
+// A flush covers one pool group, host_pool (mutated). Per buffer: its position in a slot, the
+// resident table of its selection group (int32[num_leases, S]), its cells, and
+// (slots, tokens_per_unit, max_inflight_tokens) in unit_params[3*b .. 3*b+2].
+void check_flush(const at::Tensor& host_pool, at::IntArrayRef positions,
+                 const at::TensorList& cells, const at::TensorList& resident, const at::TensorList& inflight_slots,
                  const at::Tensor& page_table, const at::Tensor& new_history,
                  const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
                  at::IntArrayRef unit_params);

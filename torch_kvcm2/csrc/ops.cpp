@@ -27,10 +27,12 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, Tensor selected, "
       "Tensor history, Tensor capacity, Tensor lease, int tokens_per_unit, int tokens_per_page, "
       "int max_inflight_tokens, int window) -> ()");
-  // OP-FETCH: one layer, every missed unit of each of its sparse buffers, host page -> cell.
+  // OP-FETCH: layers of one selection group, every missed unit of each of their sparse buffers,
+  // host page -> cell. A buffer's host pages are (its pool group's whole pool, its position in a
+  // slot): ops never take two views of one pool, which would alias (see HostPages in kvcm2.h).
   m.def(
-      "fetch(Tensor(a!)[] cells, Tensor[] host_pages, Tensor[] page_tables, Tensor miss_list, "
-      "Tensor miss_count, int slots, int tokens_per_unit) -> ()");
+      "fetch(Tensor(a!)[] cells, Tensor[] host_pools, int[] positions, Tensor[] page_tables, "
+      "Tensor miss_list, Tensor miss_count, int slots, int tokens_per_unit) -> ()");
   // After resolve: the slot of each in-flight unit of every seated row (column k: unit
   // floor(s0/U) + k), read by write_indices and flush so neither scans a lease's S slots.
   m.def(
@@ -41,11 +43,11 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "write_indices(Tensor(a!) out, Tensor(b!) inflight_start, Tensor resident, "
       "Tensor inflight_slots, Tensor history, Tensor capacity, Tensor lease, int tokens_per_unit, "
       "int max_inflight_tokens) -> ()");
-  // OP-FLUSH: one sparse pool group; cells -> host pages for [s0, min(new_history, c)).
+  // OP-FLUSH: one sparse pool group (host_pool); cells -> host pages for [s0, min(new_history, c)).
   m.def(
-      "flush(Tensor(a!)[] host_pages, Tensor[] cells, Tensor[] resident, Tensor[] inflight_slots, "
-      "Tensor page_table, Tensor new_history, Tensor history, Tensor capacity, Tensor lease, "
-      "int[] unit_params) -> ()");
+      "flush(Tensor(a!) host_pool, int[] positions, Tensor[] cells, Tensor[] resident, "
+      "Tensor[] inflight_slots, Tensor page_table, Tensor new_history, Tensor history, "
+      "Tensor capacity, Tensor lease, int[] unit_params) -> ()");
   // Setup only (CUDA builds): a CUDA tensor aliasing a CPU tensor's memory through the
   // device-mapped (UVA) address, registering the memory as pinned+mapped when it is not yet.
   m.def("uva_view(Tensor host) -> Tensor");

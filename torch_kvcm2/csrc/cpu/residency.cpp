@@ -152,16 +152,17 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
   total[kInvalid] += c.invalid;
 }
 
-void fetch_cpu(const at::TensorList& cells, const at::TensorList& host_pages,
-               const at::TensorList& page_tables, const at::Tensor& miss_list,
-               const at::Tensor& miss_count, int64_t slots, int64_t tokens_per_unit) {
-  check_fetch(cells, host_pages, page_tables, miss_list, miss_count, slots, tokens_per_unit);
+void fetch_cpu(const at::TensorList& cells, const at::TensorList& host_pools,
+               at::IntArrayRef positions, const at::TensorList& page_tables,
+               const at::Tensor& miss_list, const at::Tensor& miss_count, int64_t slots,
+               int64_t tokens_per_unit) {
+  check_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count, slots,
+              tokens_per_unit);
   const int64_t n = std::min<int64_t>(std::max(miss_count.data_ptr<int32_t>()[0], 0),
                                       miss_list.size(0));
   const int32_t* misses = miss_list.data_ptr<int32_t>();
   for (size_t b = 0; b < cells.size(); ++b) {
     const at::Tensor& cell = cells[b];
-    const at::Tensor& host = host_pages[b];
     const int64_t chunks = cell.size(1), P = cell.size(2);
     const int64_t chunk_bytes = P * cell.size(3);
     const int64_t page_bytes = chunks * chunk_bytes;
@@ -172,7 +173,7 @@ void fetch_cpu(const at::TensorList& cells, const at::TensorList& host_pages,
     const int32_t* table = page_tables[b].data_ptr<int32_t>();
     const int64_t table_rows = page_tables[b].size(0), table_pages = page_tables[b].size(1);
     uint8_t* dst_base = cell.data_ptr<uint8_t>();
-    const uint8_t* src_base = host.data_ptr<uint8_t>();
+    const HostPages host = host_pages_of(host_pools[b], positions[b]);
     for (int64_t m = 0; m < n; ++m) {
       const int32_t* e = misses + m * kMissFields;
       const int64_t entry = static_cast<int64_t>(e[kMissLease]) * slots + e[kMissSlot];
@@ -181,9 +182,9 @@ void fetch_cpu(const at::TensorList& cells, const at::TensorList& host_pages,
           row < 0 || row >= table_rows || unit < 0 || unit / E >= table_pages)
         continue;  // bad device data: skip, never write out of bounds
       const int64_t host_slot = table[row * table_pages + unit / E];
-      if (host_slot < 0 || host_slot >= host.size(0)) continue;
+      if (host_slot < 0 || host_slot >= host.slots) continue;
       uint8_t* dst = dst_base + (entry / E) * page_bytes + (entry % E) * piece;
-      const uint8_t* src = src_base + host_slot * host.stride(0) + (unit % E) * piece;
+      const uint8_t* src = host.data + host_slot * host.slot_stride + (unit % E) * piece;
       for (int64_t k = 0; k < chunks; ++k)
         std::memcpy(dst + k * chunk_bytes, src + k * chunk_bytes, piece);
     }

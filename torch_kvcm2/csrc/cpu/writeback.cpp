@@ -11,16 +11,6 @@
 namespace torch_kvcm2 {
 namespace {
 
-// The slot holding in-flight unit u of a row, or BAD. locate_inflight() records it after each
-// resolve; the resident table confirms it (a stale record after an unresolved resize yields BAD).
-int64_t inflight_slot(const RowRange& range, int64_t u, const int32_t* slots_row,
-                      int64_t miu, const int32_t* resident_row, int64_t S) {
-  const int64_t k = u - range.first_inflight_unit();
-  if (k < 0 || k >= miu) return BAD;
-  const int64_t slot = slots_row[k];
-  return (slot >= 0 && slot < S && resident_row[slot] == u) ? slot : BAD;
-}
-
 void locate_inflight_cpu(const at::Tensor& inflight_slots, const at::Tensor& resident,
                          const at::Tensor& history, const at::Tensor& capacity,
                          const at::Tensor& lease, int64_t tokens_per_unit,
@@ -81,22 +71,22 @@ void write_indices_cpu(const at::Tensor& out, const at::Tensor& inflight_start,
   }
 }
 
-void flush_cpu(const at::TensorList& host_pages, const at::TensorList& cells,
+void flush_cpu(const at::Tensor& host_pool, at::IntArrayRef positions, const at::TensorList& cells,
                const at::TensorList& resident, const at::TensorList& inflight_slots,
                const at::Tensor& page_table, const at::Tensor& new_history,
                const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
                at::IntArrayRef unit_params) {
-  check_flush(host_pages, cells, resident, inflight_slots, page_table, new_history, history,
-              capacity, lease, unit_params);
+  check_flush(host_pool, positions, cells, resident, inflight_slots, page_table, new_history,
+              history, capacity, lease, unit_params);
   const int64_t rows = page_table.size(0), pages = page_table.size(1);
   const int32_t* table = page_table.data_ptr<int32_t>();
   const int32_t* target = new_history.data_ptr<int32_t>();
   const int32_t* hist = history.data_ptr<int32_t>();
   const int32_t* cap = capacity.data_ptr<int32_t>();
   const int32_t* own = lease.data_ptr<int32_t>();
-  for (size_t b = 0; b < host_pages.size(); ++b) {
+  for (size_t b = 0; b < cells.size(); ++b) {
     const at::Tensor& cell = cells[b];
-    const at::Tensor& host = host_pages[b];
+    const HostPages host = host_pages_of(host_pool, positions[b]);
     const int64_t S = unit_params[3 * b], U = unit_params[3 * b + 1], I = unit_params[3 * b + 2];
     const int64_t chunks = cell.size(1), P = cell.size(2), token_bytes = cell.size(3);
     const int64_t chunk_bytes = P * token_bytes, page_bytes = chunks * chunk_bytes;
@@ -114,14 +104,13 @@ void flush_cpu(const at::TensorList& host_pages, const at::TensorList& cells,
         const int64_t page = u / E;
         if (slot == BAD || page >= pages) continue;
         const int64_t host_slot = table[r * pages + page];
-        if (host_slot < 0 || host_slot >= host.size(0)) continue;
+        if (host_slot < 0 || host_slot >= host.slots) continue;
         // Only the unit's tokens inside [lo, hi): its other tokens are history or unwritten.
         const int64_t first = std::max(lo, u * U), last = std::min(hi, (u + 1) * U);
         const int64_t entry = l * S + slot;
         const uint8_t* src = cell.data_ptr<uint8_t>() + (entry / E) * page_bytes +
                              ((entry % E) * U + first - u * U) * token_bytes;
-        uint8_t* dst = host.data_ptr<uint8_t>() + host_slot * host.stride(0) +
-                       (first % P) * token_bytes;
+        uint8_t* dst = host.data + host_slot * host.slot_stride + (first % P) * token_bytes;
         for (int64_t k = 0; k < chunks; ++k)
           std::memcpy(dst + k * chunk_bytes, src + k * chunk_bytes, (last - first) * token_bytes);
       }

@@ -902,10 +902,12 @@ int32_t vector_bytes(int64_t piece, int64_t chunk_bytes, int64_t page_bytes, int
   return vec;
 }
 
-void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pages,
-                const at::TensorList& page_tables, const at::Tensor& miss_list,
-                const at::Tensor& miss_count, int64_t slots, int64_t tokens_per_unit) {
-  check_fetch(cells, host_pages, page_tables, miss_list, miss_count, slots, tokens_per_unit);
+void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
+                at::IntArrayRef positions, const at::TensorList& page_tables,
+                const at::Tensor& miss_list, const at::Tensor& miss_count, int64_t slots,
+                int64_t tokens_per_unit) {
+  check_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count, slots,
+              tokens_per_unit);
   const c10::cuda::CUDAGuard guard(miss_list.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (miss_list.size(0) == 0) return;
@@ -930,7 +932,7 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pages,
   };
   for (size_t b = 0; b < cells.size(); ++b) {
     const at::Tensor& cell = cells[b];
-    const at::Tensor& host = host_pages[b];
+    const HostPages host = host_pages_of(host_pools[b], positions[b]);
     const int64_t chunks = cell.size(1), P = cell.size(2);
     const int64_t chunk_bytes = P * cell.size(3);
     const int64_t page_bytes = chunks * chunk_bytes;
@@ -940,13 +942,13 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pages,
     TORCH_CHECK(E <= INT32_MAX, "fetch: too many units per page");
     FetchBuffer& B = p.buf[p.nb];
     B.cells = cell.data_ptr<uint8_t>();
-    B.host = host.data_ptr<uint8_t>();
+    B.host = host.data;
     B.table = page_tables[b].data_ptr<int32_t>();
     B.num_entries = cell.size(0) * E;
     B.table_rows = page_tables[b].size(0);
     B.table_pages = page_tables[b].size(1);
-    B.host_slots = host.size(0);
-    B.host_stride = host.stride(0);
+    B.host_slots = host.slots;
+    B.host_stride = host.slot_stride;
     B.page_bytes = page_bytes;
     B.chunk_bytes = chunk_bytes;
     B.piece = piece;

@@ -20,16 +20,6 @@
 namespace torch_kvcm2 {
 namespace {
 
-// The slot holding in-flight unit u of a row, or BAD (same rule as cpu/writeback.cpp).
-__device__ __forceinline__ int64_t inflight_slot(const RowRange& range, int64_t u,
-                                                 const int32_t* slots_row, int64_t miu,
-                                                 const int32_t* resident_row, int64_t S) {
-  const int64_t k = u - range.first_inflight_unit();
-  if (k < 0 || k >= miu) return BAD;
-  const int64_t slot = slots_row[k];
-  return (slot >= 0 && slot < S && resident_row[slot] == u) ? slot : BAD;
-}
-
 // ------------------------------------------------------------------------------------------------
 // locate_inflight: one CTA per row scans the lease's S slots once.
 
@@ -217,17 +207,17 @@ int flush_grid(int device) {
   return sms[device] * 8;  // 64 warps per SM: enough stores in flight to fill the link
 }
 
-void flush_cuda(const at::TensorList& host_pages, const at::TensorList& cells,
-                const at::TensorList& resident, const at::TensorList& inflight_slots,
-                const at::Tensor& page_table, const at::Tensor& new_history,
-                const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
-                at::IntArrayRef unit_params) {
-  check_flush(host_pages, cells, resident, inflight_slots, page_table, new_history, history,
-              capacity, lease, unit_params);
-  TORCH_CHECK(static_cast<int64_t>(host_pages.size()) <= kMaxFlushBuffers, "flush: at most ",
-              kMaxFlushBuffers, " buffers per pool group, got ", host_pages.size());
+void flush_cuda(const at::Tensor& host_pool, at::IntArrayRef positions,
+                const at::TensorList& cells, const at::TensorList& resident,
+                const at::TensorList& inflight_slots, const at::Tensor& page_table,
+                const at::Tensor& new_history, const at::Tensor& history,
+                const at::Tensor& capacity, const at::Tensor& lease, at::IntArrayRef unit_params) {
+  check_flush(host_pool, positions, cells, resident, inflight_slots, page_table, new_history,
+              history, capacity, lease, unit_params);
+  TORCH_CHECK(static_cast<int64_t>(cells.size()) <= kMaxFlushBuffers, "flush: at most ",
+              kMaxFlushBuffers, " buffers per pool group, got ", cells.size());
   const int64_t rows = page_table.size(0);
-  if (host_pages.empty() || rows == 0) return;
+  if (cells.empty() || rows == 0) return;
   const c10::cuda::CUDAGuard guard(page_table.device());
   FlushParams p{};
   p.page_table = page_table.data_ptr<int32_t>();
@@ -238,17 +228,17 @@ void flush_cuda(const at::TensorList& host_pages, const at::TensorList& cells,
   p.rows = rows;
   p.pages = page_table.size(1);
   p.tokens_per_page = cells[0].size(2);
-  p.buffers_used = static_cast<int64_t>(host_pages.size());
-  for (size_t i = 0; i < host_pages.size(); ++i) {
+  p.buffers_used = static_cast<int64_t>(cells.size());
+  for (size_t i = 0; i < cells.size(); ++i) {
     const at::Tensor& cell = cells[i];
-    const at::Tensor& host = host_pages[i];
+    const HostPages host = host_pages_of(host_pool, positions[i]);
     TORCH_CHECK(cell.size(2) == p.tokens_per_page, "flush: every buffer of a pool group must have ",
                 p.tokens_per_page, " tokens per page");
     FlushBuffer& b = p.buffers[i];
     b.cells = cell.data_ptr<uint8_t>();
-    b.host = host.data_ptr<uint8_t>();
-    b.host_slot_stride = host.stride(0);
-    b.host_slots = host.size(0);
+    b.host = host.data;
+    b.host_slot_stride = host.slot_stride;
+    b.host_slots = host.slots;
     b.resident = resident[i].data_ptr<int32_t>();
     b.inflight_slots = inflight_slots[i].data_ptr<int32_t>();
     b.leases = static_cast<int32_t>(resident[i].size(0));
