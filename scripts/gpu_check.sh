@@ -2,7 +2,8 @@
 # The GPU round trip, run on the device machine from the repo root:
 #   build the CUDA extension against the machine's torch, run the CUDA tests, a long data-safety
 #   run and the benchmarks. Logs go to $OUT (the device tool brings them back).
-# Usage: [LONG=0] [BENCH=0] [SCALING=1] [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
+# Usage: [LONG=0] [BENCH=0] [SCALING=1] [SWEEP=1] [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
+#   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs).
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" TORCH_KVCM2_CUDA=1
@@ -27,4 +28,7 @@ echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
   tests/test_data_safety.py 2>&1 | tee "$OUT/tests_safety_long.log" | tail -3
 if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/run.py --json "$OUT/bench.json" ${SCALING:+--scaling} 2>&1 | tee "$OUT/bench.txt"
+fi
+if [ "${SWEEP:-0}" = 1 ]; then
+  python3 benchmarks/fetch_sweep.py --json "$OUT/fetch_sweep.json" 2>&1 | tee "$OUT/fetch_sweep.txt"
 fi

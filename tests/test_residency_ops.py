@@ -50,10 +50,13 @@ class Group:
         self._miss = torch.full((miss_rows + 2 * g, ops.MISS_FIELDS), 999, dtype=I32, device=device)
         self._count = torch.full((1 + 2 * g,), 555, dtype=I32, device=device)
         self._counters = torch.zeros(ops.NUM_COUNTERS + 2 * g, dtype=torch.int64, device=device)
+        self._inflight = torch.full((rows + 2 * g, ops.max_inflight_units(I, U)), 333, dtype=I32,
+                                    device=device)
         sl = slice(g, -g if g else None)
         self.resident, self.recency = self._resident[sl], self._recency[sl]
         self.index_table, self.miss_list = self._index[sl], self._miss[sl]
         self.miss_count, self.counters = self._count[sl], self._counters[sl]
+        self.inflight_slots = self._inflight[sl]
         self.guard = g
         self._border = self._borders()
         self.ref = ref.ResidencyState.fresh(leases, S)
@@ -63,13 +66,14 @@ class Group:
             return None
         return [(t[0].clone(), t[-1].clone()) for t in
                 (self._resident, self._recency, self._index, self._miss, self._count,
-                 self._counters)]
+                 self._counters, self._inflight)]
 
     def check_borders(self):
         if not self.guard:
             return
         for (a, b), t in zip(self._border, (self._resident, self._recency, self._index,
-                                            self._miss, self._count, self._counters)):
+                                            self._miss, self._count, self._counters,
+                                            self._inflight)):
             assert torch.equal(a, t[0]) and torch.equal(b, t[-1]), "out-of-bounds write"
 
     def reset_lease(self, ell):
@@ -81,7 +85,7 @@ class Group:
 
     def run_op(self, selected, history, capacity, lease):
         ops.resolve(self.resident, self.recency, self.index_table, self.miss_list,
-                    self.miss_count, self.counters, t32(selected, self.device),
+                    self.miss_count, self.counters, self.inflight_slots, t32(selected, self.device),
                     t32(history, self.device), t32(capacity, self.device), t32(lease, self.device),
                     self.U, self.P, self.I, self.window)
 
@@ -115,6 +119,9 @@ class Group:
                            self.window)
         state = ref.state_from_tensors(self.resident.cpu(), self.recency.cpu(), self.counters.cpu())
         ref.check_res1(state, allow_negative_units=allow_negative)
+        # the in-flight slot records: the lowest slot holding each in-flight unit afterwards
+        assert self.inflight_slots.cpu().tolist() == ref.locate_inflight(
+            self.resident.cpu().tolist(), history, capacity, lease, self.U, self.I)
         # RES-4: leases of no seated row are never touched
         seated = {ell for ell in lease if 0 <= ell < self.num_leases}
         for ell in range(self.num_leases):
@@ -484,14 +491,15 @@ def test_op_resolve_bad_host_arguments_raise():
     g = small_group("cpu", rows=1)
     sel, h, c, lease = t32([[0, 1, 2, 3]], "cpu"), t32([8], "cpu"), t32([8], "cpu"), t32([0], "cpu")
     args = [g.resident, g.recency, g.index_table, g.miss_list, g.miss_count, g.counters,
-            sel, h, c, lease, 2, 4, 4, 0]
-    snapshot = [a.clone() for a in args[:6]]
+            g.inflight_slots, sel, h, c, lease, 2, 4, 4, 0]
+    snapshot = [a.clone() for a in args[:7]]
     bad = {
         0: g.resident.long(), 1: g.recency[:, :4].contiguous(), 2: g.index_table[:, :2].contiguous(),
         3: g.miss_list[:5].contiguous(), 4: torch.zeros(2, dtype=I32),
-        5: torch.zeros(3, dtype=I32), 6: sel.long(), 7: t32([8, 8], "cpu"), 9: lease.long(),
-        10: 3,  # U does not divide P
-        11: 0, 12: 0, 13: -1,
+        5: torch.zeros(3, dtype=I32), 6: g.inflight_slots[:, :2].contiguous(), 7: sel.long(),
+        8: t32([8, 8], "cpu"), 10: lease.long(),
+        11: 3,  # U does not divide P
+        12: 0, 13: 0, 14: -1,
     }
     for i, value in bad.items():
         call = list(args)
@@ -501,7 +509,7 @@ def test_op_resolve_bad_host_arguments_raise():
     # S not a multiple of E = P/U
     with pytest.raises((RuntimeError, ValueError)):
         ops.resolve(g.resident[:, :7].contiguous(), g.recency[:, :7].contiguous(), *args[2:])
-    for a, b in zip(args[:6], snapshot):
+    for a, b in zip(args[:7], snapshot):
         assert torch.equal(a, b)
     ops.resolve(*args)  # the good call works
     assert g.counters.tolist() == [0, 4, 0]
@@ -790,8 +798,8 @@ def test_op_resolve_and_fetch_opcheck(device):
                         t32([32, 11], device), t32([1, 0], device))
     torch.library.opcheck(
         torch.ops.torch_kvcm2.resolve.default,
-        (g.resident, g.recency, g.index_table, g.miss_list, g.miss_count, g.counters, sel, h, c,
-         lease, 2, 4, 4, 0))
+        (g.resident, g.recency, g.index_table, g.miss_list, g.miss_count, g.counters,
+         g.inflight_slots, sel, h, c, lease, 2, 4, 4, 0))
     gen = torch.Generator().manual_seed(6)
     layers = [Layer(device, gen=gen, num_leases=2, S=8, P=4, U=2, chunks=c_, bpt=4 * c_,
                     host_slots=6, rows=2, max_pages=16, guard=False) for c_ in (1, 2)]
@@ -811,8 +819,8 @@ def test_op_resolve_and_fetch_mixed_devices_raise():
     sel, h, c, lease = (t32([[0, 1, 2, 3]], "cuda"), t32([8], "cuda"), t32([8], "cuda"),
                         t32([0], "cuda"))
     args = [g.resident, g.recency, g.index_table, g.miss_list, g.miss_count, g.counters,
-            sel, h, c, lease, 2, 4, 4, 0]
-    for i in range(10):
+            g.inflight_slots, sel, h, c, lease, 2, 4, 4, 0]
+    for i in range(11):
         call = list(args)
         call[i] = call[i].cpu()
         with pytest.raises(RuntimeError):
@@ -839,10 +847,10 @@ def test_op_resolve_fetch_torch_compile_fullgraph_equals_eager():
     CPU, and the mutated state, outputs and cells equal eager execution (and the reference)."""
     torch._dynamo.reset()
 
-    def step(resident, recency, index_table, miss_list, miss_count, counters, selected, history,
-             capacity, lease, cells, pool, page_table):
-        ops.resolve(resident, recency, index_table, miss_list, miss_count, counters, selected,
-                    history, capacity, lease, 2, 4, 4, 0)
+    def step(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
+             selected, history, capacity, lease, cells, pool, page_table):
+        ops.resolve(resident, recency, index_table, miss_list, miss_count, counters,
+                    inflight_slots, selected, history, capacity, lease, 2, 4, 4, 0)
         ops.fetch([cells], [pool], [0], [page_table], miss_list, miss_count, 8, 2)
         return index_table.clone()
 
@@ -860,9 +868,11 @@ def test_op_resolve_fetch_torch_compile_fullgraph_equals_eager():
         for g, cells, fn in ((eager_g, eager_cells, step), (comp_g, comp_cells, compiled)):
             tensors = (t32(sel, "cpu"), t32(h, "cpu"), t32(c, "cpu"), t32(lease, "cpu"))
             outs.append(fn(g.resident, g.recency, g.index_table, g.miss_list, g.miss_count,
-                           g.counters, *tensors, cells, layer.pool, layer.page_table))
+                           g.counters, g.inflight_slots, *tensors, cells, layer.pool,
+                           layer.page_table))
         assert torch.equal(outs[0], outs[1])
-        for name in ("resident", "recency", "index_table", "miss_count", "counters"):
+        for name in ("resident", "recency", "index_table", "miss_count", "counters",
+                     "inflight_slots"):
             assert torch.equal(getattr(eager_g, name), getattr(comp_g, name)), name
         assert eager_g.op_misses() == comp_g.op_misses()
         assert torch.equal(eager_cells, comp_cells)

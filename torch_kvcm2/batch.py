@@ -368,11 +368,9 @@ class Batch:
         if self._fetch_events:
             self._wait_fetches(state)
         ops.resolve(state.resident, state.recency, table, state.miss_list, state.miss_count,
-                    state.counters, selected, self.history, self.capacity, self.lease,
-                    sp.tokens_per_unit, self.config.tokens_per_page, sp.max_inflight_tokens,
-                    state.spec.window or 0)
-        ops.locate_inflight(state.inflight_slots, state.resident, self.history, self.capacity,
-                            self.lease, sp.tokens_per_unit, sp.max_inflight_tokens)
+                    state.counters, state.inflight_slots, selected, self.history, self.capacity,
+                    self.lease, sp.tokens_per_unit, self.config.tokens_per_page,
+                    sp.max_inflight_tokens, state.spec.window or 0)
         return table
 
     def fetch(self, *layers: str) -> None:

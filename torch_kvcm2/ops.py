@@ -68,6 +68,7 @@ def resolve(
     miss_list: Tensor,
     miss_count: Tensor,
     counters: Tensor,
+    inflight_slots: Tensor,
     selected: Tensor,
     history: Tensor,
     capacity: Tensor,
@@ -83,12 +84,13 @@ def resolve(
     int32[R, K]; ``miss_list`` int32[>= R*(K + max_inflight_units), 4] and ``miss_count``
     int32[1] are overwritten with this call's misses; ``counters`` int64[3] (hits, misses,
     invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
-    ``window`` is 0 for full attention. Follow it with ``locate_inflight`` before write_indices
-    or flush (``Batch.resolve`` does).
+    ``inflight_slots`` int32[R, ceil(I/U)+1] is overwritten with each row's in-flight slot
+    records (as ``locate_inflight`` computes them), which write_indices and flush read.
+    ``window`` is 0 for full attention.
     """
     _ops.resolve(
-        resident, recency, index_table, miss_list, miss_count, counters, selected, history,
-        capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
+        resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
+        history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
     )
 
 
@@ -122,9 +124,11 @@ def locate_inflight(
     tokens_per_unit: int,
     max_inflight_tokens: int,
 ) -> None:
-    """After a resolve: ``inflight_slots[r, k]`` = the slot of the lease holding in-flight unit
+    """``inflight_slots[r, k]`` = the lowest slot of the lease holding in-flight unit
     ``floor(s0/U) + k`` of row r, BAD when none (or unseated). int32[R, ceil(I/U)+1]. Mutates
-    ``inflight_slots``; write_indices and flush read it."""
+    ``inflight_slots``; write_indices and flush read it. ``resolve`` already writes these
+    records; this op recomputes them from residency alone (after changing lengths or residency
+    without a resolve)."""
     _ops.locate_inflight(inflight_slots, resident, history, capacity, lease, tokens_per_unit,
                          max_inflight_tokens)
 
@@ -197,8 +201,8 @@ def _(out, selected, page_table, capacity, scale, pos, tokens_per_page):
 
 
 @torch.library.register_fake("torch_kvcm2::resolve")
-def _(resident, recency, index_table, miss_list, miss_count, counters, selected, history,
-      capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window):
+def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
+      history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window):
     _check(index_table.shape == selected.shape, "resolve: index_table and selected differ in shape")
     _check(recency.shape == resident.shape, "resolve: recency and resident differ in shape")
 

@@ -115,7 +115,7 @@ void check_convert_token_indices(const at::Tensor& out, const at::Tensor& select
 void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
                    const at::Tensor& index_table, const at::Tensor& miss_list,
                    const at::Tensor& miss_count, const at::Tensor& counters,
-                   const at::Tensor& selected, const at::Tensor& history,
+                   const at::Tensor& inflight_slots, const at::Tensor& selected, const at::Tensor& history,
                    const at::Tensor& capacity, const at::Tensor& lease, int64_t tokens_per_unit,
                    int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window) {
   const char* op = "resolve";
@@ -131,9 +131,10 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
                   counters.size(0) == kNumCounters && counters.is_contiguous(),
               op, ": counters must be a contiguous int64 tensor of shape [", kNumCounters, "]");
   for (const at::Tensor* t : {&recency, &index_table, &miss_list, &miss_count, &counters,
-                              &selected}) {
+                              &inflight_slots, &selected}) {
     check_same_device(resident, *t, op, "every tensor");
   }
+  check_inflight_slots(inflight_slots, rows, tokens_per_unit, max_inflight_tokens, op);
   TORCH_CHECK(recency.sizes() == resident.sizes(), op, ": recency has shape ", recency.sizes(),
               " but resident has ", resident.sizes());
   TORCH_CHECK(index_table.sizes() == selected.sizes(), op, ": index_table has shape ",

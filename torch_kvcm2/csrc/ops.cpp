@@ -21,20 +21,21 @@ TORCH_LIBRARY(torch_kvcm2, m) {
   m.def(
       "convert_token_indices(Tensor(a!) out, Tensor selected, Tensor page_table, "
       "Tensor capacity, int scale, int pos, int tokens_per_page) -> ()");
-  // OP-RESOLVE: one selection group, every seated row.
+  // OP-RESOLVE: one selection group, every seated row. Also records, per row, the slot of each
+  // in-flight unit (column k: unit floor(s0/U) + k) for write_indices and flush.
   m.def(
       "resolve(Tensor(a!) resident, Tensor(b!) recency, Tensor(c!) index_table, "
-      "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, Tensor selected, "
-      "Tensor history, Tensor capacity, Tensor lease, int tokens_per_unit, int tokens_per_page, "
-      "int max_inflight_tokens, int window) -> ()");
+      "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "
+      "Tensor(g!) inflight_slots, Tensor selected, Tensor history, Tensor capacity, Tensor lease, "
+      "int tokens_per_unit, int tokens_per_page, int max_inflight_tokens, int window) -> ()");
   // OP-FETCH: layers of one selection group, every missed unit of each of their sparse buffers,
   // host page -> cell. A buffer's host pages are (its pool group's whole pool, its position in a
   // slot): ops never take two views of one pool, which would alias (see HostPages in kvcm2.h).
   m.def(
       "fetch(Tensor(a!)[] cells, Tensor[] host_pools, int[] positions, Tensor[] page_tables, "
       "Tensor miss_list, Tensor miss_count, int slots, int tokens_per_unit) -> ()");
-  // After resolve: the slot of each in-flight unit of every seated row (column k: unit
-  // floor(s0/U) + k), read by write_indices and flush so neither scans a lease's S slots.
+  // The in-flight slot records resolve writes, recomputed from residency alone (the lowest slot
+  // holding each in-flight unit), for callers that change lengths or residency between resolves.
   m.def(
       "locate_inflight(Tensor(a!) inflight_slots, Tensor resident, Tensor history, "
       "Tensor capacity, Tensor lease, int tokens_per_unit, int max_inflight_tokens) -> ()");

@@ -114,15 +114,29 @@ void resolve_row(int32_t* res, int32_t* rec, int32_t* out, const int32_t* sel, i
   std::memcpy(rec, order.data(), S * sizeof(int32_t));
 }
 
+// The row's in-flight slot records after its resolve: column k holds the lowest slot holding
+// in-flight unit floor(s0/U) + k, BAD when none does (or the unit is not in flight).
+void record_inflight(const int32_t* res, int64_t S, const RowRange& range, int32_t* slots,
+                     int64_t miu) {
+  std::fill(slots, slots + miu, BAD);
+  for (int64_t s = S - 1; s >= 0; --s) {  // descending: the lowest slot writes last
+    const int64_t k = res[s] - range.first_inflight_unit();
+    if (res[s] != BAD && range.inflight(res[s]) && k < miu) slots[k] = static_cast<int32_t>(s);
+  }
+}
+
 void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
                  const at::Tensor& index_table, const at::Tensor& miss_list,
                  const at::Tensor& miss_count, const at::Tensor& counters,
-                 const at::Tensor& selected, const at::Tensor& history,
-                 const at::Tensor& capacity, const at::Tensor& lease, int64_t tokens_per_unit,
-                 int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window) {
-  check_resolve(resident, recency, index_table, miss_list, miss_count, counters, selected,
-                history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens,
-                window);
+                 const at::Tensor& inflight_slots, const at::Tensor& selected,
+                 const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
+                 int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
+                 int64_t window) {
+  check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
+                selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
+                max_inflight_tokens, window);
+  const int64_t miu = inflight_slots.size(1);
+  int32_t* located = inflight_slots.data_ptr<int32_t>();
   const int64_t rows = selected.size(0), K = selected.size(1);
   const int64_t leases = resident.size(0), S = resident.size(1);
   int32_t* res = resident.data_ptr<int32_t>();
@@ -139,12 +153,14 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
     const int64_t l = own[r];
     if (l < 0 || l >= leases) {  // hole, suspended row, or a bad lease: touch no residency
       std::fill(out + r * K, out + (r + 1) * K, BAD);
+      std::fill(located + r * miu, located + (r + 1) * miu, BAD);
       continue;
     }
     const RowRange range(hist[r], cap[r], tokens_per_unit, tokens_per_page, max_inflight_tokens,
                          window);
     resolve_row(res + l * S, rec + l * S, out + r * K, sel + r * K, K, S, l, r, range,
                 miss_list.data_ptr<int32_t>(), count, c);
+    record_inflight(res + l * S, S, range, located + r * miu, miu);
   }
   int64_t* total = counters.data_ptr<int64_t>();
   total[kHits] += c.hits;

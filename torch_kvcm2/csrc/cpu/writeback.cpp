@@ -28,7 +28,7 @@ void locate_inflight_cpu(const at::Tensor& inflight_slots, const at::Tensor& res
     if (l < 0 || l >= leases) continue;
     const RowRange range(history.data_ptr<int32_t>()[r], capacity.data_ptr<int32_t>()[r],
                          tokens_per_unit, tokens_per_unit, max_inflight_tokens, 0);
-    for (int64_t s = 0; s < S; ++s) {  // RES-1: a unit sits in one slot at most
+    for (int64_t s = S - 1; s >= 0; --s) {  // the lowest slot when a unit sits in several
       const int64_t k = res[l * S + s] - range.first_inflight_unit();
       if (res[l * S + s] != BAD && range.inflight(res[l * S + s]) && k < miu)
         row_out[k] = static_cast<int32_t>(s);

@@ -15,8 +15,9 @@
 //   place     victim k takes admission k, then miss k - #admissions;
 //   index     index_table row and the step-5 hit classes;
 //   scan 2    the stable 4-way partition of recency (untouched, misses, pinned, hits);
-//   write     resident, recency, and the row's miss-list entries at a base reserved with one
-//             atomicAdd per CTA (issued after scan 1, consumed at the end to hide its latency).
+//   write     resident, recency, the row's in-flight slot records, and its miss-list entries at
+//             a base reserved with one atomicAdd per CTA (issued after scan 1, consumed at the
+//             end to hide its latency).
 //
 // fetch: a fixed grid sweeps (miss, buffer, chunk, vector) work items, several vector loads in
 // flight per thread before any store, loads through the device-mapped view of pinned host memory.
@@ -30,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 
 #include "../kvcm2.h"
@@ -48,8 +50,17 @@ struct DeviceInfo {
   int smem_optin = 0;           // max shared memory per block (static + dynamic), opt-in
   int resolve_static_smem = 0;  // resolve_kernel's static shared memory (scan temp storage)
   int resolve_smem_set = 0;     // dynamic shared memory limit already raised for resolve_kernel
-  int fetch_blocks_per_sm = 0;  // resident fetch CTAs per SM: the fixed fetch grid fills the GPU
+  int fetch_blocks_per_sm = 0;  // fetch CTAs per SM of the fixed grid (default: all that fit)
+  int fetch_ilp = 4;            // vector loads in flight per fetch thread
 };
+
+// Development knobs for benchmarks/fetch_sweep.py, read once per process: KVCM2_FETCH_ILP (1, 2,
+// 4 or 8 loads in flight per thread) and KVCM2_FETCH_BLOCKS_PER_SM (fetch grid size). Unset, the
+// measured defaults apply.
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? std::atoi(v) : fallback;
+}
 
 std::mutex g_info_mutex;
 DeviceInfo g_info[kMaxDevices];
@@ -127,6 +138,7 @@ struct ResolveParams {
   int32_t* miss_list;  // [>= rows * (K + MI), 4]
   int32_t* miss_count; // [1], zeroed before the launch
   unsigned long long* counters;  // int64[3], two's complement: unsigned atomics are exact
+  int32_t* inflight_slots;       // [rows, MI]
   const int32_t* selected;       // [rows, K]
   const int32_t* history;
   const int32_t* capacity;
@@ -317,10 +329,13 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   const int32_t l = p.lease[r];
   const int32_t h = p.history[r], c = p.capacity[r];
   int32_t* const out = p.index_table + static_cast<int64_t>(r) * K;
+  int32_t* const located = p.inflight_slots + static_cast<int64_t>(r) * p.MI;
   if (l < 0 || l >= p.leases) {  // hole, suspended row, or a bad lease: touch no residency
     __pipeline_wait_prior(0);
 #pragma unroll 1
     for (int j = tid; j < K; j += kResolveThreads) out[j] = BAD;
+#pragma unroll 1
+    for (int i = tid; i < p.MI; i += kResolveThreads) located[i] = BAD;
     return;
   }
   int32_t* const res_row = p.resident + static_cast<int64_t>(l) * S;
@@ -577,6 +592,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       u = static_cast<int32_t>(a + admit[k]);
       e = u >= 0 ? hash_find(key, u, bits) : -1;  // a selected in-flight unit lands here
       cls[sl] = kPinned;
+      infl[admit[k]] = sl;  // its in-flight slot record
     } else {
       e = miss_entry[k - nA];
       u = key[e];
@@ -657,6 +673,11 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       rec_row[q[i]] = v[i];
     }
   });
+  // In-flight slot records: the lowest slot that held the unit (pinned, so it still does), or
+  // the admission's slot; BAD for an admission that found no victim.
+#pragma unroll 1
+  for (int i = tid; i < p.MI; i += kResolveThreads)
+    located[i] = (i < nF && infl[i] != kNoSlot) ? infl[i] : BAD;
   const int32_t base = s_miss_base;
 #pragma unroll 1
   for (int k = tid; k < placed; k += kResolveThreads) {
@@ -681,7 +702,6 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 // fetch
 
 constexpr int kFetchThreads = 256;
-constexpr int kFetchIlp = 4;         // vector loads in flight per thread before its stores
 constexpr int kMaxFetchBuffers = 8;  // buffers per launch; more are split over several launches
 
 struct FetchBuffer {
@@ -735,9 +755,10 @@ __device__ __forceinline__ void store_vec(uint8_t* dst, const uint4& v, int vec)
 }
 
 // Work item v = (miss m, buffer b, chunk k, vector o), m-major so that consecutive threads copy
-// consecutive vectors of one piece. A thread handles kFetchIlp items per round in stages (miss
+// consecutive vectors of one piece. A thread handles ILP items per round in stages (miss
 // entries, then page-table entries, then host loads, then stores), so the dependent loads of its
-// items overlap instead of forming kFetchIlp chains.
+// items overlap instead of forming ILP chains.
+template <int ILP>
 __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_constant__ FetchParams p) {
   // The count (written by resolve earlier on this stream) is loaded together with the first
   // miss entries rather than before them: entries are read up to the list's size, and only
@@ -746,12 +767,12 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
   const int64_t bound = p.list_rows * p.per_miss;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kFetchThreads;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kFetchThreads + threadIdx.x; base < bound;
-       base += kFetchIlp * stride) {
-    int4 e[kFetchIlp];   // miss entries (lease, slot, row, unit)
-    int b[kFetchIlp];    // buffer
-    int w[kFetchIlp];    // vector within the buffer's part of the miss: chunk * vpp + vector
+       base += ILP * stride) {
+    int4 e[ILP];   // miss entries (lease, slot, row, unit)
+    int b[ILP];    // buffer
+    int w[ILP];    // vector within the buffer's part of the miss: chunk * vpp + vector
 #pragma unroll
-    for (int i = 0; i < kFetchIlp; ++i) {
+    for (int i = 0; i < ILP; ++i) {
       int64_t v = base + i * stride;
       if (v >= bound) v = base;  // a readable item; its copy is dropped in stage 2
       const int64_t m = v / p.per_miss;
@@ -767,9 +788,9 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
     }
     const int64_t total = min(max(static_cast<int64_t>(count), int64_t{0}), p.list_rows) * p.per_miss;
     if (base >= total) break;
-    int64_t host_slot[kFetchIlp];
+    int64_t host_slot[ILP];
 #pragma unroll
-    for (int i = 0; i < kFetchIlp; ++i) {
+    for (int i = 0; i < ILP; ++i) {
       const FetchBuffer& B = p.buf[b[i]];
       const int32_t lease = e[i].x, slot = e[i].y, row = e[i].z, unit = e[i].w;
       const int64_t entry = static_cast<int64_t>(lease) * p.slots + slot;
@@ -780,11 +801,11 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
           unit / B.E < B.table_pages)
         host_slot[i] = B.table[row * B.table_pages + unit / B.E];
     }
-    uint4 val[kFetchIlp];
-    uint8_t* dst[kFetchIlp];
-    int vec[kFetchIlp];
+    uint4 val[ILP];
+    uint8_t* dst[ILP];
+    int vec[ILP];
 #pragma unroll
-    for (int i = 0; i < kFetchIlp; ++i) {
+    for (int i = 0; i < ILP; ++i) {
       const FetchBuffer& B = p.buf[b[i]];
       dst[i] = nullptr;
       vec[i] = B.vec;
@@ -798,7 +819,7 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
       dst[i] = B.cells + (entry / B.E) * B.page_bytes + (entry % B.E) * B.piece + inner;
     }
 #pragma unroll
-    for (int i = 0; i < kFetchIlp; ++i)
+    for (int i = 0; i < ILP; ++i)
       if (dst[i] != nullptr) store_vec(dst[i], val[i], vec[i]);
   }
 }
@@ -813,10 +834,17 @@ void init_device_info(DeviceInfo& info, int device) {
   cudaFuncAttributes attr{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, resolve_kernel));
   info.resolve_static_smem = static_cast<int>(attr.sharedSizeBytes);
+  const int ilp = env_int("KVCM2_FETCH_ILP", 4);
+  info.fetch_ilp = (ilp == 1 || ilp == 2 || ilp == 8) ? ilp : 4;
+  const void* kernel = info.fetch_ilp == 1   ? reinterpret_cast<const void*>(fetch_kernel<1>)
+                       : info.fetch_ilp == 2 ? reinterpret_cast<const void*>(fetch_kernel<2>)
+                       : info.fetch_ilp == 8 ? reinterpret_cast<const void*>(fetch_kernel<8>)
+                                             : reinterpret_cast<const void*>(fetch_kernel<4>);
   int blocks = 0;
-  C10_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fetch_kernel, kFetchThreads, 0));
-  info.fetch_blocks_per_sm = std::max(1, blocks);
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kFetchThreads, 0));
+  blocks = std::max(1, blocks);
+  info.fetch_blocks_per_sm =
+      std::min(std::max(1, env_int("KVCM2_FETCH_BLOCKS_PER_SM", blocks)), blocks);
 }
 
 int ceil_log2(int64_t n) {
@@ -828,12 +856,13 @@ int ceil_log2(int64_t n) {
 void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                   const at::Tensor& index_table, const at::Tensor& miss_list,
                   const at::Tensor& miss_count, const at::Tensor& counters,
-                  const at::Tensor& selected, const at::Tensor& history,
-                  const at::Tensor& capacity, const at::Tensor& lease, int64_t tokens_per_unit,
-                  int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window) {
-  check_resolve(resident, recency, index_table, miss_list, miss_count, counters, selected,
-                history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens,
-                window);
+                  const at::Tensor& inflight_slots, const at::Tensor& selected,
+                  const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
+                  int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
+                  int64_t window) {
+  check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
+                selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
+                max_inflight_tokens, window);
   const c10::cuda::CUDAGuard guard(resident.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // miss_count is overwritten by every resolve; the CTAs then reserve with atomicAdd.
@@ -871,6 +900,7 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   p.miss_list = miss_list.data_ptr<int32_t>();
   p.miss_count = miss_count.data_ptr<int32_t>();
   p.counters = reinterpret_cast<unsigned long long*>(counters.data_ptr<int64_t>());
+  p.inflight_slots = inflight_slots.data_ptr<int32_t>();
   p.selected = selected.data_ptr<int32_t>();
   p.history = history.data_ptr<int32_t>();
   p.capacity = capacity.data_ptr<int32_t>();
@@ -912,10 +942,12 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (miss_list.size(0) == 0) return;
   unsigned grid;
+  int ilp;
   {
     const std::lock_guard<std::mutex> lock(g_info_mutex);
     const DeviceInfo& info = device_info(miss_list.get_device());
     grid = static_cast<unsigned>(info.sms * info.fetch_blocks_per_sm);
+    ilp = info.fetch_ilp;
   }
   FetchParams p{};
   p.miss_list = miss_list.data_ptr<int32_t>();
@@ -925,7 +957,12 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   p.slots = slots;
   auto launch = [&]() {
     if (p.nb == 0) return;
-    fetch_kernel<<<grid, kFetchThreads, 0, stream>>>(p);
+    switch (ilp) {
+      case 1: fetch_kernel<1><<<grid, kFetchThreads, 0, stream>>>(p); break;
+      case 2: fetch_kernel<2><<<grid, kFetchThreads, 0, stream>>>(p); break;
+      case 8: fetch_kernel<8><<<grid, kFetchThreads, 0, stream>>>(p); break;
+      default: fetch_kernel<4><<<grid, kFetchThreads, 0, stream>>>(p); break;
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     p.nb = 0;
     p.per_miss = 0;

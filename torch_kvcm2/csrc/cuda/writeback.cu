@@ -21,7 +21,8 @@ namespace torch_kvcm2 {
 namespace {
 
 // ------------------------------------------------------------------------------------------------
-// locate_inflight: one CTA per row scans the lease's S slots once.
+// locate_inflight: one CTA per row scans the lease's S slots once; the lowest slot holding a unit
+// wins (atomicMin), as on the CPU.
 
 __global__ void locate_inflight_kernel(int32_t* __restrict__ out,
                                        const int32_t* __restrict__ resident,
@@ -31,18 +32,21 @@ __global__ void locate_inflight_kernel(int32_t* __restrict__ out,
                                        int64_t leases, int64_t S, int64_t U, int64_t I) {
   const int64_t r = blockIdx.x;
   int32_t* row_out = out + r * miu;
-  for (int64_t k = threadIdx.x; k < miu; k += blockDim.x) row_out[k] = BAD;
-  __syncthreads();
   const int64_t l = lease[r];
-  if (l < 0 || l >= leases) return;
+  const bool seated = l >= 0 && l < leases;
+  for (int64_t k = threadIdx.x; k < miu; k += blockDim.x) row_out[k] = seated ? INT32_MAX : BAD;
+  if (!seated) return;  // uniform per block
+  __syncthreads();
   const RowRange range(history[r], capacity[r], U, U, I, 0);
-  if (!range.has_inflight()) return;
   const int32_t* res = resident + l * S;
-  for (int64_t s = threadIdx.x; s < S; s += blockDim.x) {
+  for (int64_t s = threadIdx.x; s < S && range.has_inflight(); s += blockDim.x) {
     const int64_t u = res[s];
     const int64_t k = u - range.first_inflight_unit();
-    if (u != BAD && range.inflight(u) && k < miu) row_out[k] = static_cast<int32_t>(s);
+    if (u != BAD && range.inflight(u) && k < miu) atomicMin(row_out + k, static_cast<int32_t>(s));
   }
+  __syncthreads();
+  for (int64_t k = threadIdx.x; k < miu; k += blockDim.x)
+    if (row_out[k] == INT32_MAX) row_out[k] = BAD;
 }
 
 void locate_inflight_cuda(const at::Tensor& inflight_slots, const at::Tensor& resident,

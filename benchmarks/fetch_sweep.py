@@ -1,0 +1,80 @@
+"""Fetch tuning sweep (CUDA): P-FETCH-ROW and P-FETCH-PAGE at several sizes, for each setting of
+the fetch kernel's development knobs, each in its own process (the knobs are read once per
+process), every result checked byte for byte by ``run.bench_fetch`` and reported against the
+copy-engine ceiling measured in the same process.
+
+    python benchmarks/fetch_sweep.py [--json out.json]
+
+Knobs (see DeviceInfo in torch_kvcm2/csrc/cuda/residency.cu): KVCM2_FETCH_ILP (loads in flight
+per thread: 1, 2, 4, 8) and KVCM2_FETCH_BLOCKS_PER_SM (grid size; default: every CTA that fits).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = [
+    {},  # the defaults
+    {"KVCM2_FETCH_ILP": "8"},
+    {"KVCM2_FETCH_ILP": "2"},
+    {"KVCM2_FETCH_ILP": "1"},
+    {"KVCM2_FETCH_BLOCKS_PER_SM": "4"},
+    {"KVCM2_FETCH_BLOCKS_PER_SM": "2"},
+    {"KVCM2_FETCH_ILP": "8", "KVCM2_FETCH_BLOCKS_PER_SM": "2"},
+]
+# (id, missed units, tokens per unit): rows of 656 B, pages of 64 x 656 B
+SHAPES = [("ROW", 2048, 1), ("ROW", 8192, 1), ("PAGE", 256, 64), ("PAGE", 1024, 64)]
+
+
+def child() -> None:
+    sys.path.insert(0, HERE)
+    import run
+
+    timer = run.Timer("cuda", 20)
+    ceil = run.ceilings(timer, "cuda", quick=False)
+    out = []
+    for name, units, unit_tokens in SHAPES:
+        r = run.bench_fetch(timer, "cuda", False, units=units, unit_tokens=unit_tokens, page=64,
+                            rid=f"P-FETCH-{name}", target_pct=0, ceil=ceil)
+        out.append({"shape": f"{name} {units}", "us": r.median_us, "gbs": r.gbs, "pct": r.pct})
+        run.release("cuda")
+    print(json.dumps({"h2d": ceil["h2d"], "results": out}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the sweep to this file")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child()
+        return 0
+    rows = []
+    for variant in VARIANTS:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCM2_FETCH_")} | variant
+        done = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True,
+                              text=True, timeout=300)
+        label = " ".join(f"{k[12:]}={v}" for k, v in variant.items()) or "defaults"
+        if done.returncode != 0:
+            print(f"{label}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        rows.append({"variant": label, **json.loads(done.stdout.strip().splitlines()[-1])})
+    shapes = [r["shape"] for r in rows[0]["results"]]
+    print("| variant | CE H2D GB/s | " + " | ".join(f"{s} (us, % CE)" for s in shapes) + " |")
+    print("|---|---|" + "---|" * len(shapes))
+    for row in rows:
+        cells = [f"{r['us']:.1f}, {r['pct']:.1f}%" for r in row["results"]]
+        print(f"| {row['variant']} | {row['h2d']:.1f} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
