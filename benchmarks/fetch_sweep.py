@@ -18,13 +18,12 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = [
-    {},  # the defaults
-    {"KVCM2_FETCH_ILP": "8"},
-    {"KVCM2_FETCH_ILP": "2"},
+    {},  # the defaults (ILP 2, every CTA that fits)
     {"KVCM2_FETCH_ILP": "1"},
+    {"KVCM2_FETCH_ILP": "4"},
+    {"KVCM2_FETCH_ILP": "8"},
     {"KVCM2_FETCH_BLOCKS_PER_SM": "4"},
     {"KVCM2_FETCH_BLOCKS_PER_SM": "2"},
-    {"KVCM2_FETCH_ILP": "8", "KVCM2_FETCH_BLOCKS_PER_SM": "2"},
 ]
 # (id, missed units, tokens per unit): rows of 656 B, pages of 64 x 656 B
 SHAPES = [("ROW", 2048, 1), ("ROW", 8192, 1), ("PAGE", 256, 64), ("PAGE", 1024, 64)]

@@ -563,9 +563,9 @@ def run_step(timer, device, quick, groups, seed) -> dict:
     resolve and one fetch of all its layers (``Batch.fetch(*layers)``, one launch), then one
     write_indices per group and one flush, captured as one graph and replayed from the steady
     state (the previous selection resident and fetched, one token in flight per row). Also times
-    the same step with one fetch launch per layer. Checks every group's counters and index
-    table, and on sampled layers (cells zeroed before a last replay) every selected unit's bytes
-    and the flushed token."""
+    the same step with one fetch launch per layer, and without any fetch (what the step spends
+    outside fetch). Checks every group's counters and index table, and on sampled layers (cells
+    zeroed before a last replay) every selected unit's bytes and the flushed token."""
     sz = step_sizes(quick)
     R, K, S, H = sz["rows"], sz["K"], sz["S"], sz["history"]
     L, G, B = sum(groups), len(groups), MLA_ROW
@@ -600,14 +600,14 @@ def run_step(timer, device, quick, groups, seed) -> dict:
     def reset():
         restore(states, saved)
 
-    def step(per_layer: bool):
+    def step(fetch: str):  # "group": one launch per group, "layer": one per layer, "none"
         def body():
             for gi, layers in enumerate(group_layers):
                 batch.resolve(gi, sels1[gi])
-                if per_layer:
+                if fetch == "layer":
                     for layer in layers:
                         batch.fetch(layer)
-                else:
+                elif fetch == "group":
                     batch.fetch(*layers)
             for gi in range(G):
                 batch.write_indices(gi)
@@ -617,8 +617,9 @@ def run_step(timer, device, quick, groups, seed) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    per_layer_us = timer.graph(step(True), 1, reset) if G < L else None
-    us, replay = timer.graph(step(False), 1, reset, keep=True)
+    per_layer_us = timer.graph(step("layer"), 1, reset) if G < L else None
+    no_fetch_us = timer.graph(step("none"), 1, reset)
+    us, replay = timer.graph(step("group"), 1, reset, keep=True)
     # a last replay with the sampled layers' cells zeroed, a pattern in their in-flight cell and
     # zeros in the host bytes of that token
     sample = sorted({group_layers[0][0], group_layers[G // 2][-1], group_layers[-1][-1]},
@@ -650,7 +651,8 @@ def run_step(timer, device, quick, groups, seed) -> dict:
         assert torch.equal(host[:, 0][host_slot, H % PAGE], patterns[layer]), f"{layer}: flush wrote wrong bytes"
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
     cells_bytes = sum(batch.cells(layer, "kv").numel() for ls in group_layers for layer in ls)
-    return {"us": us, "per_layer_fetch_us": per_layer_us, "rows": R, "K": K, "S": S, "history": H,
+    return {"us": us, "per_layer_fetch_us": per_layer_us, "no_fetch_us": no_fetch_us,
+            "rows": R, "K": K, "S": S, "history": H,
             "layers": L, "groups": G, "new": new,
             "fetch_bytes": R * new * B * L, "flush_bytes": R * B * L, "cells_bytes": cells_bytes,
             "host_bytes": pool.data.numel(), "gpu_peak_bytes": peak, "sample": sample}
@@ -678,6 +680,9 @@ def bench_step(timer, device, quick, ceil, pres_us) -> list:
                 f"{pres_us:.1f} = {limit:.0f} us; measured {s['us']:.0f} us; GPU cells "
                 f"{s['cells_bytes'] / 1e9:.2f} GB (peak allocated {s['gpu_peak_bytes'] / 1e9:.2f} GB), "
                 f"pinned host pages {s['host_bytes'] / 1e9:.2f} GB; bytes checked on {s['sample']}")
+        fetch_us = s["us"] - s["no_fetch_us"]
+        rate = f" = {s['fetch_bytes'] / fetch_us / 1e3:.1f} GB/s" if fetch_us > 0 else ""
+        note += f"; without the fetches {s['no_fetch_us']:.0f} us, so fetch takes {fetch_us:.0f} us{rate}"
         if s["per_layer_fetch_us"] is not None:
             note += (f"; one fetch per group (as timed); with one fetch launch per layer instead "
                      f"{s['per_layer_fetch_us']:.0f} us")

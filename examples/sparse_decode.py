@@ -19,7 +19,13 @@ flush; resize. Every decode attention output is compared with a dense reference 
 token's latent in an ordinary tensor; every indexer key read from the pool and, at the end, every
 history token on the host pages are compared bit for bit. Any mismatch exits with status 1.
 
-    python examples/sparse_decode.py [--compile] [--device cpu] [--help for the sizes]
+With ``--compile`` each decode layer's cache work and attention (``decode_layer``: the group's
+resolve and write indices on its first layer, the layer's fetch, the new token's write into its
+cell, attention over the cells) runs as one ``torch.compile(fullgraph=True)`` module, and with
+``--compile reduce-overhead`` (CUDA) as CUDA-graph replays; every output is also compared with
+the eager attention over the same cells.
+
+    python examples/sparse_decode.py [--compile [reduce-overhead]] [--device cpu] [--help]
 """
 from __future__ import annotations
 
@@ -68,10 +74,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--compile", action="store_true",
-                   help="run the cells attention under torch.compile(fullgraph=True), checked "
-                        "against eager")
+    p.add_argument("--compile", nargs="?", const="default", choices=("default", "reduce-overhead"),
+                   help="run each decode layer's cache ops and attention under "
+                        "torch.compile(fullgraph=True) (mode 'default', or 'reduce-overhead': CUDA "
+                        "graphs), checked against eager")
     args = p.parse_args(argv)
+    if args.latent % 2:
+        p.error("--latent must be even (the compiled cell write moves 4-byte words)")
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
     args.prompts = [lengths[i % len(lengths)] for i in range(args.rows)]
     return args
@@ -202,11 +211,43 @@ def softmax_attend(q, kv, valid):
     return torch.einsum("...hn,...nd->...hd", scores.softmax(-1), kv)
 
 
+def write_cells(cells: torch.Tensor, index: torch.Tensor, latent: torch.Tensor) -> None:
+    """cells' token index[r] = latent[r] (KV_DTYPE[R, D]) for every index that is not BAD, with
+    fixed shapes (compilable, capturable): each token's bytes as int32 words get (new - old) added
+    at valid indices and 0 at BAD ones (routed to token 0). Integer adds wrap exactly, and rows
+    write distinct tokens, so the result is the new bits exactly."""
+    words = as_tokens(cells, torch.int32)
+    new = latent.contiguous().view(torch.int32)
+    valid = index >= 0
+    safe = torch.where(valid, index, 0).long()
+    delta = torch.where(valid[:, None], new - words[safe], 0)
+    words.index_put_((safe,), delta, accumulate=True)
+
+
+def decode_layer(batch, group: int, layer: str, wanted, selected, q, latent, position, U: int):
+    """One decode layer's cache work and attention, as --compile compiles it: on the group's
+    first layer (``wanted`` given) its resolve and write indices; then the layer's fetch, the
+    new token's write into its cell (``position`` int32[R] must be in flight), and attention of
+    q[R, H, D] over the selected units read from the cells."""
+    if wanted is not None:
+        batch.resolve(group, wanted)
+        batch.write_indices(group)
+    state = batch.group(group)
+    table = state.write_table
+    batch.fetch(layer)
+    cells = batch.cells(layer, "kv")
+    column = (position - state.inflight_start).long()[:, None]
+    slot = table.gather(1, column.clamp(0, table.shape[1] - 1))[:, 0]
+    write_cells(cells, torch.where((column[:, 0] >= 0) & (column[:, 0] < table.shape[1]), slot, BAD),
+                latent)
+    return attend_cells(q, cells, state.index_table, selected, batch.capacity, U)
+
+
 def attend_cells(q, cells, index, selected, capacity, U: int):
     """Decode attention of q[R, H, D] over the selected units, read from a layer's cells
     (uint8[cells, 1, P, B]) through the index table (int32[R, W] entries) of ``Batch.resolve``;
     ``selected`` (its unit ordinals) masks each unit's tokens at or past ``capacity``. A pure
-    tensor function with fixed shapes: what --compile compiles."""
+    tensor function with fixed shapes."""
     latent = as_tokens(cells, KV_DTYPE)
     tokens = unit_tokens(index.clamp(min=0), U)
     valid = (index >= 0).repeat_interleave(U, -1) & (unit_tokens(selected, U) < capacity[:, None])
@@ -257,11 +298,16 @@ class SparseDecoder:
         self.caches = [self.manager.create_cache() for _ in args.prompts]
         T = self.config.max_tokens_per_row
         self.all_positions = torch.arange(T, dtype=torch.int32, device=device).repeat(args.rows, 1)
-        self.attention = attend_cells
+        self.decode_layer = decode_layer
         if args.compile:
-            self.attention = torch.compile(attend_cells, fullgraph=True, dynamic=False)
+            if args.compile == "reduce-overhead" and device.type != "cuda":
+                sys.exit("--compile reduce-overhead: CUDA graphs need a GPU")
+            # one compiled graph per layer (its cells are guarded by identity) and per role
+            torch._dynamo.config.recompile_limit = max(8, 2 * args.layers)
+            self.decode_layer = torch.compile(decode_layer, fullgraph=True, dynamic=False,
+                                              mode=args.compile)
         self.sampler = torch.Generator().manual_seed(args.seed + 1)
-        self.checked, self.max_error = 0, 0.0
+        self.checked, self.max_error, self.compile_s = 0, 0.0, 0.0
         self.timer = Timer(device)  # runs during decode only
 
     # ---- cache access ----
@@ -318,16 +364,17 @@ class SparseDecoder:
                     self.write_indexer_keys(layer, positions, ik)
                     keys, key_ok = self.read_indexer_keys(layer)
                     selected = select_units(iq, keys, key_ok, qpos, K, U)
-                    # A prefill has no history to select from: resolve only seats its tail.
-                    wanted = selected[:, 0] if decode else torch.full_like(selected[:, 0], BAD)
-                    index = batch.resolve(group.index, wanted)
-                    table, start = batch.write_indices(group.index)
-                batch.fetch(layer)  # every layer of the group, after each resolve
-                self.write_kv(layer, positions, latent, table, start)
                 self.ref.store(self.ref.kv[layer], positions, latent)
-                if decode:
-                    out = self.decode_attention(layer, q[:, 0], index, selected, qpos)[:, None]
+                if decode:  # resolve (first layer), fetch, write, attention: decode_layer
+                    wanted = selected[:, 0] if i == 0 else None
+                    out = self.decode_attention(group.index, layer, wanted, selected, q[:, 0],
+                                                latent[:, 0], qpos)[:, None]
                 else:
+                    if i == 0:  # a prefill has no history to select from: resolve seats its tail
+                        batch.resolve(group.index, torch.full_like(selected[:, 0], BAD))
+                        table, start = batch.write_indices(group.index)
+                    batch.fetch(layer)  # every layer of the group, after each resolve
+                    self.write_kv(layer, positions, latent, table, start)
                     out = attend_dense(q, latent, selected, qpos, U)
                 x = self.model.residual(layer, x, out)
         batch.flush()
@@ -336,15 +383,18 @@ class SparseDecoder:
                   "resize: out of pages")
         return x
 
-    def decode_attention(self, layer, q, index, selected, qpos):
-        """Attention over the cells (compiled with --compile), checked against eager and the
-        dense reference with the checks' time kept out of the timing."""
-        cells = self.batch.cells(layer, "kv")
+    def decode_attention(self, group, layer, wanted, selected, q, latent, qpos):
+        """decode_layer (compiled with --compile), checked against eager attention over the same
+        cells and against the dense reference, with the checks' time kept out of the timing."""
         U = self.args.tokens_per_unit
-        out = self.attention(q, cells, index, selected[:, 0], self.batch.capacity, U)
+        out = self.decode_layer(self.batch, group, layer, wanted, selected[:, 0], q, latent,
+                                qpos[:, 0], U)
         with self.timer.paused():
+            out = out.clone()  # a CUDA-graph output is overwritten by the next replay
             if self.args.compile:
-                eager = attend_cells(q, cells, index, selected[:, 0], self.batch.capacity, U)
+                eager = attend_cells(q, self.batch.cells(layer, "kv"),
+                                     self.batch.group(group).index_table, selected[:, 0],
+                                     self.batch.capacity, U)
                 torch.testing.assert_close(out, eager,
                                            msg=lambda m: f"{layer}: compiled != eager\n{m}")
             want = attend_dense(q[:, None], self.ref.kv[layer], selected, qpos, U)[:, 0]
@@ -369,11 +419,20 @@ class SparseDecoder:
         return self.model.sample(last, self.sampler).to(self.device)
 
     def decode(self, tokens, steps):
+        """Decode ``steps`` tokens per row. With --compile the first step compiles (and, in
+        reduce-overhead mode, the next two record the CUDA graphs): it is timed apart."""
         for step in range(steps):
+            compiling = self.args.compile and step == 0
+            if compiling:
+                self.timer.stop()
+                started = time.perf_counter()
             positions = torch.tensor([[c.history_length] for c in self.caches],
                                      dtype=torch.int32, device=self.device)
             x = self.forward(tokens, positions, positions)
             tokens = self.model.sample(x[:, 0], self.sampler).to(self.device)
+            if compiling:
+                self.compile_s = time.perf_counter() - started
+                self.timer.start()
             progress(step + 1, steps)
 
     def verify_host_pages(self):
@@ -432,7 +491,7 @@ def progress(done: int, total: int, width: int = 30) -> None:
     sys.stderr.flush()
 
 
-def report(run: SparseDecoder, args, host_tokens: int, compile_s: float) -> None:
+def report(run: SparseDecoder, args, host_tokens: int) -> None:
     batch, config = run.batch, run.config
     print(f"checks passed: {run.checked} decode attention outputs match the dense reference "
           f"(max abs diff {run.max_error:.1e}){' and eager' if args.compile else ''}; "
@@ -451,22 +510,26 @@ def report(run: SparseDecoder, args, host_tokens: int, compile_s: float) -> None
           f"{args.tokens_per_unit} tokens x {B} B) vs a dense layout {dense:,} B ({longest} "
           f"tokens of history x {B} B): {cells / dense:.0%}; all {args.layers} layers: "
           f"{cells * args.layers:,} B vs {dense * args.layers:,} B")
-    tokens = args.rows * args.steps
-    note = f"; compiling took {compile_s:.1f} s, not counted" if args.compile else ""
-    print(f"decode: {tokens} tokens in {run.timer.elapsed:.2f} s = "
-          f"{tokens / run.timer.elapsed:.0f} tokens/s ({args.rows} rows; checks not counted{note})")
+    steps = args.steps - 1 if args.compile else args.steps
+    tokens = args.rows * steps
+    note = (f"; the first step, which compiled ({args.compile} mode), took {run.compile_s:.1f} s "
+            f"and is not counted" if args.compile else "")
+    rate = f"{tokens / run.timer.elapsed:.0f} tokens/s" if run.timer.elapsed > 0 else "-"
+    print(f"decode: {tokens} tokens in {run.timer.elapsed:.2f} s = {rate} ({args.rows} rows; "
+          f"checks not counted{note})")
 
 
-def warm_up_compile(run: SparseDecoder) -> float:
-    """Compile the cells attention once, on the shapes decode will use, outside the timing."""
-    start = time.perf_counter()
-    group = run.batch.groups[0]
-    layer = group.spec.layers[0]
-    q = torch.zeros(run.args.rows, run.args.heads, run.args.latent, device=run.device)
-    index = group.index_table
-    run.attention(q, run.batch.cells(layer, "kv"), index, torch.full_like(index, BAD),
-                  run.batch.capacity, run.args.tokens_per_unit)
-    return time.perf_counter() - start
+def check_compiled(args) -> None:
+    """The compiled module really ran compiled: at most two graphs per layer (its group's first
+    layer resolves, the others do not), none skipped by CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    check(0 < graphs <= 2 * args.layers, f"--compile: {graphs} graphs for {args.layers} layers")
+    skips = counters["inductor"]["cudagraph_skips"]
+    check(args.compile != "reduce-overhead" or skips == 0, f"--compile: {skips} CUDA-graph skips")
+    print(f"compiled: {graphs} graphs ({args.compile} mode), "
+          f"{'0 CUDA-graph skips' if args.compile == 'reduce-overhead' else 'no CUDA graphs'}")
 
 
 def main(argv=None) -> int:
@@ -479,15 +542,16 @@ def main(argv=None) -> int:
           f"current one, {args.slots} slots per request", flush=True)
     try:
         tokens = run.prefill()
-        compile_s = warm_up_compile(run) if args.compile else 0.0
         run.timer.start()
         run.decode(tokens, args.steps)
         run.timer.stop()
         host_tokens = run.verify_host_pages()
+        if args.compile:
+            check_compiled(args)
     except (CheckFailed, AssertionError) as error:
         sys.stderr.write(f"\nCHECK FAILED: {error}\n")
         return 1
-    report(run, args, host_tokens, compile_s)
+    report(run, args, host_tokens)
     return 0
 
 

@@ -24,6 +24,12 @@ if [ $rc -ne 0 ]; then tail -60 "$OUT/build.log"; exit $rc; fi
 python3 -c "import torch_kvcm2 as k; assert k.has_cuda_kernels(), 'no CUDA kernels'; print('CUDA kernels OK')"
 python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda.log" | tail -25
 echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
+# the main example on the GPU: eager, compiled, and compiled into CUDA graphs
+for mode in "" "--compile" "--compile reduce-overhead"; do
+  echo "== examples/sparse_decode.py $mode" | tee -a "$OUT/examples.log"
+  python3 examples/sparse_decode.py $mode 2>&1 | tail -7 | tee -a "$OUT/examples.log"
+  echo "example rc: ${PIPESTATUS[0]}" | tee -a "$OUT/examples.log" "$OUT/gpu.txt"
+done
 [ "${LONG:-1}" = 1 ] && KVCM2_SAFETY_STEPS="${KVCM2_SAFETY_STEPS:-3000}" python3 -m pytest -q -p no:cacheprovider -m cuda \
   tests/test_data_safety.py 2>&1 | tee "$OUT/tests_safety_long.log" | tail -3
 if [ "${BENCH:-1}" = 1 ]; then

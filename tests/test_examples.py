@@ -12,6 +12,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 @pytest.mark.parametrize("script, args, expect", [
     ("quickstart.py", [], "all history verified on host pages"),
     ("sparse_decode.py", ["--steps", "16"], "decode attention outputs match the dense reference"),
+    ("sparse_decode.py", ["--steps", "4", "--compile"], "and eager;"),
 ])
 def test_example_runs_and_its_checks_pass(script, args, expect):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args,

@@ -50,6 +50,9 @@ struct RowRange {
   int64_t inflight_start;  // s0 = max(h, floor((c - I) / U) * U)
   int64_t tokens_per_unit; // U
   int64_t first_live_unit; // units below it sit on pages released by the window (REQ-3)
+  // In-flight units [first_inflight, end_inflight): floor(s0/U) .. ceil(c/U), empty when s0 = c.
+  // Kept as fields: kernels test thousands of units per row against them.
+  int64_t first_inflight, end_inflight;
 
   // Lengths are device data: a negative history or a capacity below it (bad data) is read as
   // h = max(h, 0), c = max(c, h), so no negative unit is ever in flight or selectable.
@@ -62,17 +65,15 @@ struct RowRange {
     inflight_start = s > h ? s : h;
     // A page p is released once it lies wholly before h - window: (p + 1) * P <= h - window.
     first_live_unit = (window > 0 && h - window > 0) ? floor_div(h - window, P) * (P / U) : 0;
+    first_inflight = floor_div(inflight_start, U);
+    end_inflight = inflight_start < capacity ? ceil_div(capacity, U) : first_inflight;
   }
 
   KVCM2_HD bool has_inflight() const { return inflight_start < capacity; }
-  KVCM2_HD int64_t first_inflight_unit() const { return floor_div(inflight_start, tokens_per_unit); }
+  KVCM2_HD int64_t first_inflight_unit() const { return first_inflight; }
   // One past the last in-flight unit; equal to first_inflight_unit() when nothing is in flight.
-  KVCM2_HD int64_t end_inflight_unit() const {
-    return has_inflight() ? ceil_div(capacity, tokens_per_unit) : first_inflight_unit();
-  }
-  KVCM2_HD bool inflight(int64_t u) const {
-    return u >= first_inflight_unit() && u < end_inflight_unit();
-  }
+  KVCM2_HD int64_t end_inflight_unit() const { return end_inflight; }
+  KVCM2_HD bool inflight(int64_t u) const { return u >= first_inflight && u < end_inflight; }
   // Wholly history, or overlapping the in-flight range, and on a live page.
   KVCM2_HD bool selectable(int64_t u) const {
     if (u < 0 || u < first_live_unit) return false;

@@ -51,12 +51,13 @@ struct DeviceInfo {
   int resolve_static_smem = 0;  // resolve_kernel's static shared memory (scan temp storage)
   int resolve_smem_set = 0;     // dynamic shared memory limit already raised for resolve_kernel
   int fetch_blocks_per_sm = 0;  // fetch CTAs per SM of the fixed grid (default: all that fit)
-  int fetch_ilp = 4;            // vector loads in flight per fetch thread
+  int fetch_ilp = 2;            // vector loads in flight per fetch thread
 };
 
 // Development knobs for benchmarks/fetch_sweep.py, read once per process: KVCM2_FETCH_ILP (1, 2,
 // 4 or 8 loads in flight per thread) and KVCM2_FETCH_BLOCKS_PER_SM (fetch grid size). Unset, the
-// measured defaults apply.
+// measured defaults apply: ILP 2 and every CTA that fits (benchmarks/NOTES.md, 2026-11-30 sweep:
+// ILP 2 was at or above ILP 4 on every shape, 656-B rows and 42-KB pages, 2K-8K units).
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? std::atoi(v) : fallback;
@@ -260,30 +261,6 @@ __device__ __forceinline__ void for_chunks(int first, int end, int step, F&& f) 
 #define KVCM2_PROF_END()
 #endif
 
-// RowRange's unit predicates with its divisions done once per row: the loops below test
-// thousands of units, and RowRange::inflight recomputes two int64 divisions on every call.
-// Every bound comes from RowRange; the predicates are RowRange's with inflight() inlined.
-struct RowRules {
-  int64_t history, tokens_per_unit, first_live, first_inflight, end_inflight;
-
-  __device__ explicit RowRules(const RowRange& r)
-      : history(r.history),
-        tokens_per_unit(r.tokens_per_unit),
-        first_live(r.first_live_unit),
-        first_inflight(r.first_inflight_unit()),
-        end_inflight(r.end_inflight_unit()) {}
-  __device__ __forceinline__ bool inflight(int64_t u) const {
-    return u >= first_inflight && u < end_inflight;
-  }
-  __device__ __forceinline__ bool selectable(int64_t u) const {
-    if (u < 0 || u < first_live) return false;
-    return (u + 1) * tokens_per_unit <= history || inflight(u);
-  }
-  __device__ __forceinline__ bool needs_fetch_on_admit(int64_t u) const {
-    return u * tokens_per_unit < history;
-  }
-};
-
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
 // hash). Measured on an H200 (64 rows, K=2048, S=4096, all hits): ~20 us per launch, bound by
 // shared-memory accesses (random gathers into res/hitf/cls/key/hslot with bank conflicts, hash
@@ -353,8 +330,8 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     qv[i] = q < S ? rec_row[q] : 0;
   }
 
-  const RowRules rules(RowRange(h, c, p.tokens_per_unit, p.tokens_per_page,
-                                p.max_inflight_tokens, p.window));
+  const RowRange rules(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
+                       p.window);
   const int64_t a = rules.first_inflight;
   // In-flight units a .. a + nF - 1; nF <= MI always (CFG-3 bound), clamped only for safety.
   const int64_t n_inflight = rules.end_inflight - a;
@@ -834,12 +811,12 @@ void init_device_info(DeviceInfo& info, int device) {
   cudaFuncAttributes attr{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, resolve_kernel));
   info.resolve_static_smem = static_cast<int>(attr.sharedSizeBytes);
-  const int ilp = env_int("KVCM2_FETCH_ILP", 4);
-  info.fetch_ilp = (ilp == 1 || ilp == 2 || ilp == 8) ? ilp : 4;
+  const int ilp = env_int("KVCM2_FETCH_ILP", 2);
+  info.fetch_ilp = (ilp == 1 || ilp == 4 || ilp == 8) ? ilp : 2;
   const void* kernel = info.fetch_ilp == 1   ? reinterpret_cast<const void*>(fetch_kernel<1>)
-                       : info.fetch_ilp == 2 ? reinterpret_cast<const void*>(fetch_kernel<2>)
+                       : info.fetch_ilp == 4 ? reinterpret_cast<const void*>(fetch_kernel<4>)
                        : info.fetch_ilp == 8 ? reinterpret_cast<const void*>(fetch_kernel<8>)
-                                             : reinterpret_cast<const void*>(fetch_kernel<4>);
+                                             : reinterpret_cast<const void*>(fetch_kernel<2>);
   int blocks = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kFetchThreads, 0));
   blocks = std::max(1, blocks);
@@ -959,9 +936,9 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
     if (p.nb == 0) return;
     switch (ilp) {
       case 1: fetch_kernel<1><<<grid, kFetchThreads, 0, stream>>>(p); break;
-      case 2: fetch_kernel<2><<<grid, kFetchThreads, 0, stream>>>(p); break;
+      case 4: fetch_kernel<4><<<grid, kFetchThreads, 0, stream>>>(p); break;
       case 8: fetch_kernel<8><<<grid, kFetchThreads, 0, stream>>>(p); break;
-      default: fetch_kernel<4><<<grid, kFetchThreads, 0, stream>>>(p); break;
+      default: fetch_kernel<2><<<grid, kFetchThreads, 0, stream>>>(p); break;
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     p.nb = 0;
