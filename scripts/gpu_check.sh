@@ -2,7 +2,8 @@
 # The GPU round trip, run on the device machine from the repo root:
 #   build the CUDA extension against the machine's torch, run the CUDA tests, a long data-safety
 #   run and the benchmarks. Logs go to $OUT (the device tool brings them back).
-# Usage: [LONG=0] [BENCH=0] [SCALING=1] [SWEEP=1] [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
+# Usage: [TESTS=0] [LONG=0] [BENCH=0] [SCALING=1] [SWEEP=1] [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
+#   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code).
 #   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs).
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
@@ -22,14 +23,16 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log"
 rc=$?; echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 if [ $rc -ne 0 ]; then tail -60 "$OUT/build.log"; exit $rc; fi
 python3 -c "import torch_kvcm2 as k; assert k.has_cuda_kernels(), 'no CUDA kernels'; print('CUDA kernels OK')"
-python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda.log" | tail -25
-echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
-# the main example on the GPU: eager, compiled, and compiled into CUDA graphs
-for mode in "" "--compile" "--compile reduce-overhead"; do
-  echo "== examples/sparse_decode.py $mode" | tee -a "$OUT/examples.log"
-  python3 examples/sparse_decode.py $mode 2>&1 | tail -7 | tee -a "$OUT/examples.log"
-  echo "example rc: ${PIPESTATUS[0]}" | tee -a "$OUT/examples.log" "$OUT/gpu.txt"
-done
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda.log" | tail -25
+  echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
+  # the main example on the GPU: eager, compiled, and compiled into CUDA graphs
+  for mode in "" "--compile" "--compile reduce-overhead"; do
+    echo "== examples/sparse_decode.py $mode" | tee -a "$OUT/examples.log"
+    python3 examples/sparse_decode.py $mode 2>&1 | tail -7 | tee -a "$OUT/examples.log"
+    echo "example rc: ${PIPESTATUS[0]}" | tee -a "$OUT/examples.log" "$OUT/gpu.txt"
+  done
+fi
 [ "${LONG:-1}" = 1 ] && KVCM2_SAFETY_STEPS="${KVCM2_SAFETY_STEPS:-3000}" python3 -m pytest -q -p no:cacheprovider -m cuda \
   tests/test_data_safety.py 2>&1 | tee "$OUT/tests_safety_long.log" | tail -3
 if [ "${BENCH:-1}" = 1 ]; then
