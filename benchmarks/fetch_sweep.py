@@ -6,9 +6,8 @@ copy-engine ceiling measured in the same process.
     python benchmarks/fetch_sweep.py [--json out.json]
 
 Knobs (see DeviceInfo in torch_kvcm2/csrc/cuda/residency.cu): KVCM2_FETCH_ILP (loads in flight
-per thread: 1, 2, 4, 8), KVCM2_FETCH_BLOCKS_PER_SM (grid size; default: every CTA that fits) and
-KVCM2_FETCH_MODE=bulk (bulk copies through shared memory instead of vector loads). A variant
-that fails (or fails its byte check) is reported as failed; the others still run.
+per thread: 1, 2, 4, 8) and KVCM2_FETCH_BLOCKS_PER_SM (grid size; default: every CTA that fits).
+A variant that fails (or fails its byte check) is reported as failed; the others still run.
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ VARIANTS = [
     {"KVCM2_FETCH_ILP": "8"},
     {"KVCM2_FETCH_BLOCKS_PER_SM": "4"},
     {"KVCM2_FETCH_BLOCKS_PER_SM": "2"},
-    {"KVCM2_FETCH_MODE": "bulk"},  # cp.async.bulk (TMA) copies through shared memory
 ]
 # (id, missed units, tokens per unit): rows of 656 B, pages of 64 x 656 B
 SHAPES = [("ROW", 2048, 1), ("ROW", 8192, 1), ("PAGE", 256, 64), ("PAGE", 1024, 64)]

@@ -33,7 +33,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
-#include <string>
 
 #include "../kvcm2.h"
 
@@ -53,8 +52,6 @@ struct DeviceInfo {
   int resolve_smem_set = 0;     // dynamic shared memory limit already raised for resolve_kernel
   int fetch_blocks_per_sm = 0;  // fetch CTAs per SM of the fixed grid (default: all that fit)
   int fetch_ilp = 2;            // vector loads in flight per fetch thread
-  bool fetch_bulk = false;      // KVCM2_FETCH_MODE=bulk: the bulk-copy kernel where aligned
-  int fetch_bulk_blocks = 0;    // its CTAs per SM
 };
 
 // Development knobs for benchmarks/fetch_sweep.py, read once per process: KVCM2_FETCH_ILP (1, 2,
@@ -805,100 +802,6 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
 }
 
 // ------------------------------------------------------------------------------------------------
-// fetch with bulk copies (experimental, KVCM2_FETCH_MODE=bulk): each warp stages up to
-// kBulkLanes segments of <= kBulkSeg bytes in shared memory with cp.async.bulk loads from the
-// device-mapped host pages (completing on one mbarrier per warp), then writes them to the cells
-// with cp.async.bulk stores. Needs every piece, chunk and base 16-byte aligned (vec == 16).
-
-constexpr int kBulkThreads = 256;
-constexpr int kBulkWarps = kBulkThreads / 32;
-constexpr int kBulkLanes = 4;     // copies in flight per warp
-constexpr int kBulkSeg = 1024;    // bytes per copy: a piece is split into segments
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n .reg .pred P;\n mbarrier.try_wait.parity.shared::cta.b64 P, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, P;\n}\n"
-      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  return done != 0;
-}
-
-__global__ __launch_bounds__(kBulkThreads) void fetch_bulk_kernel(const __grid_constant__ FetchParams p) {
-  __shared__ __align__(128) uint8_t stage[kBulkWarps][kBulkLanes][kBulkSeg];
-  __shared__ __align__(8) uint64_t bars[kBulkWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t bar = smem_addr(&bars[warp]);
-  if (lane == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncwarp();
-  const int64_t count = *p.miss_count;
-  const int64_t tasks = min(max(count, int64_t{0}), p.list_rows) * p.per_miss;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kBulkWarps;
-  uint32_t parity = 0;
-  for (int64_t base = (static_cast<int64_t>(blockIdx.x) * kBulkWarps + warp) * kBulkLanes;
-       base < tasks; base += warps * kBulkLanes) {
-    const int64_t t = base + lane;
-    uint32_t bytes = 0;
-    const uint8_t* src = nullptr;
-    uint8_t* dst = nullptr;
-    if (lane < kBulkLanes && t < tasks) {
-      const int64_t m = t / p.per_miss;
-      int w = static_cast<int>(t - m * p.per_miss);
-      int bb = 0;
-      while (bb + 1 < p.nb && w >= p.buf[bb + 1].begin) ++bb;
-      const FetchBuffer& B = p.buf[bb];
-      w -= B.begin;
-      const int k = w / B.vpp, s = w - k * B.vpp;  // chunk, segment (vpp: segments per piece)
-      const int32_t* const entry_ptr = p.miss_list + m * kMissFields;
-      const int32_t lease = entry_ptr[kMissLease], slot = entry_ptr[kMissSlot];
-      const int32_t row = entry_ptr[kMissRow], unit = entry_ptr[kMissUnit];
-      const int64_t entry = static_cast<int64_t>(lease) * p.slots + slot;
-      if (lease >= 0 && slot >= 0 && slot < p.slots && entry < B.num_entries && row >= 0 &&
-          row < B.table_rows && unit >= 0 && unit / B.E < B.table_pages) {
-        const int64_t host_slot = B.table[row * B.table_pages + unit / B.E];
-        if (host_slot >= 0 && host_slot < B.host_slots) {
-          const int64_t off = k * B.chunk_bytes + static_cast<int64_t>(s) * kBulkSeg;
-          bytes = static_cast<uint32_t>(min(static_cast<int64_t>(kBulkSeg),
-                                            B.piece - static_cast<int64_t>(s) * kBulkSeg));
-          src = B.host + host_slot * B.host_stride + (unit % B.E) * B.piece + off;
-          dst = B.cells + (entry / B.E) * B.page_bytes + (entry % B.E) * B.piece + off;
-        }
-      }
-    }
-    const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
-    if (lane == 0)
-      asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
-                   :: "r"(bar), "r"(total) : "memory");
-    __syncwarp();
-    const uint32_t buf = smem_addr(stage[warp][lane < kBulkLanes ? lane : 0]);
-    if (bytes != 0)
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-          :: "r"(buf), "l"(src), "r"(bytes), "r"(bar) : "memory");
-    while (!mbar_try_wait(bar, parity)) {
-    }
-    parity ^= 1u;
-    if (bytes != 0) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                   :: "l"(dst), "r"(buf), "r"(bytes) : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the stage is free again
-    }
-    __syncwarp();
-  }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // every store complete
-}
-
-// ------------------------------------------------------------------------------------------------
 // host wrappers
 
 void init_device_info(DeviceInfo& info, int device) {
@@ -919,11 +822,6 @@ void init_device_info(DeviceInfo& info, int device) {
   blocks = std::max(1, blocks);
   info.fetch_blocks_per_sm =
       std::min(std::max(1, env_int("KVCM2_FETCH_BLOCKS_PER_SM", blocks)), blocks);
-  const char* mode = std::getenv("KVCM2_FETCH_MODE");
-  info.fetch_bulk = mode != nullptr && std::string(mode) == "bulk";
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &info.fetch_bulk_blocks, fetch_bulk_kernel, kBulkThreads, 0));
-  info.fetch_bulk_blocks = std::max(1, info.fetch_bulk_blocks);
 }
 
 int ceil_log2(int64_t n) {
@@ -1020,16 +918,13 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   const c10::cuda::CUDAGuard guard(miss_list.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (miss_list.size(0) == 0) return;
-  unsigned grid, bulk_grid;
+  unsigned grid;
   int ilp;
-  bool bulk;
   {
     const std::lock_guard<std::mutex> lock(g_info_mutex);
     const DeviceInfo& info = device_info(miss_list.get_device());
     grid = static_cast<unsigned>(info.sms * info.fetch_blocks_per_sm);
-    bulk_grid = static_cast<unsigned>(info.sms * info.fetch_bulk_blocks);
     ilp = info.fetch_ilp;
-    bulk = info.fetch_bulk;
   }
   FetchParams p{};
   p.miss_list = miss_list.data_ptr<int32_t>();
@@ -1039,23 +934,6 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   p.slots = slots;
   auto launch = [&]() {
     if (p.nb == 0) return;
-    bool aligned = bulk && p.list_aligned;
-    for (int b = 0; b < p.nb; ++b) aligned = aligned && p.buf[b].vec == 16;
-    if (aligned) {  // re-express the work in segments of <= kBulkSeg bytes per piece
-      int32_t begin = 0;
-      for (int b = 0; b < p.nb; ++b) {
-        FetchBuffer& B = p.buf[b];
-        B.vpp = static_cast<int32_t>((B.piece + kBulkSeg - 1) / kBulkSeg);
-        B.begin = begin;
-        begin += static_cast<int32_t>(B.page_bytes / B.chunk_bytes) * B.vpp;  // chunks x segments
-      }
-      p.per_miss = begin;
-      fetch_bulk_kernel<<<bulk_grid, kBulkThreads, 0, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      p.nb = 0;
-      p.per_miss = 0;
-      return;
-    }
     switch (ilp) {
       case 1: fetch_kernel<1><<<grid, kFetchThreads, 0, stream>>>(p); break;
       case 4: fetch_kernel<4><<<grid, kFetchThreads, 0, stream>>>(p); break;
