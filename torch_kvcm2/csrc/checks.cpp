@@ -115,9 +115,10 @@ void check_convert_token_indices(const at::Tensor& out, const at::Tensor& select
 void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
                    const at::Tensor& index_table, const at::Tensor& miss_list,
                    const at::Tensor& miss_count, const at::Tensor& counters,
-                   const at::Tensor& inflight_slots, const at::Tensor& selected, const at::Tensor& history,
-                   const at::Tensor& capacity, const at::Tensor& lease, int64_t tokens_per_unit,
-                   int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window) {
+                   const at::Tensor& inflight_slots, const at::Tensor& selected,
+                   const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
+                   int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
+                   int64_t window) {
   const char* op = "resolve";
   check_int32_2d(resident, op, "resident");
   check_int32_2d(recency, op, "recency");

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../kvcm2.h"
+#include "inflight.h"
 
 namespace torch_kvcm2 {
 namespace {
@@ -114,17 +115,6 @@ void resolve_row(int32_t* res, int32_t* rec, int32_t* out, const int32_t* sel, i
   std::memcpy(rec, order.data(), S * sizeof(int32_t));
 }
 
-// The row's in-flight slot records after its resolve: column k holds the lowest slot holding
-// in-flight unit floor(s0/U) + k, BAD when none does (or the unit is not in flight).
-void record_inflight(const int32_t* res, int64_t S, const RowRange& range, int32_t* slots,
-                     int64_t miu) {
-  std::fill(slots, slots + miu, BAD);
-  for (int64_t s = S - 1; s >= 0; --s) {  // descending: the lowest slot writes last
-    const int64_t k = res[s] - range.first_inflight_unit();
-    if (res[s] != BAD && range.inflight(res[s]) && k < miu) slots[k] = static_cast<int32_t>(s);
-  }
-}
-
 void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
                  const at::Tensor& index_table, const at::Tensor& miss_list,
                  const at::Tensor& miss_count, const at::Tensor& counters,
@@ -160,7 +150,7 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
                          window);
     resolve_row(res + l * S, rec + l * S, out + r * K, sel + r * K, K, S, l, r, range,
                 miss_list.data_ptr<int32_t>(), count, c);
-    record_inflight(res + l * S, S, range, located + r * miu, miu);
+    record_inflight(res + l * S, S, range, located + r * miu, miu);  // after the row's resolve
   }
   int64_t* total = counters.data_ptr<int64_t>();
   total[kHits] += c.hits;

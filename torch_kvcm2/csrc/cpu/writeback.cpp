@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "../kvcm2.h"
+#include "inflight.h"
 
 namespace torch_kvcm2 {
 namespace {
@@ -28,11 +29,7 @@ void locate_inflight_cpu(const at::Tensor& inflight_slots, const at::Tensor& res
     if (l < 0 || l >= leases) continue;
     const RowRange range(history.data_ptr<int32_t>()[r], capacity.data_ptr<int32_t>()[r],
                          tokens_per_unit, tokens_per_unit, max_inflight_tokens, 0);
-    for (int64_t s = S - 1; s >= 0; --s) {  // the lowest slot when a unit sits in several
-      const int64_t k = res[l * S + s] - range.first_inflight_unit();
-      if (res[l * S + s] != BAD && range.inflight(res[l * S + s]) && k < miu)
-        row_out[k] = static_cast<int32_t>(s);
-    }
+    record_inflight(res + l * S, S, range, row_out, miu);
   }
 }
 
