@@ -816,6 +816,8 @@ def main(argv=None) -> int:
     parser.add_argument("--scaling", action="store_true",
                         help="also the scaling table: rows, K, S and miss rate swept (takes longer)")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--only", help="comma-separated ids to run (P-STEP and P-STEP-HS need "
+                                       "P-RES, which then runs too); default: all")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     cuda = not args.quick and kv.has_cuda_kernels() and torch.cuda.is_available()
@@ -825,20 +827,33 @@ def main(argv=None) -> int:
         args.quick = True
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
-    results = [
-        bench_resolve(timer, device, args.quick),
-        bench_fetch(timer, device, args.quick, units=2048 if not args.quick else 64, unit_tokens=1,
-                    page=64, rid="P-FETCH-ROW", target_pct=75, ceil=ceil),
-        bench_fetch(timer, device, args.quick, units=256 if not args.quick else 16, unit_tokens=64,
-                    page=64, rid="P-FETCH-PAGE", target_pct=90, ceil=ceil),
-        bench_flush(timer, device, args.quick, ceil),
-        bench_index(timer, device, args.quick, ceil),
-    ]
-    release(device)
-    results.append(bench_torch(timer, device, args.quick))
-    release(device)
-    results += bench_step(timer, device, args.quick, ceil, pres_us=results[0].median_us)
-    results.append(bench_capacity(device, args.quick))
+    ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
+           "P-CAP"]
+    wanted = set(ids if args.only is None else args.only.split(","))
+    if wanted - set(ids) - {"P-STEP-HS"}:
+        parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
+    if wanted & {"P-STEP", "P-STEP-HS"}:
+        wanted |= {"P-RES", "P-STEP"}
+    q = args.quick
+    benches = {
+        "P-RES": lambda: [bench_resolve(timer, device, q)],
+        "P-FETCH-ROW": lambda: [bench_fetch(timer, device, q, units=64 if q else 2048,
+                                            unit_tokens=1, page=64, rid="P-FETCH-ROW",
+                                            target_pct=75, ceil=ceil)],
+        "P-FETCH-PAGE": lambda: [bench_fetch(timer, device, q, units=16 if q else 256,
+                                             unit_tokens=64, page=64, rid="P-FETCH-PAGE",
+                                             target_pct=90, ceil=ceil)],
+        "P-FLUSH": lambda: [bench_flush(timer, device, q, ceil)],
+        "P-INDEX": lambda: [bench_index(timer, device, q, ceil)],
+        "P-TORCH": lambda: [bench_torch(timer, device, q)],
+        "P-STEP": lambda: bench_step(timer, device, q, ceil, pres_us=results[0].median_us),
+        "P-CAP": lambda: [bench_capacity(device, q)],
+    }
+    results = []
+    for rid in ids:
+        if rid in wanted:
+            results += benches[rid]()
+            release(device)
     scaling = bench_scaling(timer, device, args.quick) if args.scaling else []
     for r in results:
         if r.passed is None and r.ceiling_gbs and device == "cuda" and "%" in r.target:
