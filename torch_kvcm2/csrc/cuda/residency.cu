@@ -48,15 +48,13 @@ struct DeviceInfo {
   bool ready = false;
   int sms = 0;
   int smem_optin = 0;           // max shared memory per block (static + dynamic), opt-in
-  int resolve_threads = 512;    // resolve CTA size (KVCM2_RESOLVE_THREADS: 512 or 1024)
   int resolve_static_smem = 0;  // resolve_kernel's static shared memory (scan temp storage)
   int resolve_smem_set = 0;     // dynamic shared memory limit already raised for resolve_kernel
   int fetch_blocks_per_sm = 0;  // fetch CTAs per SM of the fixed grid (default: all that fit)
   int fetch_ilp = 2;            // vector loads in flight per fetch thread
 };
 
-// Development knobs for benchmarks/fetch_sweep.py and the resolve thread-count comparison, read
-// once per process: KVCM2_RESOLVE_THREADS (512 or 1024 per resolve CTA), KVCM2_FETCH_ILP (1, 2,
+// Development knobs for benchmarks/fetch_sweep.py, read once per process: KVCM2_FETCH_ILP (1, 2,
 // 4 or 8 loads in flight per thread) and KVCM2_FETCH_BLOCKS_PER_SM (fetch grid size). Unset, the
 // measured defaults apply: ILP 2 and every CTA that fits (benchmarks/NOTES.md, 2026-11-30 sweep:
 // ILP 2 was at or above ILP 4 on every shape, 656-B rows and 42-KB pages, 2K-8K units).
@@ -85,8 +83,10 @@ DeviceInfo& device_info(int device) {
 // ------------------------------------------------------------------------------------------------
 // resolve
 
-// Threads per resolve CTA: 512 by default; KVCM2_RESOLVE_THREADS=1024 (development knob, read
-// once per process) runs the 1024-thread instantiation.
+#ifndef KVCM2_RESOLVE_THREADS
+#define KVCM2_RESOLVE_THREADS 512
+#endif
+constexpr int kResolveThreads = KVCM2_RESOLVE_THREADS;
 constexpr int kIlpGlobal = 8;  // recency loads in flight per thread while staging
 constexpr int32_t kNoSlot = INT32_MAX;  // "no slot yet": the identity of atomicMin
 constexpr int32_t kEmptyKey = -1;       // hash keys are selected ordinals, all >= 0
@@ -174,10 +174,12 @@ __device__ __forceinline__ unsigned long long shfl_up(unsigned long long x, int 
   return __shfl_up_sync(0xffffffffu, x, d);
 }
 
-// Block-wide exclusive sum over THREADS threads with one barrier: a shuffle scan per warp, then
-// every thread adds the totals of the warps before it (THREADS / 32 broadcast reads).
-// warp_total must not be reused by another scan before a later barrier.
-template <int THREADS, typename T>
+constexpr int kResolveWarps = kResolveThreads / 32;
+
+// Block-wide exclusive sum with one barrier: a shuffle scan per warp, then every thread adds the
+// totals of the warps before it (kResolveWarps broadcast reads). warp_total must not be reused
+// by another scan before a later barrier.
+template <typename T>
 __device__ __forceinline__ T block_exclusive_sum(const T& x, T& total, T* warp_total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   T inc = x;
@@ -190,7 +192,7 @@ __device__ __forceinline__ T block_exclusive_sum(const T& x, T& total, T* warp_t
   __syncthreads();
   T before{}, all{};
 #pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) {
+  for (int w = 0; w < kResolveWarps; ++w) {
     const T t = warp_total[w];
     if (w < warp) before = before + t;
     all = all + t;
@@ -218,9 +220,8 @@ __device__ __forceinline__ int hash_find(const int32_t* key, int32_t u, int bits
 
 // This thread's contiguous share [lo, hi) of n items: scans need a blocked arrangement so ranks
 // follow item order.
-template <int THREADS>
 __device__ __forceinline__ void blocked_range(int n, int& lo, int& hi) {
-  const int per = (n + THREADS - 1) / THREADS;
+  const int per = (n + kResolveThreads - 1) / kResolveThreads;
   lo = min(n, static_cast<int>(threadIdx.x) * per);
   hi = min(n, lo + per);
 }
@@ -264,10 +265,7 @@ __device__ __forceinline__ void for_chunks(int first, int end, int step, F&& f) 
 // hash). Measured on an H200 (64 rows, K=2048, S=4096, all hits): ~20 us per launch, bound by
 // shared-memory accesses (random gathers into res/hitf/cls/key/hslot with bank conflicts, hash
 // probes, shared atomics) in a single CTA per row; see the report for what would cut it further.
-template <int THREADS>
-__global__ __launch_bounds__(THREADS, 1) void resolve_kernel(const ResolveParams p) {
-  constexpr int kResolveThreads = THREADS;
-  constexpr int kResolveWarps = THREADS / 32;
+__global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   __shared__ Tally s_tally[kResolveWarps];                 // scan 1 warp totals
   __shared__ unsigned long long s_classes[kResolveWarps];  // scan 2 warp totals
   __shared__ int32_t s_miss_base;
@@ -483,7 +481,7 @@ __global__ __launch_bounds__(THREADS, 1) void resolve_kernel(const ResolveParams
   // pass after the scan does not repeat the dependent loads.
   int lo, hi;
   Tally mine{};
-  blocked_range<THREADS>(K, lo, hi);
+  blocked_range(K, lo, hi);
 #pragma unroll 1
   for (int j = lo; j < hi; ++j) {
     const int k = column_kind(j);
@@ -492,14 +490,14 @@ __global__ __launch_bounds__(THREADS, 1) void resolve_kernel(const ResolveParams
     mine.hits += k == 2;
     mine.miss += k == 3;
   }
-  blocked_range<THREADS>(nF, lo, hi);
+  blocked_range(nF, lo, hi);
 #pragma unroll 1
   for (int i = lo; i < hi; ++i) {
     if (infl[i] != kNoSlot) continue;
     mine.admit += 1;
     mine.admit_fetch += rules.needs_fetch_on_admit(a + i);
   }
-  blocked_range<THREADS>(S, lo, hi);
+  blocked_range(S, lo, hi);
 #pragma unroll 1
   for (int q = lo; q < hi; ++q) {
     const int k = victim_kind(q);
@@ -507,20 +505,20 @@ __global__ __launch_bounds__(THREADS, 1) void resolve_kernel(const ResolveParams
     mine.victim += k == 1 ? 1u : k == 2 ? (1u << 16) : 0u;
   }
   Tally total;
-  const Tally before = block_exclusive_sum<THREADS>(mine, total, s_tally);
+  const Tally before = block_exclusive_sum(mine, total, s_tally);
   {
     uint32_t m = before.miss;
-    blocked_range<THREADS>(K, lo, hi);
+    blocked_range(K, lo, hi);
 #pragma unroll 1
     for (int j = lo; j < hi; ++j)
       if (ckind[j] == 3) miss_entry[m++] = col_entry[j];
     uint32_t ad = before.admit;
-    blocked_range<THREADS>(nF, lo, hi);
+    blocked_range(nF, lo, hi);
 #pragma unroll 1
     for (int i = lo; i < hi; ++i)
       if (infl[i] == kNoSlot) admit[ad++] = i;
     uint32_t v1 = before.victim & 0xffffu, v2 = before.victim >> 16;
-    blocked_range<THREADS>(S, lo, hi);
+    blocked_range(S, lo, hi);
 #pragma unroll 1
     for (int q = lo; q < hi; ++q) {
       const int k = vkind[q];
@@ -611,7 +609,7 @@ __global__ __launch_bounds__(THREADS, 1) void resolve_kernel(const ResolveParams
   // Each position's class is kept in vkind (free since scan 1) for the ranking pass.
   {
     unsigned long long mine_c = 0;
-    blocked_range<THREADS>(S, lo, hi);
+    blocked_range(S, lo, hi);
 #pragma unroll 1
     for (int q = lo; q < hi; ++q) {
       const int c = cls[rec[q]];
@@ -619,7 +617,7 @@ __global__ __launch_bounds__(THREADS, 1) void resolve_kernel(const ResolveParams
       mine_c += 1ull << (16 * c);
     }
     unsigned long long total_c;
-    const unsigned long long before_c = block_exclusive_sum<THREADS>(mine_c, total_c, s_classes);
+    const unsigned long long before_c = block_exclusive_sum(mine_c, total_c, s_classes);
     // Packed like the counts: lane c of `next` = start of class c (the counts of the classes
     // below it) + this thread's rank within the class. Every lane stays <= S: no carries.
     const unsigned long long starts = (total_c << 16) + (total_c << 32) + (total_c << 48);
@@ -806,18 +804,12 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
 // ------------------------------------------------------------------------------------------------
 // host wrappers
 
-const void* resolve_kernel_for(int threads) {
-  return threads == 1024 ? reinterpret_cast<const void*>(resolve_kernel<1024>)
-                         : reinterpret_cast<const void*>(resolve_kernel<512>);
-}
-
 void init_device_info(DeviceInfo& info, int device) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_optin,
                                         cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
-  info.resolve_threads = env_int("KVCM2_RESOLVE_THREADS", 512) == 1024 ? 1024 : 512;
   cudaFuncAttributes attr{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, resolve_kernel_for(info.resolve_threads)));
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, resolve_kernel));
   info.resolve_static_smem = static_cast<int>(attr.sharedSizeBytes);
   const int ilp = env_int("KVCM2_FETCH_ILP", 2);
   info.fetch_ilp = (ilp == 1 || ilp == 4 || ilp == 8) ? ilp : 2;
@@ -865,7 +857,6 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
     bits = std::max(1, ceil_log2(2 * K));
   const ResolveLayout<int64_t> layout(S, K, int64_t{1} << bits, MI);
   const int smem = static_cast<int>(layout.bytes);
-  int threads;
   {
     const std::lock_guard<std::mutex> lock(g_info_mutex);
     DeviceInfo& info = device_info(resident.get_device());
@@ -873,9 +864,8 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                 ", K=", K, ", max in-flight units=", MI, " need ",
                 layout.bytes + info.resolve_static_smem,
                 " bytes of shared memory per row; the device allows ", info.smem_optin);
-    threads = info.resolve_threads;
     if (smem > 48 * 1024 && smem > info.resolve_smem_set) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(resolve_kernel_for(threads),
+      C10_CUDA_CHECK(cudaFuncSetAttribute(resolve_kernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       info.resolve_smem_set = smem;
     }
@@ -903,10 +893,7 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   p.hash_bits = bits;
   p.L = ResolveLayout<uint32_t>(static_cast<uint32_t>(S), static_cast<uint32_t>(K),
                                 uint32_t{1} << bits, static_cast<uint32_t>(MI));
-  if (threads == 1024)
-    resolve_kernel<1024><<<static_cast<unsigned>(rows), 1024, smem, stream>>>(p);
-  else
-    resolve_kernel<512><<<static_cast<unsigned>(rows), 512, smem, stream>>>(p);
+  resolve_kernel<<<static_cast<unsigned>(rows), kResolveThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
