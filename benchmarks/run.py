@@ -2,6 +2,7 @@
 
     python benchmarks/run.py [--json out.json]   # on the GPU machine (all of PERF.md's ids)
     python benchmarks/run.py --scaling           # also the scaling table (rows, K, S, miss rate)
+    python benchmarks/run.py --only P-RES,P-STEP # a subset of the ids
     python benchmarks/run.py --quick             # CPU smoke run of the harness (no numbers claimed)
 
 On CUDA it first measures the copy-engine H2D / D2H bandwidth and the HBM copy bandwidth, then
