@@ -482,6 +482,22 @@ FLUSH_CONFIGS = {
 # ----------------------------------------------------------------------------------------------
 
 
+def flush_one_buffer(device, host, cells, resident, inflight, table, new_h, h, c, lease, params):
+    """Flushes one buffer (host pages ``host`` [slots, chunks, P, B], a pool of scale 1) on
+    ``device`` and in the reference; asserts both wrote the same bytes. Returns (the pages after
+    the op, the reference's list of copies)."""
+    dev_host = host.to(device)
+    ops.flush(dev_host.view(len(host), 1, -1), [0], [cells.to(device)], [t32(resident, device)],
+              [t32(inflight, device)], t32(table, device), t32(new_h, device), t32(h, device),
+              t32(c, device), t32(lease, device), params)
+    got = dev_host.cpu()
+    ref_host = ref.pages_from_tensor(host)
+    copies = ref.flush([ref_host], [ref.pages_from_tensor(cells)], [resident], [inflight], table,
+                       new_h, h, c, lease, params)
+    assert ref.tensor_bytes(got) == ref.pages_to_bytes(ref_host)
+    return got, copies
+
+
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_flush_worked_example(device):
     """OP-FLUSH: per seated row exactly the tokens of [s0, min(new_history, c)) are copied,
@@ -497,12 +513,8 @@ def test_flush_worked_example(device):
     cells = cells.view(8, chunks, P, 1)
     table = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     host = torch.zeros(12, chunks, P, 1, dtype=U8)
-    dev_host = host.to(device)
-    ops.flush(dev_host.view(len(host), 1, -1), [0], [cells.to(device)], [t32(resident, device)],
-              [t32(inflight, device)],
-              t32(table, device), t32(new_h, device), t32(h, device), t32(c, device),
-              t32(lease, device), [S, U, I])
-    got = dev_host.cpu()
+    got, copies = flush_one_buffer(device, host, cells, resident, inflight, table, new_h, h, c,
+                                   lease, [S, U, I])  # the reference agrees
     want = torch.zeros_like(host)
     # row 0: token 9 (unit 4, entry 13 = cell 6 piece 1 -> cell row 3) and token 10 (unit 5,
     # entry 10 = cell 5 piece 0 -> cell row 0) go to host page table[0][2] = 2, rows 1 and 2
@@ -515,11 +527,6 @@ def test_flush_worked_example(device):
     want[7, :, 1] = cells[3, :, 3]
     want[7, :, 2] = cells[1, :, 2]
     assert torch.equal(got, want)
-    # the reference agrees
-    ref_host = ref.pages_from_tensor(host)
-    copies = ref.flush([ref_host], [ref.pages_from_tensor(cells)], [resident], [inflight], table,
-                       new_h, h, c, lease, [S, U, I])
-    assert ref.tensor_bytes(got) == ref.pages_to_bytes(ref_host)
     assert [(r, u, t0, t1) for _, r, u, _, t0, t1 in copies] == [
         (0, 4, 9, 10), (0, 5, 10, 11), (1, 5, 10, 12), (1, 6, 12, 14), (1, 7, 14, 15)]
 
@@ -544,21 +551,14 @@ def test_flush_stale_records_bad_pages_copy_nothing(device):
     host = torch.zeros(7, 1, P, 2, dtype=U8)
     cells = torch.randint(1, 256, (3, 1, P, 2), generator=torch.Generator().manual_seed(3),
                           dtype=U8)
-    dev_host = host.to(device)
-    ops.flush(dev_host.view(len(host), 1, -1), [0], [cells.to(device)], [t32(resident, device)],
-              [t32(inflight, device)],
-              t32(table, device), t32(new_h, device), t32(h, device), t32(c, device),
-              t32(lease, device), [S, U, I])
-    got = dev_host.cpu()
+    got, copies = flush_one_buffer(device, host, cells, resident, inflight, table, new_h, h, c,
+                                   lease, [S, U, I])  # the reference agrees
     want = torch.zeros_like(host)
     want[1, 0, 3] = cells[0, 0, 0]  # row 0, token 7: entry 0 -> host slot 1, token row 3
     want[3, 0, 3] = cells[1, 0, 1]  # row 1, token 3: entry 5 -> host slot 3, token row 3
     want[5, 0, 3] = cells[1, 0, 1]  # row 3, token 3: entry 5 -> host slot 5, token row 3
     assert torch.equal(got, want)
-    ref_host = ref.pages_from_tensor(host)
-    copies = ref.flush([ref_host], [ref.pages_from_tensor(cells)], [resident], [inflight], table,
-                       new_h, h, c, lease, [S, U, I])
-    assert ref.tensor_bytes(got) == ref.pages_to_bytes(ref_host) and len(copies) == 3
+    assert len(copies) == 3
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
