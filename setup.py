@@ -57,6 +57,8 @@ def extensions():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         sources += sorted(glob.glob("torch_kvcm2/csrc/cuda/*.cu"))
         macros.append(("TORCH_KVCM2_WITH_CUDA", "1"))
+        if os.environ.get("TORCH_KVCM2_PROFILE", "0") == "1":  # development: resolve phase timing
+            macros.append(("KVCM2_PROFILE", "1"))
     print(
         f"[torch_kvcm2] {'CUDA' if use_cuda else 'CPU-only'} build, torch {torch.__version__}, "
         f"CUDA_HOME={CUDA_HOME}, TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')}"

@@ -351,7 +351,7 @@ def fetch_setup(device, quick, *, units, unit_tokens, page):
     selected[:, per_row:] = -1
     batch.resolve(0, selected.to(torch.int32).to(device))  # a cold resolve: per_row misses a row
     state = batch.group(0)
-    assert int(state.miss_count) == rows * per_row
+    assert int(state.miss_count[0]) == rows * per_row
     return manager, batch, state, selected
 
 
@@ -362,7 +362,7 @@ def bench_fetch(timer, device, quick, *, units, unit_tokens, page, rid, target_p
     # check every fetched unit's bytes against its host page
     cells = batch.cells("l0", "kv").cpu()
     host = manager.storage.slot_pages("l0", "kv", device_side=False)
-    misses = state.miss_list[: int(state.miss_count)].cpu().long()
+    misses = state.miss_list[: int(state.miss_count[0])].cpu().long()
     S, U = state.spec.sparse.slots, unit_tokens
     E = page // U
     entry = misses[:, 0] * S + misses[:, 1]

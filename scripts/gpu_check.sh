@@ -2,9 +2,13 @@
 # The GPU round trip, run on the device machine from the repo root:
 #   build the CUDA extension against the machine's torch, run the CUDA tests, a long data-safety
 #   run and the benchmarks. Logs go to $OUT (the device tool brings them back).
-# Usage: [TESTS=0] [LONG=0] [BENCH=0] [SCALING=1] [SWEEP=1] [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
+# Usage: [TESTS=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1] [PROFILE=1]
+#        [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code).
+#   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only).
 #   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs).
+#   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_PROFILE=1) and
+#   prints the phase cycles of CTA 0 over P-RES's launches.
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" TORCH_KVCM2_CUDA=1
@@ -36,8 +40,22 @@ fi
 [ "${LONG:-1}" = 1 ] && KVCM2_SAFETY_STEPS="${KVCM2_SAFETY_STEPS:-3000}" python3 -m pytest -q -p no:cacheprovider -m cuda \
   tests/test_data_safety.py 2>&1 | tee "$OUT/tests_safety_long.log" | tail -3
 if [ "${BENCH:-1}" = 1 ]; then
-  python3 benchmarks/run.py --json "$OUT/bench.json" ${SCALING:+--scaling} 2>&1 | tee "$OUT/bench.txt"
+  python3 benchmarks/run.py --json "$OUT/bench.json" ${SCALING:+--scaling} \
+    ${BENCH_ONLY:+--only "$BENCH_ONLY"} 2>&1 | tee "$OUT/bench.txt"
 fi
 if [ "${SWEEP:-0}" = 1 ]; then
   python3 benchmarks/fetch_sweep.py --json "$OUT/fetch_sweep.json" 2>&1 | tee "$OUT/fetch_sweep.txt"
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  TORCH_KVCM2_PROFILE=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_profile.log" 2>&1 &&
+  python3 benchmarks/run.py --only P-RES 2>&1 | grep "resolve phases" > "$OUT/profile_raw.txt"
+  python3 - "$OUT/profile_raw.txt" <<'PY' | tee "$OUT/profile.txt"
+import statistics, sys
+rows = [[int(x) for x in l.split(":")[1].split()] for l in open(sys.argv[1]) if ":" in l]
+names = "load hash slots columns victims place index scan2 write".split()
+print(f"resolve phases, CTA 0, median cycles over {len(rows)} launches")
+for i, n in enumerate(names):
+    print(f"  {n:6s} {statistics.median(r[i] for r in rows):8.0f}")
+print(f"  total  {statistics.median(sum(r) for r in rows):8.0f}")
+PY
 fi

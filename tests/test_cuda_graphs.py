@@ -59,8 +59,8 @@ def assert_same_state(a, b):
         if not any(x is s.miss_list for s in a.groups):
             assert torch.equal(x, y)
     for s, t in zip(a.groups, b.groups):
-        n = int(s.miss_count)
-        assert n == int(t.miss_count)
+        n = int(s.miss_count[0])
+        assert n == int(t.miss_count[0])
         assert sorted(s.miss_list[:n].tolist()) == sorted(t.miss_list[:n].tolist())
 
 

@@ -135,7 +135,7 @@ class Model:
             before, selected.tolist(), batch.history.tolist(), batch.capacity.tolist(),
             batch.lease.tolist(), sp.tokens_per_unit, P, sp.max_inflight_tokens, group.window or 0)
         assert index.tolist() == expected_index
-        n = int(state.miss_count)
+        n = int(state.miss_count[0])
         assert sorted(map(tuple, state.miss_list[:n].tolist())) == sorted(expected_misses)
         assert state.resident.tolist() == before.resident
         assert state.recency.tolist() == before.recency

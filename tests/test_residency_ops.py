@@ -1,7 +1,7 @@
 """OP-RESOLVE and OP-FETCH at op level against the plain-Python reference (tests/reference.py).
 
 The state tensors are built here by hand (``resident = -1``, ``recency = arange(S)`` per lease, a
-miss list of ``rows·(K + ceil(I/U) + 1)`` entries, ``miss_count int32[1]``, ``counters
+miss list of ``rows·(K + ceil(I/U) + 1)`` entries, ``miss_count int32[4]``, ``counters
 int64[3]``); no Batch or manager is involved. Every resolve is checked against the reference in
 full (resident, recency, index table, sorted miss list, counters) and against RES-1/RES-2; the
 named scenarios also assert hand-computed values.
@@ -41,14 +41,15 @@ class Group:
         self.num_leases = leases
         miss_rows = rows * (K + ops.max_inflight_units(I, U))
         assert ops.max_inflight_units(I, U) == ref.ceil_div(I, U) + 1
-        g = 1 if guard else 0
+        g = 2 if guard else 0  # even: miss_count stays 8-byte aligned
         # With guard=True every mutated tensor is the inside of a larger buffer whose border
         # must never change (no out-of-bounds writes).
         self._resident = torch.full((leases + 2 * g, S), BAD, dtype=I32, device=device)
         self._recency = torch.arange(S, dtype=I32, device=device).repeat(leases + 2 * g, 1)
         self._index = torch.full((rows + 2 * g, K), 777, dtype=I32, device=device)
         self._miss = torch.full((miss_rows + 2 * g, ops.MISS_FIELDS), 999, dtype=I32, device=device)
-        self._count = torch.full((1 + 2 * g,), 555, dtype=I32, device=device)
+        self._count = torch.full((ops.MISS_COUNT_WORDS + 2 * g,), 555, dtype=I32, device=device)
+        self._count[g + 2:g + 4] = 0  # the reservation word starts zeroed
         self._counters = torch.zeros(ops.NUM_COUNTERS + 2 * g, dtype=torch.int64, device=device)
         self._inflight = torch.full((rows + 2 * g, ops.max_inflight_units(I, U)), 333, dtype=I32,
                                     device=device)
@@ -90,7 +91,9 @@ class Group:
                     self.U, self.P, self.I, self.window)
 
     def op_misses(self):
-        n = int(self.miss_count.item())
+        count = self.miss_count.tolist()
+        assert count[2:] == [0, 0], f"reservation word not reset: {count}"
+        n = count[0]
         assert 0 <= n <= self.miss_list.shape[0]
         return [tuple(e) for e in self.miss_list[:n].cpu().tolist()]
 
@@ -174,7 +177,7 @@ def test_op_resolve_same_selection_again_all_hits(device):
     first, _, _ = g.step([[3, 0, 7, 5]], [32], [32], [1])
     index, misses, deltas = g.step([[3, 0, 7, 5]], [32], [32], [1])
     assert index == first
-    assert misses == [] and int(g.miss_count.item()) == 0
+    assert misses == [] and int(g.miss_count[0]) == 0
     assert deltas == [4, 0, 0]
     assert g.counters.cpu().tolist() == [4, 4, 0]
     index, misses, deltas = g.step([[5, 7, 0, 3]], [32], [32], [1])  # order does not matter
@@ -434,7 +437,7 @@ def check_index_rows(g, lease):
             assert row == [BAD] * g.K
         else:
             assert all(v == BAD or ell * g.S <= v < (ell + 1) * g.S for v in row)
-    n = int(g.miss_count.item())
+    n = int(g.miss_count[0])
     assert 0 <= n <= g.miss_list.shape[0]
 
 
@@ -730,7 +733,7 @@ def test_op_fetch_bad_device_data_skipped(device):
     miss_list[:len(entries)] = torch.tensor(entries, dtype=I32)
     miss_list = miss_list.to(device)
     for count in (len(entries), len(entries) + 50, -4, 2**31 - 1):
-        miss_count = t32([count], device)
+        miss_count = t32([count, 0, 0, 0], device)
         run_fetch([layer], miss_list, miss_count, S, U)
         n = max(0, min(count, miss_list.shape[0]))
         ref_fetch([layer], [tuple(e) for e in miss_list[:n].cpu().tolist()], S, U)
@@ -746,7 +749,7 @@ def test_op_fetch_slot_beyond_lease_never_out_of_bounds(device):
     layer = Layer(device, gen=gen, num_leases=2, S=8, P=4, U=2, chunks=1, bpt=4, host_slots=4,
                   rows=1, max_pages=4)
     miss_list = t32([[0, 9, 0, 0], [1, 8, 0, 1], [0, 100, 0, 2]], device)
-    run_fetch([layer], miss_list, t32([3], device), 8, 2)
+    run_fetch([layer], miss_list, t32([3, 0, 0, 0], device), 8, 2)
     n = layer.cells.shape[0]
     assert torch.equal(layer._cells[:1], layer._border[0])
     assert torch.equal(layer._cells[n + 1:], layer._border[1])
@@ -759,7 +762,7 @@ def test_op_fetch_bad_host_arguments_raise():
     layer = Layer("cpu", gen=gen, num_leases=1, S=8, P=4, U=2, chunks=1, bpt=4, host_slots=4,
                   rows=1, max_pages=4)
     ml = t32([[0, 0, 0, 0]], "cpu")
-    mc = t32([1], "cpu")
+    mc = t32([1, 0, 0, 0], "cpu")
     before = layer.cells.clone()
     cells, pool, table = layer.cells, layer.pool, layer.page_table
     calls = [

@@ -60,7 +60,7 @@ class GroupState:
     recency: torch.Tensor  # int32[max_rows, S]: slots, least to most recently used
     index_table: torch.Tensor  # int32[max_rows, K]: entries lease*S + slot, BAD
     miss_list: torch.Tensor  # int32[rows, 4]: (lease, slot, row, unit)
-    miss_count: torch.Tensor  # int32[1]
+    miss_count: torch.Tensor  # int32[4]: [0] the count (ops.MISS_COUNT_WORDS)
     counters: torch.Tensor  # int64[3]: cumulative hits, misses, invalid
     inflight_slots: torch.Tensor  # int32[max_rows, ceil(I/U)+1]: slot of in-flight unit k, BAD
     write_table: torch.Tensor  # int32[max_rows, I+U-1]: write_indices' output
@@ -133,7 +133,7 @@ class Batch:
             index_table=torch.full((rows, sp.width), BAD, dtype=INT32, device=dev),
             miss_list=torch.zeros((_miss_list_rows(group, rows), ops.MISS_FIELDS), dtype=INT32,
                                   device=dev),
-            miss_count=torch.zeros(1, dtype=INT32, device=dev),
+            miss_count=torch.zeros(ops.MISS_COUNT_WORDS, dtype=INT32, device=dev),
             counters=torch.zeros(ops.NUM_COUNTERS, dtype=torch.int64, device=dev),
             inflight_slots=torch.full((rows, sp.max_inflight_units), BAD, dtype=INT32, device=dev),
             write_table=torch.full((rows, sp.max_inflight_tokens + sp.tokens_per_unit - 1), BAD,

@@ -18,6 +18,9 @@ SETUP_OPS = frozenset({"uva_view"})
 
 MISS_FIELDS = 4  # (lease, slot, row, unit) per miss-list entry
 NUM_COUNTERS = 3  # hits, misses, invalid
+#: A selection group's miss count, int32[4]: [0] the last resolve's entries; [2:4] the CUDA
+#: resolve's reservation word, zero between resolves (allocate it zeroed); [1] padding.
+MISS_COUNT_WORDS = 4
 
 
 def max_inflight_units(max_inflight_tokens: int, tokens_per_unit: int) -> int:
@@ -81,8 +84,10 @@ def resolve(
     """OP-RESOLVE for one selection group over every row (SPEC §8; docs/DESIGN.md).
 
     State ``resident``/``recency`` int32[num_leases, S]; ``selected`` and ``index_table``
-    int32[R, K]; ``miss_list`` int32[>= R*(K + max_inflight_units), 4] and ``miss_count``
-    int32[1] are overwritten with this call's misses; ``counters`` int64[3] (hits, misses,
+    int32[R, K]; ``miss_list`` int32[>= R*(K + max_inflight_units), 4] is overwritten with this
+    call's misses and ``miss_count[0]`` with their number (``miss_count`` int32[4], 8-byte
+    aligned, created zeroed: ``[2:4]`` is the CUDA kernel's reservation word, which every
+    resolve leaves zero); ``counters`` int64[3] (hits, misses,
     invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
     ``inflight_slots`` int32[R, ceil(I/U)+1] is overwritten with each row's in-flight slot
     records (as ``locate_inflight`` computes them), which write_indices and flush read.

@@ -126,7 +126,7 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
   check_int32_2d(miss_list, op, "miss_list");
   check_int32_2d(selected, op, "selected");
   const int64_t rows = selected.size(0);
-  check_int32_1d(miss_count, 1, op, "miss_count");
+  check_int32_1d(miss_count, kMissCountWords, op, "miss_count");
   check_lengths(resident, rows, history, capacity, lease, op);
   TORCH_CHECK(counters.scalar_type() == at::kLong && counters.dim() == 1 &&
                   counters.size(0) == kNumCounters && counters.is_contiguous(),
@@ -164,7 +164,7 @@ void check_fetch(const at::TensorList& cells, const at::TensorList& host_pools,
   check_int32_2d(miss_list, op, "miss_list");
   TORCH_CHECK(miss_list.size(1) == kMissFields, op, ": miss_list must have ", kMissFields,
               " columns, got ", miss_list.size(1));
-  check_int32_1d(miss_count, 1, op, "miss_count");
+  check_int32_1d(miss_count, kMissCountWords, op, "miss_count");
   check_same_device(miss_list, miss_count, op, "miss_count");
   TORCH_CHECK(cells.size() == host_pools.size() && cells.size() == positions.size() &&
                   cells.size() == page_tables.size(),

@@ -24,6 +24,13 @@ constexpr int32_t BAD = -1;
 constexpr int kMissFields = 4;
 enum MissField { kMissLease = 0, kMissSlot = 1, kMissRow = 2, kMissUnit = 3 };
 
+// A selection group's miss count is int32[4]: [0] the entries of the last resolve (what fetch
+// reads); [2:4] the CUDA resolve's reservation word (CTAs done << 32 | entries reserved, one
+// 64-bit atomic per CTA), which the launch's last CTA resets to 0, so it is 0 between resolves
+// and no memset node precedes each resolve; [1] is padding. Batch allocates it zeroed.
+constexpr int kMissCountWords = 4;
+constexpr int kMissReservation = 2;  // int32 offset of the 8-byte-aligned reservation word
+
 // Cumulative device counters of a selection group: int64[3].
 enum Counter { kHits = 0, kMisses = 1, kInvalid = 2, kNumCounters = 3 };
 

@@ -97,7 +97,7 @@ template <typename I>
 struct ResolveLayout {
   I key, hslot, res, infl, admit;  // int32 arrays
   I rec, vlist;                    // uint16 arrays
-  I hitf, cls, vkind, ckind;       // uint8 arrays
+  I vk, cls, vkind, ckind;         // uint8 arrays
   // Dead after the index phase, so newrec (uint16, written by scan 2) reuses their space.
   I first, col_entry, miss_entry;  // int32 arrays
   I newrec;
@@ -118,7 +118,7 @@ struct ResolveLayout {
     admit = take(4 * MI);
     rec = take(2 * S);
     vlist = take(2 * S);
-    hitf = take(S);
+    vk = take(S);
     cls = take(S);
     vkind = take(S);
     ckind = take(K);
@@ -137,7 +137,8 @@ struct ResolveParams {
   int32_t* recency;    // [leases, S]
   int32_t* index_table;  // [rows, K]
   int32_t* miss_list;  // [>= rows * (K + MI), 4]
-  int32_t* miss_count; // [1], zeroed before the launch
+  int32_t* miss_count; // [kMissCountWords]: the count at [0], the reservation word at [2:4]
+  unsigned long long* reservation;  // CTAs done << 32 | entries reserved; 0 between launches
   unsigned long long* counters;  // int64[3], two's complement: unsigned atomics are exact
   int32_t* inflight_slots;       // [rows, MI]
   const int32_t* selected;       // [rows, K]
@@ -145,7 +146,7 @@ struct ResolveParams {
   const int32_t* capacity;
   const int32_t* lease;
   int64_t leases, tokens_per_unit, tokens_per_page, max_inflight_tokens, window;
-  int32_t S, K, MI;
+  int32_t rows, S, K, MI;
   int32_t hash_bits;  // hash table of 1 << hash_bits entries, >= 2K: load factor <= 1/2
   // Offsets in dynamic shared memory, computed on the host: kernel parameters live in the
   // constant bank, so the kernel does not spend registers on 13 array addresses.
@@ -155,6 +156,9 @@ struct ResolveParams {
 // What scan 1 ranks (miss, admit, victim) or must know before the miss-list reservation
 // (admit_fetch). The victim field packs empty slots (low 16 bits) and evictable slots (high 16
 // bits): each count is <= S <= 65535, so no carry.
+constexpr int kResolveWarps = kResolveThreads / 32;
+constexpr unsigned kAll = 0xffffffffu;
+
 struct Tally {
   uint32_t miss, admit, victim, admit_fetch, hits, invalid;
 };
@@ -165,16 +169,14 @@ __device__ __forceinline__ Tally operator+(const Tally& a, const Tally& b) {
 }
 
 __device__ __forceinline__ Tally shfl_up(const Tally& t, int d) {
-  return {__shfl_up_sync(0xffffffffu, t.miss, d), __shfl_up_sync(0xffffffffu, t.admit, d),
-          __shfl_up_sync(0xffffffffu, t.victim, d), __shfl_up_sync(0xffffffffu, t.admit_fetch, d),
-          __shfl_up_sync(0xffffffffu, t.hits, d), __shfl_up_sync(0xffffffffu, t.invalid, d)};
+  return {__shfl_up_sync(kAll, t.miss, d), __shfl_up_sync(kAll, t.admit, d),
+          __shfl_up_sync(kAll, t.victim, d), __shfl_up_sync(kAll, t.admit_fetch, d),
+          __shfl_up_sync(kAll, t.hits, d), __shfl_up_sync(kAll, t.invalid, d)};
 }
 
 __device__ __forceinline__ unsigned long long shfl_up(unsigned long long x, int d) {
-  return __shfl_up_sync(0xffffffffu, x, d);
+  return __shfl_up_sync(kAll, x, d);
 }
-
-constexpr int kResolveWarps = kResolveThreads / 32;
 
 // Block-wide exclusive sum with one barrier: a shuffle scan per warp, then every thread adds the
 // totals of the warps before it (kResolveWarps broadcast reads). warp_total must not be reused
@@ -204,6 +206,71 @@ __device__ __forceinline__ T block_exclusive_sum(const T& x, T& total, T* warp_t
   return lane == 0 ? before : before + prev;
 }
 
+// This thread's contiguous share [lo, hi) of n items, whole chunks of V items (only the last
+// share may end inside one): scans need a blocked arrangement so ranks follow item order, and a
+// chunk loads and stores as one vector (V * sizeof(item) = 4, 8 or 16 bytes), which keeps the
+// sequential arrays free of bank conflicts.
+template <int V>
+__device__ __forceinline__ void blocked_range(int n, int& lo, int& hi) {
+  const int per = ((n + kResolveThreads - 1) / kResolveThreads + V - 1) / V * V;
+  lo = min(n, static_cast<int>(threadIdx.x) * per);
+  hi = min(n, lo + per);
+}
+
+template <int Bytes> struct VectorOf;
+template <> struct VectorOf<4> { using type = uint32_t; };
+template <> struct VectorOf<8> { using type = uint2; };
+template <> struct VectorOf<16> { using type = uint4; };
+
+// Chunk [b, b + V) of a 16-byte-aligned shared array, b a multiple of V: one vector access when
+// the chunk lies within [.., hi), else item by item (`fill` past hi).
+template <int V, typename T>
+union Chunk {
+  typename VectorOf<V * sizeof(T)>::type vec;
+  T item[V];
+};
+
+template <int V, typename T>
+__device__ __forceinline__ void load_chunk(const T* a, int b, int hi, T (&v)[V], T fill) {
+  Chunk<V, T> c;
+  if (b + V <= hi) {
+    c.vec = *reinterpret_cast<const decltype(c.vec)*>(a + b);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) c.item[i] = b + i < hi ? a[b + i] : fill;
+  }
+#pragma unroll
+  for (int i = 0; i < V; ++i) v[i] = c.item[i];
+}
+
+template <int V, typename T>
+__device__ __forceinline__ void store_chunk(T* a, int b, int hi, const T (&v)[V]) {
+  Chunk<V, T> c;
+#pragma unroll
+  for (int i = 0; i < V; ++i) c.item[i] = v[i];
+  if (b + V <= hi) {
+    *reinterpret_cast<decltype(c.vec)*>(a + b) = c.vec;
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (b + i < hi) a[b + i] = c.item[i];
+  }
+}
+
+// Reserves n miss-list entries for this CTA (called once per CTA, by one thread) and returns
+// their first index. Every CTA adds (1 << 32) + n to the reservation word; the one that sees all
+// others done publishes the total as miss_count[0] and resets the word for the next launch. So
+// miss_count needs no memset (a graph node of its own) before each resolve.
+__device__ __forceinline__ int32_t reserve_misses(const ResolveParams& p, int n) {
+  const unsigned long long old = atomicAdd(p.reservation, (1ull << 32) + static_cast<unsigned>(n));
+  const uint32_t base = static_cast<uint32_t>(old);
+  if (static_cast<uint32_t>(old >> 32) == static_cast<uint32_t>(p.rows - 1)) {
+    p.miss_count[0] = static_cast<int32_t>(base + n);
+    *p.reservation = 0;  // every other CTA's add precedes ours in the word's atomic order
+  }
+  return static_cast<int32_t>(base);
+}
+
 __device__ __forceinline__ int hash_home(int32_t u, int bits) {
   return static_cast<int>((static_cast<uint32_t>(u) * 2654435769u) >> (32 - bits));
 }
@@ -218,12 +285,27 @@ __device__ __forceinline__ int hash_find(const int32_t* key, int32_t u, int bits
   }
 }
 
-// This thread's contiguous share [lo, hi) of n items: scans need a blocked arrangement so ranks
-// follow item order.
-__device__ __forceinline__ void blocked_range(int n, int& lo, int& hi) {
-  const int per = (n + kResolveThreads - 1) / kResolveThreads;
-  lo = min(n, static_cast<int>(threadIdx.x) * per);
-  hi = min(n, lo + per);
+// Starts copying src[0 .. n) to dst (16-byte aligned shared memory) with the CTA, 16 bytes per
+// cp.async when src is 16-byte aligned.
+__device__ __forceinline__ void copy_async(int32_t* dst, const int32_t* src, int n) {
+  int done = 0;
+  if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+#pragma unroll 1
+    for (int i = threadIdx.x; i < n / 4; i += kResolveThreads)
+      __pipeline_memcpy_async(dst + 4 * i, src + 4 * i, 16);
+    done = n / 4 * 4;
+  }
+#pragma unroll 1
+  for (int i = done + threadIdx.x; i < n; i += kResolveThreads)
+    __pipeline_memcpy_async(dst + i, src + i, 4);
+}
+
+// Sets p[0 .. n) to v with the CTA: 16-byte stores, then the tail. p must be 16-byte aligned.
+__device__ __forceinline__ void fill_words(int32_t* p, int n, int32_t v) {
+  const int4 v4 = make_int4(v, v, v, v);
+#pragma unroll 4
+  for (int i = threadIdx.x; i < n / 4; i += kResolveThreads) reinterpret_cast<int4*>(p)[i] = v4;
+  for (int i = n / 4 * 4 + threadIdx.x; i < n; i += kResolveThreads) p[i] = v;
 }
 
 // Visits first, first + step, ... < end, N items at a time: f(idx, ok) can issue the loads of all
@@ -285,7 +367,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   int32_t* const admit = reinterpret_cast<int32_t*>(smem + L.admit);
   uint16_t* const rec = reinterpret_cast<uint16_t*>(smem + L.rec);
   uint16_t* const vlist = reinterpret_cast<uint16_t*>(smem + L.vlist);
-  uint8_t* const hitf = smem + L.hitf;
+  uint8_t* const vk = smem + L.vk;  // victim kind per slot: 0 none, 1 empty, 2 evictable
   uint8_t* const cls = smem + L.cls;
   uint8_t* const vkind = smem + L.vkind;
   uint8_t* const ckind = smem + L.ckind;
@@ -298,9 +380,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   // hash entries below) while the lease is read. cp.async keeps the loads in flight without
   // holding registers.
   const int32_t* const sel_row = p.selected + static_cast<int64_t>(r) * K;
-#pragma unroll 1
-  for (int j = tid; j < K; j += kResolveThreads)
-    __pipeline_memcpy_async(col_entry + j, sel_row + j, 4);
+  copy_async(col_entry, sel_row, K);
   __pipeline_commit();
 
   const int32_t l = p.lease[r];
@@ -308,6 +388,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   int32_t* const out = p.index_table + static_cast<int64_t>(r) * K;
   int32_t* const located = p.inflight_slots + static_cast<int64_t>(r) * p.MI;
   if (l < 0 || l >= p.leases) {  // hole, suspended row, or a bad lease: touch no residency
+    if (tid == 0) reserve_misses(p, 0);
     __pipeline_wait_prior(0);
 #pragma unroll 1
     for (int j = tid; j < K; j += kResolveThreads) out[j] = BAD;
@@ -317,8 +398,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   }
   int32_t* const res_row = p.resident + static_cast<int64_t>(l) * S;
   int32_t* const rec_row = p.recency + static_cast<int64_t>(l) * S;
-#pragma unroll 1
-  for (int s = tid; s < S; s += kResolveThreads) __pipeline_memcpy_async(res + s, res_row + s, 4);
+  copy_async(res, res_row, S);
   __pipeline_commit();
 
   // Recency goes through registers (to uint16); its first round of loads is issued before the
@@ -337,20 +417,14 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   const int64_t n_inflight = rules.end_inflight - a;
   const int nF = static_cast<int>(n_inflight < p.MI ? n_inflight : p.MI);
 
-  // ---- init
-#pragma unroll 4
-  for (int e = tid; e < H; e += kResolveThreads) {
-    key[e] = kEmptyKey;
-    first[e] = INT32_MAX;
-    hslot[e] = kNoSlot;
-  }
-#pragma unroll 1
-  for (int i = tid; i < nF; i += kResolveThreads) infl[i] = kNoSlot;
-#pragma unroll 4
-  for (int s = tid; s < S; s += kResolveThreads) {
-    hitf[s] = 0;
-    cls[s] = kUntouched;
-  }
+  // ---- init, 16 bytes per store (every array starts 16-byte aligned)
+  fill_words(key, H, kEmptyKey);
+  fill_words(first, H, INT32_MAX);
+  fill_words(hslot, H, kNoSlot);
+  fill_words(infl, nF, kNoSlot);
+  static_assert(kUntouched == 0, "cls starts zeroed");
+  fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
+  for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
   // recency must be a permutation of [0, S) (bad device data); an out-of-range
   // entry is replaced so that nothing here can index out of bounds.
   auto stage_rec = [&](int q, int32_t v) {
@@ -374,16 +448,21 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   __syncthreads();
   KVCM2_PROF(1);
 
-  // ---- step 0 on the resident row (a negative unit other than BAD is bad data: dropped too);
-  // the hash of the selected ordinals, with each ordinal's first column.
+  // ---- step 0 on the resident row (a negative unit other than BAD is bad data: dropped too),
+  // each slot's victim kind (empty, or evictable until scan 1 flags it hit or pinned); the hash
+  // of the selected ordinals, with each ordinal's first column.
   for_chunks<8>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
     constexpr int kN = sizeof(ok);
     int32_t u[kN];
 #pragma unroll
     for (int i = 0; i < kN; ++i) u[i] = ok[i] ? res[q[i]] : BAD;
 #pragma unroll
-    for (int i = 0; i < kN; ++i)
-      if (u[i] != BAD && !rules.selectable(u[i])) res[q[i]] = BAD;
+    for (int i = 0; i < kN; ++i) {
+      if (!ok[i]) continue;
+      const bool empty = u[i] == BAD || !rules.selectable(u[i]);
+      if (empty && u[i] != BAD) res[q[i]] = BAD;
+      vk[q[i]] = empty ? 1 : 2;
+    }
   });
   const int mask = H - 1;
   for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
@@ -442,90 +521,71 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   __syncthreads();
   KVCM2_PROF(3);
 
-  // ---- flags: hit slots (step 2), pinned slots (step 1). Separate byte arrays: two threads
-  // may flag the same slot, and byte stores never disturb their neighbours.
-  for_chunks<8>(tid, H, kResolveThreads, [&](const auto& e, const auto& ok) {
-    constexpr int kN = sizeof(ok);
-    int32_t sl[kN];
-#pragma unroll
-    for (int i = 0; i < kN; ++i) sl[i] = ok[i] ? hslot[e[i]] : kNoSlot;
-#pragma unroll
-    for (int i = 0; i < kN; ++i)
-      if (sl[i] != kNoSlot) hitf[sl[i]] = 1;
-  });
+  // ---- scan 1: misses, admissions, victims; hits and invalid ordinals for the counters.
+  // Part 1, columns: the kind of each column (first occurrence of a distinct ordinal): 0
+  // none/padding/duplicate, 1 invalid, 2 hit (resident, or in flight: admitted, never fetched
+  // for the selection), 3 miss. A resident hit's slot is no victim (step 2), nor is a pinned
+  // in-flight slot (step 1): both clear the slot's victim kind. In-flight units not resident
+  // are admissions. The kinds are kept (ckind, vkind; each thread reads back only what it
+  // wrote) so the ranking passes do not repeat the dependent loads.
+  Tally mine{};
+  int lo, hi;
+  blocked_range<4>(K, lo, hi);
 #pragma unroll 1
-  for (int i = tid; i < nF; i += kResolveThreads) {
+  for (int b = lo; b < hi; b += 4) {
+    int32_t e[4];
+    uint8_t k[4];
+    load_chunk(col_entry, b, hi, e, -1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      k[i] = 0;
+      if (e[i] < 0 || first[e[i]] != b + i) continue;
+      const int32_t u = key[e[i]], sl = hslot[e[i]];
+      if (!rules.selectable(u)) {
+        k[i] = 1;
+      } else if (sl != kNoSlot) {
+        k[i] = 2;
+        vk[sl] = 0;
+      } else {
+        k[i] = rules.inflight(u) ? 2 : 3;
+      }
+      mine.invalid += k[i] == 1;
+      mine.hits += k[i] == 2;
+      mine.miss += k[i] == 3;
+    }
+    store_chunk(ckind, b, hi, k);
+  }
+  blocked_range<1>(nF, lo, hi);
+#pragma unroll 1
+  for (int i = lo; i < hi; ++i) {
     const int32_t sl = infl[i];
-    if (sl != kNoSlot) cls[sl] = kPinned;
+    if (sl != kNoSlot) {
+      vk[sl] = 0;
+      cls[sl] = kPinned;
+    } else {
+      mine.admit += 1;
+      mine.admit_fetch += rules.needs_fetch_on_admit(a + i);
+    }
   }
   __syncthreads();
   KVCM2_PROF(4);
 
-  // ---- scan 1: misses, admissions, victims; hits and invalid ordinals for the counters.
-  // Column kind (first occurrence of a distinct ordinal): 0 none/padding/duplicate, 1 invalid,
-  // 2 hit (resident, or in flight: admitted, never fetched for the selection), 3 miss.
-  auto column_kind = [&](int j) -> int {
-    const int e = col_entry[j];
-    if (e < 0 || first[e] != j) return 0;
-    const int32_t u = key[e];
-    if (!rules.selectable(u)) return 1;
-    return (hslot[e] != kNoSlot || rules.inflight(u)) ? 2 : 3;
-  };
-  // Victim kind of recency position q: 0 none, 1 empty slot, 2 neither hit nor pinned.
-  auto victim_kind = [&](int q) -> int {
-    const int sl = rec[q];
-    if (res[sl] == BAD) return 1;
-    return (!hitf[sl] && cls[sl] != kPinned) ? 2 : 0;
-  };
-  // The kinds are kept (ckind, vkind: each thread reads back only what it wrote) so the ranking
-  // pass after the scan does not repeat the dependent loads.
-  int lo, hi;
-  Tally mine{};
-  blocked_range(K, lo, hi);
+  // Part 2, victims in recency order: 1 empty slots, 2 evictable ones (neither hit nor pinned).
+  blocked_range<8>(S, lo, hi);
 #pragma unroll 1
-  for (int j = lo; j < hi; ++j) {
-    const int k = column_kind(j);
-    ckind[j] = static_cast<uint8_t>(k);
-    mine.invalid += k == 1;
-    mine.hits += k == 2;
-    mine.miss += k == 3;
-  }
-  blocked_range(nF, lo, hi);
-#pragma unroll 1
-  for (int i = lo; i < hi; ++i) {
-    if (infl[i] != kNoSlot) continue;
-    mine.admit += 1;
-    mine.admit_fetch += rules.needs_fetch_on_admit(a + i);
-  }
-  blocked_range(S, lo, hi);
-#pragma unroll 1
-  for (int q = lo; q < hi; ++q) {
-    const int k = victim_kind(q);
-    vkind[q] = static_cast<uint8_t>(k);
-    mine.victim += k == 1 ? 1u : k == 2 ? (1u << 16) : 0u;
+  for (int b = lo; b < hi; b += 8) {
+    uint16_t sl[8];
+    uint8_t k[8];
+    load_chunk(rec, b, hi, sl, uint16_t{0});
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      k[i] = b + i < hi ? vk[sl[i]] : 0;
+      mine.victim += k[i] == 1 ? 1u : k[i] == 2 ? (1u << 16) : 0u;
+    }
+    store_chunk(vkind, b, hi, k);
   }
   Tally total;
   const Tally before = block_exclusive_sum(mine, total, s_tally);
-  {
-    uint32_t m = before.miss;
-    blocked_range(K, lo, hi);
-#pragma unroll 1
-    for (int j = lo; j < hi; ++j)
-      if (ckind[j] == 3) miss_entry[m++] = col_entry[j];
-    uint32_t ad = before.admit;
-    blocked_range(nF, lo, hi);
-#pragma unroll 1
-    for (int i = lo; i < hi; ++i)
-      if (infl[i] == kNoSlot) admit[ad++] = i;
-    uint32_t v1 = before.victim & 0xffffu, v2 = before.victim >> 16;
-    blocked_range(S, lo, hi);
-#pragma unroll 1
-    for (int q = lo; q < hi; ++q) {
-      const int k = vkind[q];
-      if (k == 1) vlist[v1++] = rec[q];               // empty slots from the front
-      else if (k == 2) vlist[S - 1 - v2++] = rec[q];  // evictable slots from the back
-    }
-  }
   const int nM = static_cast<int>(total.miss), nA = static_cast<int>(total.admit);
   const int n1 = static_cast<int>(total.victim & 0xffffu);
   const int nV = n1 + static_cast<int>(total.victim >> 16);
@@ -535,10 +595,52 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   // Admissions that need a fetch (partly written head units) are a prefix of the ascending
   // admissions, so the placed ones are the first fA.
   const int fA = min(static_cast<int>(total.admit_fetch), pA);
+  {
+    uint32_t m = before.miss;
+    blocked_range<4>(K, lo, hi);
+#pragma unroll 1
+    for (int b = lo; b < hi; b += 4) {
+      int32_t e[4];
+      uint8_t k[4];
+      load_chunk(col_entry, b, hi, e, -1);
+      load_chunk(ckind, b, hi, k, uint8_t{0});
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (k[i] == 3) miss_entry[m++] = e[i];
+    }
+    uint32_t ad = before.admit;
+    blocked_range<1>(nF, lo, hi);
+#pragma unroll 1
+    for (int i = lo; i < hi; ++i)
+      if (infl[i] == kNoSlot) admit[ad++] = i;
+    // Victims in taking order: empty slots, then evictable ones, each in recency order. Only
+    // the first `placed` are ever taken (a few per step in steady state): a thread stops once
+    // both of its ranks are past them.
+    const uint32_t taken = static_cast<uint32_t>(placed);
+    const uint32_t empties = min(static_cast<uint32_t>(n1), taken);
+    uint32_t v1 = before.victim & 0xffffu, v2 = n1 + (before.victim >> 16);
+    blocked_range<8>(S, lo, hi);
+#pragma unroll 1
+    for (int b = lo; b < hi && (v1 < empties || v2 < taken); b += 8) {
+      uint16_t sl[8];
+      uint8_t k[8];
+      load_chunk(rec, b, hi, sl, uint16_t{0});
+      load_chunk(vkind, b, hi, k, uint8_t{0});
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (k[i] == 1) {
+          if (v1 < taken) vlist[v1] = sl[i];
+          ++v1;
+        } else if (k[i] == 2) {
+          if (v2 < taken) vlist[v2] = sl[i];
+          ++v2;
+        }
+      }
+    }
+  }
   int32_t miss_base = 0;
   if (tid == 0) {
-    const int n_fetch = fA + pM;
-    if (n_fetch > 0) miss_base = atomicAdd(p.miss_count, n_fetch);  // consumed at the end
+    miss_base = reserve_misses(p, fA + pM);  // consumed at the end, to hide the atomic's latency
     const unsigned long long hits = total.hits, misses = pM;
     const unsigned long long invalid = total.invalid + static_cast<unsigned>(nA - pA) +
                                        static_cast<unsigned>(nM - pM);
@@ -549,12 +651,10 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   __syncthreads();
   KVCM2_PROF(5);
 
-  auto victim = [&](int k) -> int { return k < n1 ? vlist[k] : vlist[S - 1 - (k - n1)]; };
-
   // ---- place: admissions take victims first, then misses in first-occurrence order.
 #pragma unroll 1
   for (int k = tid; k < placed; k += kResolveThreads) {
-    const int sl = victim(k);
+    const int sl = vlist[k];
     const int32_t old = res[sl];
     // The CPU erases slot_of[old] when a slot is reused. A reused slot's unit can only be
     // selected if it was resident twice (bad data) and this is not its lowest slot: the erase
@@ -606,27 +706,43 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   KVCM2_PROF(7);
 
   // ---- scan 2: recency = untouched, misses, pinned, hits, each keeping its previous order.
-  // Each position's class is kept in vkind (free since scan 1) for the ranking pass.
+  // Class counts are packed in 16-bit lanes of one 64-bit word (each <= S <= 65535: no
+  // carries); each position's class is kept in vkind (free since scan 1) for the ranking pass.
   {
     unsigned long long mine_c = 0;
-    blocked_range(S, lo, hi);
+    int lo, hi;
+    blocked_range<8>(S, lo, hi);
 #pragma unroll 1
-    for (int q = lo; q < hi; ++q) {
-      const int c = cls[rec[q]];
-      vkind[q] = static_cast<uint8_t>(c);
-      mine_c += 1ull << (16 * c);
+    for (int b = lo; b < hi; b += 8) {
+      uint16_t sl[8];
+      uint8_t c[8];
+      load_chunk(rec, b, hi, sl, uint16_t{0});
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        c[i] = b + i < hi ? cls[sl[i]] : 0;
+        if (b + i < hi) mine_c += 1ull << (16 * c[i]);
+      }
+      store_chunk(vkind, b, hi, c);
     }
     unsigned long long total_c;
     const unsigned long long before_c = block_exclusive_sum(mine_c, total_c, s_classes);
-    // Packed like the counts: lane c of `next` = start of class c (the counts of the classes
-    // below it) + this thread's rank within the class. Every lane stays <= S: no carries.
+    // Lane c of `next` = start of class c (the counts of the classes below it) + this thread's
+    // rank within the class.
     const unsigned long long starts = (total_c << 16) + (total_c << 32) + (total_c << 48);
     unsigned long long next = before_c + starts;
 #pragma unroll 1
-    for (int q = lo; q < hi; ++q) {
-      const int shift = 16 * vkind[q];
-      newrec[(next >> shift) & 0xffffu] = rec[q];
-      next += 1ull << shift;
+    for (int b = lo; b < hi; b += 8) {
+      uint16_t sl[8];
+      uint8_t c[8];
+      load_chunk(rec, b, hi, sl, uint16_t{0});
+      load_chunk(vkind, b, hi, c, uint8_t{0});
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (b + i >= hi) break;
+        const int shift = 16 * c[i];
+        newrec[(next >> shift) & 0xffffu] = sl[i];
+        next += 1ull << shift;
+      }
     }
   }
   if (tid == 0) s_miss_base = miss_base;  // the atomic's latency overlapped place/index/scan 2
@@ -665,7 +781,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     } else {
       idx = fA + (k - nA);
     }
-    const int sl = victim(k);
+    const int sl = vlist[k];
     int32_t* const entry = p.miss_list + static_cast<int64_t>(base + idx) * kMissFields;
     entry[kMissLease] = l;
     entry[kMissSlot] = sl;
@@ -842,12 +958,16 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                 max_inflight_tokens, window);
   const c10::cuda::CUDAGuard guard(resident.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // miss_count is overwritten by every resolve; the CTAs then reserve with atomicAdd.
-  C10_CUDA_CHECK(cudaMemsetAsync(miss_count.data_ptr(), 0, sizeof(int32_t), stream));
   const int64_t rows = selected.size(0), K = selected.size(1), S = resident.size(1);
-  if (rows == 0) return;
+  int32_t* const count = miss_count.data_ptr<int32_t>();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(count) % 8 == 0,
+              "resolve: miss_count must be 8-byte aligned (its reservation word is 64-bit)");
+  if (rows == 0) {  // no CTA publishes a count
+    C10_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(int32_t), stream));
+    return;
+  }
   const int64_t MI = max_inflight_units(max_inflight_tokens, tokens_per_unit);
-  TORCH_CHECK(rows <= INT32_MAX, "resolve: too many rows");
+  TORCH_CHECK(rows * (K + MI) <= INT32_MAX, "resolve: too many miss-list entries for int32");
   TORCH_CHECK(K <= (int64_t{1} << 28), "resolve: at most 2^28 selected columns, got ", K);
   TORCH_CHECK(MI <= (int64_t{1} << 28), "resolve: max_inflight_tokens / tokens_per_unit too large");
   // Hash of >= 4K entries (load <= 1/4: measured 3.4 us faster than 1/2 at K=2048, S=4096) when
@@ -875,7 +995,8 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   p.recency = recency.data_ptr<int32_t>();
   p.index_table = index_table.data_ptr<int32_t>();
   p.miss_list = miss_list.data_ptr<int32_t>();
-  p.miss_count = miss_count.data_ptr<int32_t>();
+  p.miss_count = count;
+  p.reservation = reinterpret_cast<unsigned long long*>(count + kMissReservation);
   p.counters = reinterpret_cast<unsigned long long*>(counters.data_ptr<int64_t>());
   p.inflight_slots = inflight_slots.data_ptr<int32_t>();
   p.selected = selected.data_ptr<int32_t>();
@@ -887,6 +1008,7 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   p.tokens_per_page = tokens_per_page;
   p.max_inflight_tokens = max_inflight_tokens;
   p.window = window;
+  p.rows = static_cast<int32_t>(rows);
   p.S = static_cast<int32_t>(S);
   p.K = static_cast<int32_t>(K);
   p.MI = static_cast<int32_t>(MI);
