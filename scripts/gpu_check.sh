@@ -2,9 +2,10 @@
 # The GPU round trip, run on the device machine from the repo root:
 #   build the CUDA extension against the machine's torch, run the CUDA tests, a long data-safety
 #   run and the benchmarks. Logs go to $OUT (the device tool brings them back).
-# Usage: [TESTS=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1] [PROFILE=1]
+# Usage: [TESTS=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1] [PROFILE=1]
 #        [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
-#   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code).
+#   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
+#   EXAMPLES=0 skips only the examples.
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only).
 #   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs).
 #   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_PROFILE=1) and
@@ -31,7 +32,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda.log" | tail -25
   echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
   # the main example on the GPU: eager, compiled, and compiled into CUDA graphs
-  for mode in "" "--compile" "--compile reduce-overhead"; do
+  [ "${EXAMPLES:-1}" = 1 ] && for mode in "" "--compile" "--compile reduce-overhead"; do
     echo "== examples/sparse_decode.py $mode" | tee -a "$OUT/examples.log"
     python3 examples/sparse_decode.py $mode 2>&1 | tail -7 | tee -a "$OUT/examples.log"
     echo "example rc: ${PIPESTATUS[0]}" | tee -a "$OUT/examples.log" "$OUT/gpu.txt"

@@ -3,21 +3,28 @@
 //
 // resolve: one CTA per row, the lease's residency rows staged in shared memory, O(K + S) work per
 // row and no global sort:
-//   load      resident, recency (cp.async / staged loads), step 0, and a shared open-addressing
-//             hash of the selected ordinals (atomicCAS insert; atomicMin keeps each ordinal's
-//             first column); the table has >= 4K entries when shared memory allows (short probes);
-//   slots     every resident slot probes the hash (atomicMin: lowest slot wins, like the CPU's
-//             slot_of.emplace) and the in-flight array (which in-flight units are resident);
-//   flags     hit slots (step 2) and pinned slots (step 1);
-//   scan 1    one block scan ranks, at once: first-occurrence misses in column order, admissions
-//             in ascending unit order, and victims (empty slots, then neither hit nor pinned, each
-//             in recency order); it also sums hits/invalid for the counters;
+//   load      the selection (cp.async, first), resident (cp.async) and recency (to registers);
+//             shared-memory init;
+//   hash      as soon as the selection has landed, while the lease's rows still arrive: a shared
+//             open-addressing hash of the selected ordinals (atomicCAS insert; atomicMin keeps
+//             each ordinal's first column), >= 4K entries when shared memory allows (short
+//             probes); then recency from registers;
+//   slots     step 0 and each slot's victim kind (empty or evictable); every resident slot probes
+//             the hash (atomicMin: lowest slot wins, like the CPU's slot_of.emplace) and the
+//             in-flight array (which in-flight units are resident);
+//   scan 1    columns: first-occurrence kinds (invalid, hit, miss), hit slots (step 2) and pinned
+//             slots (step 1) lose their victim kind, admissions; then victims in recency order
+//             (one byte gather per position); one block scan ranks misses in column order,
+//             admissions in unit order and the first `placed` victims (empty slots, then
+//             evictable ones, each in recency order); it also sums hits/invalid for the counters;
 //   place     victim k takes admission k, then miss k - #admissions;
 //   index     index_table row and the step-5 hit classes;
 //   scan 2    the stable 4-way partition of recency (untouched, misses, pinned, hits);
 //   write     resident, recency, the row's in-flight slot records, and its miss-list entries at
-//             a base reserved with one atomicAdd per CTA (issued after scan 1, consumed at the
-//             end to hide its latency).
+//             a base reserved with one 64-bit atomic per CTA (reserve / publish_if_last: issued
+//             after scan 1, consumed at the end to hide its latency; no memset before launch).
+// Scans run over blocked per-thread ranges of whole 4/8/16-byte chunks (load_chunk /
+// store_chunk), so the sequential shared arrays are read without bank conflicts.
 //
 // fetch: a fixed grid sweeps (miss, buffer, chunk, vector) work items, several vector loads in
 // flight per thread before any store, loads through the device-mapped view of pinned host memory.
@@ -257,18 +264,21 @@ __device__ __forceinline__ void store_chunk(T* a, int b, int hi, const T (&v)[V]
   }
 }
 
-// Reserves n miss-list entries for this CTA (called once per CTA, by one thread) and returns
-// their first index. Every CTA adds (1 << 32) + n to the reservation word; the one that sees all
-// others done publishes the total as miss_count[0] and resets the word for the next launch. So
-// miss_count needs no memset (a graph node of its own) before each resolve.
-__device__ __forceinline__ int32_t reserve_misses(const ResolveParams& p, int n) {
-  const unsigned long long old = atomicAdd(p.reservation, (1ull << 32) + static_cast<unsigned>(n));
-  const uint32_t base = static_cast<uint32_t>(old);
+// Miss-list reservation, once per CTA by one thread: every CTA adds (1 << 32) + n to the
+// reservation word (reserve: the returned word's low half is its first entry); the one that saw
+// all others done publishes the total as miss_count[0] and resets the word for the next launch
+// (publish_if_last). So miss_count needs no memset (a graph node of its own) before each resolve.
+// The two are apart so the atomic's round trip overlaps the CTA's later phases.
+__device__ __forceinline__ unsigned long long reserve(const ResolveParams& p, int n) {
+  return atomicAdd(p.reservation, (1ull << 32) + static_cast<unsigned>(n));
+}
+
+__device__ __forceinline__ void publish_if_last(const ResolveParams& p, unsigned long long old,
+                                                int n) {
   if (static_cast<uint32_t>(old >> 32) == static_cast<uint32_t>(p.rows - 1)) {
-    p.miss_count[0] = static_cast<int32_t>(base + n);
+    p.miss_count[0] = static_cast<int32_t>(static_cast<uint32_t>(old) + n);
     *p.reservation = 0;  // every other CTA's add precedes ours in the word's atomic order
   }
-  return static_cast<int32_t>(base);
 }
 
 __device__ __forceinline__ int hash_home(int32_t u, int bits) {
@@ -344,9 +354,10 @@ __device__ __forceinline__ void for_chunks(int first, int end, int step, F&& f) 
 #endif
 
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
-// hash). Measured on an H200 (64 rows, K=2048, S=4096, all hits): ~20 us per launch, bound by
-// shared-memory accesses (random gathers into res/hitf/cls/key/hslot with bank conflicts, hash
-// probes, shared atomics) in a single CTA per row; see the report for what would cut it further.
+// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): ~14.8 us per
+// graph-replayed launch, ~26K cycles per CTA, bound by dependent shared-memory accesses (hash
+// probes and shared atomics, random gathers by slot and by hash entry) of 16 warps in one CTA per
+// row; benchmarks/NOTES.md has the phase profile (TORCH_KVCM2_PROFILE=1 builds print it).
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   __shared__ Tally s_tally[kResolveWarps];                 // scan 1 warp totals
   __shared__ unsigned long long s_classes[kResolveWarps];  // scan 2 warp totals
@@ -388,7 +399,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   int32_t* const out = p.index_table + static_cast<int64_t>(r) * K;
   int32_t* const located = p.inflight_slots + static_cast<int64_t>(r) * p.MI;
   if (l < 0 || l >= p.leases) {  // hole, suspended row, or a bad lease: touch no residency
-    if (tid == 0) reserve_misses(p, 0);
+    if (tid == 0) publish_if_last(p, reserve(p, 0), 0);
     __pipeline_wait_prior(0);
 #pragma unroll 1
     for (int j = tid; j < K; j += kResolveThreads) out[j] = BAD;
@@ -425,45 +436,12 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   static_assert(kUntouched == 0, "cls starts zeroed");
   fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
   for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
-  // recency must be a permutation of [0, S) (bad device data); an out-of-range
-  // entry is replaced so that nothing here can index out of bounds.
-  auto stage_rec = [&](int q, int32_t v) {
-    rec[q] = static_cast<uint16_t>(static_cast<uint32_t>(v) < static_cast<uint32_t>(S) ? v : q);
-  };
-#pragma unroll
-  for (int i = 0; i < kIlpGlobal; ++i) {
-    const int q = tid + i * kResolveThreads;
-    if (q < S) stage_rec(q, qv[i]);
-  }
-  for_chunks<kIlpGlobal>(tid + kIlpGlobal * kResolveThreads, S, kResolveThreads, [&](const auto& q, const auto& ok) {
-    constexpr int kN = sizeof(ok);
-    int32_t v[kN];
-#pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = ok[i] ? rec_row[q[i]] : 0;
-#pragma unroll
-    for (int i = 0; i < kN; ++i)
-      if (ok[i]) stage_rec(q[i], v[i]);
-  });
-  __pipeline_wait_prior(0);
+  __pipeline_wait_prior(1);  // the selection (the first group) has landed
   __syncthreads();
   KVCM2_PROF(1);
 
-  // ---- step 0 on the resident row (a negative unit other than BAD is bad data: dropped too),
-  // each slot's victim kind (empty, or evictable until scan 1 flags it hit or pinned); the hash
-  // of the selected ordinals, with each ordinal's first column.
-  for_chunks<8>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
-    constexpr int kN = sizeof(ok);
-    int32_t u[kN];
-#pragma unroll
-    for (int i = 0; i < kN; ++i) u[i] = ok[i] ? res[q[i]] : BAD;
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      if (!ok[i]) continue;
-      const bool empty = u[i] == BAD || !rules.selectable(u[i]);
-      if (empty && u[i] != BAD) res[q[i]] = BAD;
-      vk[q[i]] = empty ? 1 : 2;
-    }
-  });
+  // ---- the hash of the selected ordinals, with each ordinal's first column, while the lease's
+  // rows are still arriving; then recency, from registers.
   const int mask = H - 1;
   for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
     constexpr int kN = sizeof(ok);
@@ -490,15 +468,45 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       col_entry[j[i]] = e[i];
     }
   });
+  // recency must be a permutation of [0, S) (bad device data); an out-of-range
+  // entry is replaced so that nothing here can index out of bounds.
+  auto stage_rec = [&](int q, int32_t v) {
+    rec[q] = static_cast<uint16_t>(static_cast<uint32_t>(v) < static_cast<uint32_t>(S) ? v : q);
+  };
+#pragma unroll
+  for (int i = 0; i < kIlpGlobal; ++i) {
+    const int q = tid + i * kResolveThreads;
+    if (q < S) stage_rec(q, qv[i]);
+  }
+  for_chunks<kIlpGlobal>(tid + kIlpGlobal * kResolveThreads, S, kResolveThreads, [&](const auto& q, const auto& ok) {
+    constexpr int kN = sizeof(ok);
+    int32_t v[kN];
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = ok[i] ? rec_row[q[i]] : 0;
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+      if (ok[i]) stage_rec(q[i], v[i]);
+  });
+  __pipeline_wait_prior(0);  // the resident row
   __syncthreads();
   KVCM2_PROF(2);
 
-  // ---- slots: which selected / in-flight units are resident, lowest slot first (slot_of).
+  // ---- slots: step 0 on each resident slot (a negative unit other than BAD is bad data:
+  // dropped too) and its victim kind (empty, or evictable until scan 1 flags it hit or pinned);
+  // which selected / in-flight units are resident, lowest slot first (slot_of).
   for_chunks<1>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
     constexpr int kN = sizeof(ok);
     int32_t u[kN], e[kN], k0[kN];
 #pragma unroll
-    for (int i = 0; i < kN; ++i) u[i] = ok[i] ? res[q[i]] : BAD;
+    for (int i = 0; i < kN; ++i) {
+      u[i] = ok[i] ? res[q[i]] : BAD;
+      const bool empty = u[i] == BAD || !rules.selectable(u[i]);
+      if (ok[i]) {
+        if (empty && u[i] != BAD) res[q[i]] = BAD;
+        vk[q[i]] = empty ? 1 : 2;
+      }
+      if (empty) u[i] = BAD;
+    }
 #pragma unroll
     for (int i = 0; i < kN; ++i) {  // first probes of the chunk, all in flight
       e[i] = hash_home(u[i], bits);
@@ -638,9 +646,10 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       }
     }
   }
-  int32_t miss_base = 0;
+  const int n_fetch = fA + pM;
+  unsigned long long reserved = 0;
   if (tid == 0) {
-    miss_base = reserve_misses(p, fA + pM);  // consumed at the end, to hide the atomic's latency
+    reserved = reserve(p, n_fetch);  // consumed at the end, to hide the atomic's latency
     const unsigned long long hits = total.hits, misses = pM;
     const unsigned long long invalid = total.invalid + static_cast<unsigned>(nA - pA) +
                                        static_cast<unsigned>(nM - pM);
@@ -745,27 +754,35 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       }
     }
   }
-  if (tid == 0) s_miss_base = miss_base;  // the atomic's latency overlapped place/index/scan 2
+  if (tid == 0) {  // the atomic's latency overlapped place/index/scan 2
+    s_miss_base = static_cast<int32_t>(static_cast<uint32_t>(reserved));
+    publish_if_last(p, reserved, n_fetch);
+  }
   __syncthreads();
   KVCM2_PROF(8);
 
-  // ---- write back the lease's rows and this row's miss-list entries.
-  for_chunks<8>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
-    constexpr int kN = sizeof(ok);
-    int32_t u[kN];
-    uint16_t v[kN];
+  // ---- write back the lease's rows (16-byte stores when aligned) and this row's miss-list
+  // entries.
+  const bool rows_vec = ((reinterpret_cast<uintptr_t>(res_row) |
+                          reinterpret_cast<uintptr_t>(rec_row)) & 15) == 0;
+#pragma unroll 2
+  for (int b = 4 * tid; b < S; b += 4 * kResolveThreads) {
+    int32_t u[4];
+    uint16_t v[4];
+    load_chunk(res, b, S, u, 0);
+    load_chunk(newrec, b, S, v, uint16_t{0});
+    if (rows_vec && b + 4 <= S) {
+      *reinterpret_cast<int4*>(res_row + b) = make_int4(u[0], u[1], u[2], u[3]);
+      *reinterpret_cast<int4*>(rec_row + b) = make_int4(v[0], v[1], v[2], v[3]);
+    } else {
 #pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      u[i] = ok[i] ? res[q[i]] : 0;
-      v[i] = ok[i] ? newrec[q[i]] : 0;
+      for (int j = 0; j < 4; ++j) {
+        if (b + j >= S) break;
+        res_row[b + j] = u[j];
+        rec_row[b + j] = v[j];
+      }
     }
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      if (!ok[i]) continue;
-      res_row[q[i]] = u[i];
-      rec_row[q[i]] = v[i];
-    }
-  });
+  }
   // In-flight slot records: the lowest slot that held the unit (pinned, so it still does), or
   // the admission's slot; BAD for an admission that found no victim.
 #pragma unroll 1
