@@ -185,11 +185,24 @@ __device__ __forceinline__ unsigned long long shfl_up(unsigned long long x, int 
   return __shfl_up_sync(kAll, x, d);
 }
 
-// Block-wide exclusive sum with one barrier: a shuffle scan per warp, then every thread adds the
-// totals of the warps before it (kResolveWarps broadcast reads). warp_total must not be reused
-// by another scan before a later barrier.
+__device__ __forceinline__ Tally shfl_idx(const Tally& t, int src) {
+  return {__shfl_sync(kAll, t.miss, src), __shfl_sync(kAll, t.admit, src),
+          __shfl_sync(kAll, t.victim, src), __shfl_sync(kAll, t.admit_fetch, src),
+          __shfl_sync(kAll, t.hits, src), __shfl_sync(kAll, t.invalid, src)};
+}
+
+__device__ __forceinline__ unsigned long long shfl_idx(unsigned long long x, int src) {
+  return __shfl_sync(kAll, x, src);
+}
+
+// Block-wide exclusive sum with one barrier: a shuffle scan per warp; after the barrier lane w of
+// every warp reads warp w's total and a second shuffle scan over those kResolveWarps lanes gives
+// each warp the sum of the warps before it and the block's total (one shared load per thread
+// instead of kResolveWarps broadcast loads). warp_total must not be reused by another scan
+// before a later barrier.
 template <typename T>
 __device__ __forceinline__ T block_exclusive_sum(const T& x, T& total, T* warp_total) {
+  static_assert(kResolveWarps <= 32, "one lane per warp total");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   T inc = x;
 #pragma unroll
@@ -199,14 +212,15 @@ __device__ __forceinline__ T block_exclusive_sum(const T& x, T& total, T* warp_t
   }
   if (lane == 31) warp_total[warp] = inc;
   __syncthreads();
-  T before{}, all{};
+  T t = lane < kResolveWarps ? warp_total[lane] : T{};
 #pragma unroll
-  for (int w = 0; w < kResolveWarps; ++w) {
-    const T t = warp_total[w];
-    if (w < warp) before = before + t;
-    all = all + t;
+  for (int d = 1; d < kResolveWarps; d <<= 1) {  // lanes >= kResolveWarps hold unused sums
+    const T y = shfl_up(t, d);
+    if (lane >= d) t = t + y;
   }
-  total = all;
+  total = shfl_idx(t, kResolveWarps - 1);
+  const T below = shfl_idx(t, warp > 0 ? warp - 1 : 0);  // warp-uniform source lane
+  const T before = warp > 0 ? below : T{};
   // before + (inc - x), without a subtraction operator: the exclusive warp prefix is the
   // inclusive prefix of the previous lane.
   const T prev = shfl_up(inc, 1);
@@ -354,7 +368,7 @@ __device__ __forceinline__ void for_chunks(int first, int end, int step, F&& f) 
 #endif
 
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
-// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): ~14.8 us per
+// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): ~14 us per
 // graph-replayed launch, ~26K cycles per CTA, bound by dependent shared-memory accesses (hash
 // probes and shared atomics, random gathers by slot and by hash entry) of 16 warps in one CTA per
 // row; benchmarks/NOTES.md has the phase profile (TORCH_KVCM2_PROFILE=1 builds print it).
@@ -431,7 +445,6 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   // ---- init, 16 bytes per store (every array starts 16-byte aligned)
   fill_words(key, H, kEmptyKey);
   fill_words(first, H, INT32_MAX);
-  fill_words(hslot, H, kNoSlot);
   fill_words(infl, nF, kNoSlot);
   static_assert(kUntouched == 0, "cls starts zeroed");
   fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
@@ -464,6 +477,9 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         e[i] = (e[i] + 1) & mask;
         prev[i] = atomicCAS(&key[e[i]], kEmptyKey, u[i]);
       }
+      // hslot is read only at inserted entries, and only after the next barrier: the insert
+      // that took the entry initialises it (no fill of the whole table).
+      if (prev[i] == kEmptyKey) hslot[e[i]] = kNoSlot;
       atomicMin(&first[e[i]], j[i]);
       col_entry[j[i]] = e[i];
     }
