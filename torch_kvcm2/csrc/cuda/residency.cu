@@ -369,9 +369,10 @@ __device__ __forceinline__ void for_chunks(int first, int end, int step, F&& f) 
 
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
 // hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): ~14 us per
-// graph-replayed launch (26K cycles per CTA in the last profile), bound by dependent shared-memory accesses (hash
-// probes and shared atomics, random gathers by slot and by hash entry) of 16 warps in one CTA per
-// row; benchmarks/NOTES.md has the phase profile (TORCH_KVCM2_PROFILE=1 builds print it).
+// graph-replayed launch (26K cycles per CTA in the last profile), bound by dependent
+// shared-memory accesses (hash probes and shared atomics, random gathers by slot and by hash
+// entry) of 16 warps in one CTA per row; benchmarks/NOTES.md has the phase profile
+// (TORCH_KVCM2_PROFILE=1 builds print it).
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   __shared__ Tally s_tally[kResolveWarps];                 // scan 1 warp totals
   __shared__ unsigned long long s_classes[kResolveWarps];  // scan 2 warp totals
