@@ -776,6 +776,7 @@ def test_op_fetch_bad_host_arguments_raise():
         lambda: ops.fetch([cells], [pool], [0], [table.long()], ml, mc, 8, 2),
         lambda: ops.fetch([cells], [pool], [0], [table], ml[:, :3].contiguous(), mc, 8, 2),
         lambda: ops.fetch([cells], [pool], [0], [table], ml, mc.long(), 8, 2),
+        lambda: ops.fetch([cells], [pool], [0], [table], ml, mc[:1], 8, 2),  # not int32[4]
         lambda: ops.fetch([cells], [pool], [0], [table], ml, mc, 0, 2),
         lambda: ops.fetch([cells], [pool], [0], [table], ml, mc, 8, 3),
         lambda: ops.fetch([cells], [pool], [0], [table], ml, mc, 7, 2),

@@ -87,8 +87,7 @@ def resolve(
     int32[R, K]; ``miss_list`` int32[>= R*(K + max_inflight_units), 4] is overwritten with this
     call's misses and ``miss_count[0]`` with their number (``miss_count`` int32[4], 8-byte
     aligned, created zeroed: ``[2:4]`` is the CUDA kernel's reservation word, which every
-    resolve leaves zero); ``counters`` int64[3] (hits, misses,
-    invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
+    resolve leaves zero); ``counters`` int64[3] (hits, misses, invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
     ``inflight_slots`` int32[R, ceil(I/U)+1] is overwritten with each row's in-flight slot
     records (as ``locate_inflight`` computes them), which write_indices and flush read.
     ``window`` is 0 for full attention.
@@ -113,8 +112,9 @@ def fetch(
     cell, chunk by chunk. Per buffer ``b``: ``cells[b]`` uint8[num_cells, chunks, P, B/chunks];
     its host pages are ``host_pools[b][slot, positions[b]]``, where ``host_pools[b]`` is its pool
     group's whole pool uint8[num_slots, scale, page_bytes] (``Storage.pool``; the same tensor for
-    buffers of one group) and ``page_tables[b]`` that group's int32 page table. Entries with bad
-    values (BAD page, out of range) are skipped. Mutates ``cells``.
+    buffers of one group) and ``page_tables[b]`` that group's int32 page table. The first
+    ``miss_count[0]`` entries of ``miss_list`` are fetched (``miss_count`` int32[4], as resolve
+    leaves it). Entries with bad values (BAD page, out of range) are skipped. Mutates ``cells``.
     """
     _ops.fetch(list(cells), list(host_pools), list(positions), list(page_tables), miss_list,
                miss_count, slots, tokens_per_unit)
@@ -210,12 +210,14 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_
       history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window):
     _check(index_table.shape == selected.shape, "resolve: index_table and selected differ in shape")
     _check(recency.shape == resident.shape, "resolve: recency and resident differ in shape")
+    _check(miss_count.shape == (MISS_COUNT_WORDS,), "resolve: miss_count must have shape [4]")
 
 
 @torch.library.register_fake("torch_kvcm2::fetch")
 def _(cells, host_pools, positions, page_tables, miss_list, miss_count, slots, tokens_per_unit):
     _check(len(cells) == len(host_pools) == len(positions) == len(page_tables),
            "fetch: one entry per buffer")
+    _check(miss_count.shape == (MISS_COUNT_WORDS,), "fetch: miss_count must have shape [4]")
 
 
 @torch.library.register_fake("torch_kvcm2::locate_inflight")
