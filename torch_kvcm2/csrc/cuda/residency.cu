@@ -175,20 +175,22 @@ __device__ __forceinline__ Tally operator+(const Tally& a, const Tally& b) {
           a.hits + b.hits, a.invalid + b.invalid};
 }
 
+// A tally with f applied to each of its fields.
+template <typename F>
+__device__ __forceinline__ Tally each_field(const Tally& t, F f) {
+  return {f(t.miss), f(t.admit), f(t.victim), f(t.admit_fetch), f(t.hits), f(t.invalid)};
+}
+
 __device__ __forceinline__ Tally shfl_up(const Tally& t, int d) {
-  return {__shfl_up_sync(kAll, t.miss, d), __shfl_up_sync(kAll, t.admit, d),
-          __shfl_up_sync(kAll, t.victim, d), __shfl_up_sync(kAll, t.admit_fetch, d),
-          __shfl_up_sync(kAll, t.hits, d), __shfl_up_sync(kAll, t.invalid, d)};
+  return each_field(t, [d](uint32_t v) { return __shfl_up_sync(kAll, v, d); });
+}
+
+__device__ __forceinline__ Tally shfl_idx(const Tally& t, int src) {
+  return each_field(t, [src](uint32_t v) { return __shfl_sync(kAll, v, src); });
 }
 
 __device__ __forceinline__ unsigned long long shfl_up(unsigned long long x, int d) {
   return __shfl_up_sync(kAll, x, d);
-}
-
-__device__ __forceinline__ Tally shfl_idx(const Tally& t, int src) {
-  return {__shfl_sync(kAll, t.miss, src), __shfl_sync(kAll, t.admit, src),
-          __shfl_sync(kAll, t.victim, src), __shfl_sync(kAll, t.admit_fetch, src),
-          __shfl_sync(kAll, t.hits, src), __shfl_sync(kAll, t.invalid, src)};
 }
 
 __device__ __forceinline__ unsigned long long shfl_idx(unsigned long long x, int src) {
@@ -350,6 +352,27 @@ __device__ __forceinline__ void for_chunks(int first, int end, int step, F&& f) 
     }
     f(idx, ok);
   }
+}
+
+// For this thread's recency positions q in [lo, hi) (a blocked_range<8>): out[q] =
+// by_slot[rec[q]], one byte gather per position; returns the sum of weight(out[q]).
+template <typename T, typename W>
+__device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_t* by_slot,
+                                               uint8_t* out, int lo, int hi, W weight) {
+  T sum = 0;
+#pragma unroll 1
+  for (int b = lo; b < hi; b += 8) {
+    uint16_t sl[8];
+    uint8_t k[8];
+    load_chunk(rec, b, hi, sl, uint16_t{0});
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      k[i] = b + i < hi ? by_slot[sl[i]] : 0;
+      if (b + i < hi) sum += weight(k[i]);
+    }
+    store_chunk(out, b, hi, k);
+  }
+  return sum;
 }
 
 #ifdef KVCM2_PROFILE  // phase timing of CTA 0, for development only
@@ -597,18 +620,9 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 
   // Part 2, victims in recency order: 1 empty slots, 2 evictable ones (neither hit nor pinned).
   blocked_range<8>(S, lo, hi);
-#pragma unroll 1
-  for (int b = lo; b < hi; b += 8) {
-    uint16_t sl[8];
-    uint8_t k[8];
-    load_chunk(rec, b, hi, sl, uint16_t{0});
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      k[i] = b + i < hi ? vk[sl[i]] : 0;
-      mine.victim += k[i] == 1 ? 1u : k[i] == 2 ? (1u << 16) : 0u;
-    }
-    store_chunk(vkind, b, hi, k);
-  }
+  mine.victim = gather_by_recency<uint32_t>(rec, vk, vkind, lo, hi, [](int k) {
+    return k == 1 ? 1u : k == 2 ? (1u << 16) : 0u;
+  });
   Tally total;
   const Tally before = block_exclusive_sum(mine, total, s_tally);
   const int nM = static_cast<int>(total.miss), nA = static_cast<int>(total.admit);
@@ -735,21 +749,10 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   // Class counts are packed in 16-bit lanes of one 64-bit word (each <= S <= 65535: no
   // carries); each position's class is kept in vkind (free since scan 1) for the ranking pass.
   {
-    unsigned long long mine_c = 0;
     int lo, hi;
     blocked_range<8>(S, lo, hi);
-#pragma unroll 1
-    for (int b = lo; b < hi; b += 8) {
-      uint16_t sl[8];
-      uint8_t c[8];
-      load_chunk(rec, b, hi, sl, uint16_t{0});
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        c[i] = b + i < hi ? cls[sl[i]] : 0;
-        if (b + i < hi) mine_c += 1ull << (16 * c[i]);
-      }
-      store_chunk(vkind, b, hi, c);
-    }
+    const unsigned long long mine_c = gather_by_recency<unsigned long long>(
+        rec, cls, vkind, lo, hi, [](int c) { return 1ull << (16 * c); });
     unsigned long long total_c;
     const unsigned long long before_c = block_exclusive_sum(mine_c, total_c, s_classes);
     // Lane c of `next` = start of class c (the counts of the classes below it) + this thread's
