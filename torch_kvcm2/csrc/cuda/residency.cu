@@ -160,12 +160,12 @@ struct ResolveParams {
   ResolveLayout<uint32_t> L;
 };
 
-// What scan 1 ranks (miss, admit, victim) or must know before the miss-list reservation
-// (admit_fetch). The victim field packs empty slots (low 16 bits) and evictable slots (high 16
-// bits): each count is <= S <= 65535, so no carry.
 constexpr int kResolveWarps = kResolveThreads / 32;
 constexpr unsigned kAll = 0xffffffffu;
 
+// What scan 1 ranks (miss, admit, victim) or must know before the miss-list reservation
+// (admit_fetch). The victim field packs empty slots (low 16 bits) and evictable slots (high 16
+// bits): each count is <= S <= 65535, so no carry.
 struct Tally {
   uint32_t miss, admit, victim, admit_fetch, hits, invalid;
 };
