@@ -712,6 +712,18 @@ def _expect_raise(call, watched, label):
         assert torch.equal(w, b), f"{label}: written before raising"
 
 
+def _expect_each_raises(op, good, bad, watched):
+    """Calls ``op`` once per entry of ``bad`` (label -> (position, value), or a dict of them for
+    several changed arguments) with ``good``'s other arguments; each call must raise
+    RuntimeError before writing any tensor of ``watched(call)``."""
+    for label, change in bad.items():
+        call = list(good)
+        for i, value in (change.items() if isinstance(change, dict) else [change]):
+            call[i] = value
+        tensors = [x for x in watched(call) if isinstance(x, torch.Tensor)]
+        _expect_raise(lambda: op(*call), tensors, label)
+
+
 def test_locate_inflight_bad_arguments_raise():
     """SAFE-3: locate_inflight rejects wrong dtypes, shapes, layouts and integer arguments with
     RuntimeError before writing inflight_slots."""
@@ -736,11 +748,7 @@ def test_locate_inflight_bad_arguments_raise():
         "I = 0": (6, 0),
         "U changes column count": (5, 1),
     }
-    for label, (i, value) in bad.items():
-        call = list(good)
-        call[i] = value
-        watched = [x for x in (call[0], slots) if isinstance(x, torch.Tensor)]
-        _expect_raise(lambda: ops.locate_inflight(*call), watched, label)
+    _expect_each_raises(ops.locate_inflight, good, bad, lambda call: (call[0], slots))
     ops.locate_inflight(*good)
     assert slots.tolist() == [[1, BAD, BAD], [BAD] * 3, [BAD] * 3]
 
@@ -773,11 +781,7 @@ def test_write_indices_bad_arguments_raise():
         "I = 0": (8, 0),
         "I too wide for out": (8, 5),
     }
-    for label, (i, value) in bad.items():
-        call = list(good)
-        call[i] = value
-        watched = [x for x in (call[0], call[1], out, start) if isinstance(x, torch.Tensor)]
-        _expect_raise(lambda: ops.write_indices(*call), watched, label)
+    _expect_each_raises(ops.write_indices, good, bad, lambda call: (call[0], call[1], out, start))
     ops.write_indices(*good)
     assert start.tolist() == [9, BAD]
     assert out.tolist() == [[BAD, (8 + 3) * 2, (8 + 3) * 2 + 1, BAD, BAD], [BAD] * 5]
@@ -838,11 +842,7 @@ def test_flush_bad_arguments_raise():
         "capacity int64": (8, c.long()),
         "lease length": (9, t32([1, 0])),
     }
-    for label, change in bad.items():
-        call = list(good)
-        for i, value in (change.items() if isinstance(change, dict) else [change]):
-            call[i] = value
-        _expect_raise(lambda: ops.flush(*call), [pool], label)
+    _expect_each_raises(ops.flush, good, bad, lambda call: (pool,))
     ops.flush(*good)
     want, made = fc.expected()
     assert made and torch.equal(pool, want)
