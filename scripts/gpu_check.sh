@@ -2,12 +2,13 @@
 # The GPU round trip, run on the device machine from the repo root:
 #   build the CUDA extension against the machine's torch, run the CUDA tests, a long data-safety
 #   run and the benchmarks. Logs go to $OUT (the device tool brings them back).
-# Usage: [TESTS=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1] [PROFILE=1]
+# Usage: [TESTS=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1] [PDL_AB=1] [PROFILE=1]
 #        [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
 #   EXAMPLES=0 skips only the examples.
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only).
 #   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs).
+#   PDL_AB=1 adds P-RES, P-INDEX and P-STEP with KVCM2_PDL=0 (launches without PDL) for an A/B.
 #   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_PROFILE=1) and
 #   prints the phase cycles of CTA 0 over P-RES's launches.
 set -uo pipefail
@@ -46,6 +47,9 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 if [ "${SWEEP:-0}" = 1 ]; then
   python3 benchmarks/fetch_sweep.py --json "$OUT/fetch_sweep.json" 2>&1 | tee "$OUT/fetch_sweep.txt"
+fi
+if [ "${PDL_AB:-0}" = 1 ]; then
+  KVCM2_PDL=0 python3 benchmarks/run.py --only P-RES,P-INDEX,P-STEP 2>&1 | tee "$OUT/bench_nopdl.txt"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   TORCH_KVCM2_PROFILE=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_profile.log" 2>&1 &&

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "../kvcm2.h"
+#include "pdl.cuh"
 
 namespace torch_kvcm2 {
 namespace {
@@ -46,6 +47,7 @@ __global__ __launch_bounds__(kThreads) void convert_page_indices_kernel(
     int32_t* __restrict__ out, const int32_t* __restrict__ table, const int32_t* __restrict__ cap,
     int64_t rows, int64_t width, int64_t pages, int64_t scale, int64_t pos, int64_t units_per_page,
     int64_t tokens_per_unit) {
+  pdl_enter();
   const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kCols;
   if (j0 >= width) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -71,6 +73,7 @@ __global__ __launch_bounds__(kThreads) void convert_token_indices_kernel(
     int32_t* __restrict__ out, const int32_t* __restrict__ selected,
     const int32_t* __restrict__ table, const int32_t* __restrict__ cap, int64_t rows,
     int64_t width, int64_t pages, int64_t scale, int64_t pos, int64_t tokens_per_page) {
+  pdl_enter();
   const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kCols;
   if (j0 >= width) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -123,10 +126,9 @@ void convert_page_indices_cuda(const at::Tensor& out, const at::Tensor& page_tab
   const dim3 grid = index_grid(rows, width);
   const bool vec = width % kCols == 0 && aligned16(out);
   auto kernel = vec ? convert_page_indices_kernel<true> : convert_page_indices_kernel<false>;
-  kernel<<<grid, kThreads, 0, stream>>>(out.data_ptr<int32_t>(), page_table.data_ptr<int32_t>(),
-                                        capacity.data_ptr<int32_t>(), rows, width, pages, scale,
-                                        pos, units_per_page, tokens_per_unit);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, grid, dim3(kThreads), 0, stream, out.data_ptr<int32_t>(),
+                page_table.data_ptr<int32_t>(), capacity.data_ptr<int32_t>(), rows, width, pages,
+                scale, pos, units_per_page, tokens_per_unit);
 }
 
 void convert_token_indices_cuda(const at::Tensor& out, const at::Tensor& selected,
@@ -142,11 +144,9 @@ void convert_token_indices_cuda(const at::Tensor& out, const at::Tensor& selecte
   const dim3 grid = index_grid(rows, width);
   const bool vec = width % kCols == 0 && aligned16(out) && aligned16(selected);
   auto kernel = vec ? convert_token_indices_kernel<true> : convert_token_indices_kernel<false>;
-  kernel<<<grid, kThreads, 0, stream>>>(out.data_ptr<int32_t>(), selected.data_ptr<int32_t>(),
-                                        page_table.data_ptr<int32_t>(),
-                                        capacity.data_ptr<int32_t>(), rows, width, pages, scale,
-                                        pos, tokens_per_page);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, grid, dim3(kThreads), 0, stream, out.data_ptr<int32_t>(),
+                selected.data_ptr<int32_t>(), page_table.data_ptr<int32_t>(),
+                capacity.data_ptr<int32_t>(), rows, width, pages, scale, pos, tokens_per_page);
 }
 
 }  // namespace

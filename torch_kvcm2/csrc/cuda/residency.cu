@@ -3,8 +3,8 @@
 //
 // resolve: one CTA per row, the lease's residency rows staged in shared memory, O(K + S) work per
 // row and no global sort:
+//   preamble  shared-memory init, before the PDL wait (pdl.cuh): it overlaps the previous kernel;
 //   load      the selection (cp.async, first), resident (cp.async) and recency (to registers);
-//             shared-memory init;
 //   hash      as soon as the selection has landed, while the lease's rows still arrive: a shared
 //             open-addressing hash of the selected ordinals (atomicCAS insert; atomicMin keeps
 //             each ordinal's first column), >= 4K entries when shared memory allows (short
@@ -42,6 +42,7 @@
 #include <mutex>
 
 #include "../kvcm2.h"
+#include "pdl.cuh"
 
 namespace torch_kvcm2 {
 namespace {
@@ -425,6 +426,16 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   int32_t* const miss_entry = reinterpret_cast<int32_t*>(smem + L.miss_entry);
   uint16_t* const newrec = reinterpret_cast<uint16_t*>(smem + L.newrec);
 
+  // ---- preamble: the shared-memory init that reads no global memory (16 bytes per store; every
+  // array starts 16-byte aligned). Under PDL it overlaps the previous kernel of the stream; then
+  // wait for that kernel and let the next one launch.
+  fill_words(key, H, kEmptyKey);
+  fill_words(first, H, INT32_MAX);
+  static_assert(kUntouched == 0, "cls starts zeroed");
+  fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
+  for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
+  pdl_enter();
+
   // The selection does not depend on the lease: start copying it (into col_entry, converted to
   // hash entries below) while the lease is read. cp.async keeps the loads in flight without
   // holding registers.
@@ -451,7 +462,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   __pipeline_commit();
 
   // Recency goes through registers (to uint16); its first round of loads is issued before the
-  // row rules and the shared-memory init, so their work hides the loads' latency.
+  // row rules, so their work hides the loads' latency.
   int32_t qv[kIlpGlobal];
 #pragma unroll
   for (int i = 0; i < kIlpGlobal; ++i) {
@@ -466,13 +477,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   const int64_t n_inflight = rules.end_inflight - a;
   const int nF = static_cast<int>(n_inflight < p.MI ? n_inflight : p.MI);
 
-  // ---- init, 16 bytes per store (every array starts 16-byte aligned)
-  fill_words(key, H, kEmptyKey);
-  fill_words(first, H, INT32_MAX);
   fill_words(infl, nF, kNoSlot);
-  static_assert(kUntouched == 0, "cls starts zeroed");
-  fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
-  for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
   __pipeline_wait_prior(1);  // the selection (the first group) has landed
   __syncthreads();
   KVCM2_PROF(1);
@@ -890,6 +895,7 @@ __device__ __forceinline__ void store_vec(uint8_t* dst, const uint4& v, int vec)
 // items overlap instead of forming ILP chains.
 template <int ILP>
 __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_constant__ FetchParams p) {
+  pdl_enter();
   // The count (written by resolve earlier on this stream) is loaded together with the first
   // miss entries rather than before them: entries are read up to the list's size, and only
   // items below count * per_miss are copied. One dependent load less on the critical path.
@@ -1052,8 +1058,8 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   p.hash_bits = bits;
   p.L = ResolveLayout<uint32_t>(static_cast<uint32_t>(S), static_cast<uint32_t>(K),
                                 uint32_t{1} << bits, static_cast<uint32_t>(MI));
-  resolve_kernel<<<static_cast<unsigned>(rows), kResolveThreads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(resolve_kernel, dim3(static_cast<unsigned>(rows)), dim3(kResolveThreads),
+                static_cast<size_t>(smem), stream, p);
 }
 
 // Widest vector that divides every offset the kernel forms: piece, chunk and page strides and
@@ -1093,13 +1099,11 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   p.slots = slots;
   auto launch = [&]() {
     if (p.nb == 0) return;
-    switch (ilp) {
-      case 1: fetch_kernel<1><<<grid, kFetchThreads, 0, stream>>>(p); break;
-      case 4: fetch_kernel<4><<<grid, kFetchThreads, 0, stream>>>(p); break;
-      case 8: fetch_kernel<8><<<grid, kFetchThreads, 0, stream>>>(p); break;
-      default: fetch_kernel<2><<<grid, kFetchThreads, 0, stream>>>(p); break;
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    void (*kernel)(FetchParams) = ilp == 1   ? fetch_kernel<1>
+                                  : ilp == 4 ? fetch_kernel<4>
+                                  : ilp == 8 ? fetch_kernel<8>
+                                             : fetch_kernel<2>;
+    launch_kernel(kernel, dim3(grid), dim3(kFetchThreads), 0, stream, p);
     p.nb = 0;
     p.per_miss = 0;
   };

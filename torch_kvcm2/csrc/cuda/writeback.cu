@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "../kvcm2.h"
+#include "pdl.cuh"
 
 namespace torch_kvcm2 {
 namespace {
@@ -30,6 +31,7 @@ __global__ void locate_inflight_kernel(int32_t* __restrict__ out,
                                        const int32_t* __restrict__ capacity,
                                        const int32_t* __restrict__ lease, int64_t miu,
                                        int64_t leases, int64_t S, int64_t U, int64_t I) {
+  pdl_enter();
   const int64_t r = blockIdx.x;
   int32_t* row_out = out + r * miu;
   const int64_t l = lease[r];
@@ -58,12 +60,11 @@ void locate_inflight_cuda(const at::Tensor& inflight_slots, const at::Tensor& re
   const int64_t rows = inflight_slots.size(0);
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(inflight_slots.device());
-  locate_inflight_kernel<<<rows, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      inflight_slots.data_ptr<int32_t>(), resident.data_ptr<int32_t>(),
-      history.data_ptr<int32_t>(), capacity.data_ptr<int32_t>(), lease.data_ptr<int32_t>(),
-      inflight_slots.size(1), resident.size(0), resident.size(1), tokens_per_unit,
-      max_inflight_tokens);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(locate_inflight_kernel, dim3(static_cast<unsigned>(rows)), dim3(256), 0,
+                c10::cuda::getCurrentCUDAStream(), inflight_slots.data_ptr<int32_t>(),
+                resident.data_ptr<int32_t>(), history.data_ptr<int32_t>(),
+                capacity.data_ptr<int32_t>(), lease.data_ptr<int32_t>(), inflight_slots.size(1),
+                resident.size(0), resident.size(1), tokens_per_unit, max_inflight_tokens);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -76,6 +77,7 @@ __global__ void write_indices_kernel(int32_t* __restrict__ out, int32_t* __restr
                                      const int32_t* __restrict__ capacity,
                                      const int32_t* __restrict__ lease, int64_t width,
                                      int64_t leases, int64_t S, int64_t miu, int64_t U, int64_t I) {
+  pdl_enter();
   const int64_t r = blockIdx.x;
   int32_t* row_out = out + r * width;
   const int64_t l = lease[r];
@@ -109,12 +111,13 @@ void write_indices_cuda(const at::Tensor& out, const at::Tensor& inflight_start,
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, out.size(1))));
-  write_indices_kernel<<<rows, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      out.data_ptr<int32_t>(), inflight_start.data_ptr<int32_t>(), resident.data_ptr<int32_t>(),
-      inflight_slots.data_ptr<int32_t>(), history.data_ptr<int32_t>(),
-      capacity.data_ptr<int32_t>(), lease.data_ptr<int32_t>(), out.size(1), resident.size(0),
-      resident.size(1), inflight_slots.size(1), tokens_per_unit, max_inflight_tokens);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(write_indices_kernel, dim3(static_cast<unsigned>(rows)), dim3(threads), 0,
+                c10::cuda::getCurrentCUDAStream(), out.data_ptr<int32_t>(),
+                inflight_start.data_ptr<int32_t>(), resident.data_ptr<int32_t>(),
+                inflight_slots.data_ptr<int32_t>(), history.data_ptr<int32_t>(),
+                capacity.data_ptr<int32_t>(), lease.data_ptr<int32_t>(), out.size(1),
+                resident.size(0), resident.size(1), inflight_slots.size(1), tokens_per_unit,
+                max_inflight_tokens);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -145,6 +148,7 @@ struct FlushParams {
 
 template <typename V>
 __global__ __launch_bounds__(kFlushThreads) void flush_kernel(const __grid_constant__ FlushParams p) {
+  pdl_enter();
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kFlushThreads / 32);
   const int64_t total = p.buffers_used * p.items_per_buffer;
@@ -259,14 +263,15 @@ void flush_cuda(const at::Tensor& host_pool, at::IntArrayRef positions,
   const int64_t warps_needed = p.buffers_used * p.items_per_buffer;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(
       flush_grid(page_table.get_device()), (warps_needed + kFlushThreads / 32 - 1) / (kFlushThreads / 32))));
+  void (*kernel)(FlushParams) = flush_kernel<uint8_t>;
   switch (vector_bytes(p)) {
-    case 16: flush_kernel<uint4><<<grid, kFlushThreads, 0, stream>>>(p); break;
-    case 8: flush_kernel<uint2><<<grid, kFlushThreads, 0, stream>>>(p); break;
-    case 4: flush_kernel<uint32_t><<<grid, kFlushThreads, 0, stream>>>(p); break;
-    case 2: flush_kernel<uint16_t><<<grid, kFlushThreads, 0, stream>>>(p); break;
-    default: flush_kernel<uint8_t><<<grid, kFlushThreads, 0, stream>>>(p); break;
+    case 16: kernel = flush_kernel<uint4>; break;
+    case 8: kernel = flush_kernel<uint2>; break;
+    case 4: kernel = flush_kernel<uint32_t>; break;
+    case 2: kernel = flush_kernel<uint16_t>; break;
+    default: break;
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, dim3(grid), dim3(kFlushThreads), 0, stream, p);
 }
 
 }  // namespace
