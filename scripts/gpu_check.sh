@@ -8,7 +8,8 @@
 #   EXAMPLES=0 skips only the examples.
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only).
 #   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs).
-#   PDL_AB=1 adds P-RES, P-INDEX and P-STEP with KVCM2_PDL=0 (launches without PDL) for an A/B.
+#   PDL_AB=1 adds P-RES, P-INDEX and P-STEP with KVCM2_PDL=0 (launches without PDL), then with
+#   PDL again, for an A/B.
 #   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_PROFILE=1) and
 #   prints the phase cycles of CTA 0 over P-RES's launches.
 set -uo pipefail
@@ -49,11 +50,14 @@ if [ "${SWEEP:-0}" = 1 ]; then
   python3 benchmarks/fetch_sweep.py --json "$OUT/fetch_sweep.json" 2>&1 | tee "$OUT/fetch_sweep.txt"
 fi
 if [ "${PDL_AB:-0}" = 1 ]; then
+  # without PDL, then with it again in a fresh process (processes differ by about +-0.4 us)
   KVCM2_PDL=0 python3 benchmarks/run.py --only P-RES,P-INDEX,P-STEP 2>&1 | tee "$OUT/bench_nopdl.txt"
+  python3 benchmarks/run.py --only P-RES,P-INDEX,P-STEP 2>&1 | tee "$OUT/bench_pdl2.txt"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
+  # without PDL: under it the first phase would include the wait for the previous launch
   TORCH_KVCM2_PROFILE=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_profile.log" 2>&1 &&
-  python3 benchmarks/run.py --only P-RES 2>&1 | grep "resolve phases" > "$OUT/profile_raw.txt"
+  KVCM2_PDL=0 python3 benchmarks/run.py --only P-RES 2>&1 | grep "resolve phases" > "$OUT/profile_raw.txt"
   python3 - "$OUT/profile_raw.txt" <<'PY' | tee "$OUT/profile.txt"
 import statistics, sys
 rows = [[int(x) for x in l.split(":")[1].split()] for l in open(sys.argv[1]) if ":" in l]

@@ -42,6 +42,9 @@ __device__ __forceinline__ void store_cols(int32_t* row, int64_t j0, int64_t wid
   }
 }
 
+// A thread's kCols consecutive columns span at most kCols pages: one division gives the first
+// column's page and offset, the others step from it. The page-table loads do not wait for the
+// row's capacity (both are in flight together); the capacity rule applies afterwards.
 template <bool kVec>
 __global__ __launch_bounds__(kThreads) void convert_page_indices_kernel(
     int32_t* __restrict__ out, const int32_t* __restrict__ table, const int32_t* __restrict__ cap,
@@ -50,19 +53,28 @@ __global__ __launch_bounds__(kThreads) void convert_page_indices_kernel(
   pdl_enter();
   const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kCols;
   if (j0 >= width) return;
+  int64_t page[kCols], off[kCols];
+  page[0] = j0 / units_per_page;
+  off[0] = j0 - page[0] * units_per_page;
+#pragma unroll
+  for (int i = 1; i < kCols; ++i) {
+    const bool next = off[i - 1] + 1 == units_per_page;
+    page[i] = page[i - 1] + next;
+    off[i] = next ? 0 : off[i - 1] + 1;
+  }
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const int64_t c = cap[r];
+    int32_t slot[kCols];
+#pragma unroll
+    for (int i = 0; i < kCols; ++i)
+      slot[i] = j0 + i < width && page[i] < pages ? table[r * pages + page[i]] : -1;
     const int64_t units = ceil_div(c > 0 ? c : 0, tokens_per_unit);
     int32_t v[kCols];
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
-      const int64_t j = j0 + i;
-      const int64_t p = j / units_per_page;
       v[i] = BAD;
-      if (j < width && j < units && p < pages) {
-        const int64_t slot = table[r * pages + p];
-        if (slot >= 0) v[i] = checked_index((slot * scale + pos) * units_per_page + j % units_per_page);
-      }
+      if (j0 + i < units && slot[i] >= 0)
+        v[i] = checked_index((static_cast<int64_t>(slot[i]) * scale + pos) * units_per_page + off[i]);
     }
     store_cols<kVec>(out + r * width, j0, width, v);
   }
@@ -93,9 +105,9 @@ __global__ __launch_bounds__(kThreads) void convert_token_indices_kernel(
       const int64_t t = t_in[i];
       const int64_t p = t / tokens_per_page;
       v[i] = BAD;
-      if (t >= 0 && t < c && p < pages) {
+      if (t >= 0 && p < pages) {  // the table load does not wait for the capacity
         const int64_t slot = table[r * pages + p];
-        if (slot >= 0) v[i] = checked_index((slot * scale + pos) * tokens_per_page + t % tokens_per_page);
+        if (slot >= 0 && t < c) v[i] = checked_index((slot * scale + pos) * tokens_per_page + t % tokens_per_page);
       }
     }
     store_cols<kVec>(out + r * width, j0, width, v);

@@ -298,6 +298,30 @@ __device__ __forceinline__ void publish_if_last(const ResolveParams& p, unsigned
   }
 }
 
+// RowRange's unit rules in 32-bit arithmetic, for the loops that test thousands of units per row.
+// Every bound fits int32 (h and c are int32, U >= 1), and (u + 1) * U <= h  <=>  u < floor(h / U),
+// so the answers equal RowRange's for every int32 u.
+struct UnitRules {
+  int32_t live;     // max(first_live_unit, 0)
+  int32_t settled;  // floor(h / U): units wholly history
+  int32_t first_inflight;
+  uint32_t n_inflight;
+
+  __device__ explicit UnitRules(const RowRange& r)
+      : live(static_cast<int32_t>(r.first_live_unit > 0 ? r.first_live_unit : 0)),
+        settled(static_cast<int32_t>(r.history / r.tokens_per_unit)),
+        first_inflight(static_cast<int32_t>(r.first_inflight)),
+        n_inflight(static_cast<uint32_t>(r.end_inflight - r.first_inflight)) {}
+
+  // Unsigned difference: a negative u wraps to >= 2^31 - first_inflight > n_inflight.
+  __device__ __forceinline__ bool inflight(int32_t u) const {
+    return static_cast<uint32_t>(u) - static_cast<uint32_t>(first_inflight) < n_inflight;
+  }
+  __device__ __forceinline__ bool selectable(int32_t u) const {
+    return u >= live && (u < settled || inflight(u));
+  }
+};
+
 __device__ __forceinline__ int hash_home(int32_t u, int bits) {
   return static_cast<int>((static_cast<uint32_t>(u) * 2654435769u) >> (32 - bits));
 }
@@ -470,11 +494,12 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     qv[i] = q < S ? rec_row[q] : 0;
   }
 
-  const RowRange rules(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
+  const RowRange range(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
                        p.window);
-  const int64_t a = rules.first_inflight;
+  const UnitRules rules(range);
+  const int64_t a = range.first_inflight;
   // In-flight units a .. a + nF - 1; nF <= MI always (CFG-3 bound), clamped only for safety.
-  const int64_t n_inflight = rules.end_inflight - a;
+  const int64_t n_inflight = range.end_inflight - a;
   const int nF = static_cast<int>(n_inflight < p.MI ? n_inflight : p.MI);
 
   fill_words(infl, nF, kNoSlot);
@@ -566,7 +591,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       }
       if (k0[i] == u[i]) atomicMin(&hslot[e[i]], q[i]);
       if (rules.inflight(u[i])) {
-        const int64_t f = u[i] - a;
+        const int f = u[i] - rules.first_inflight;
         if (f < nF) atomicMin(&infl[f], q[i]);
       }
     }
@@ -617,7 +642,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       cls[sl] = kPinned;
     } else {
       mine.admit += 1;
-      mine.admit_fetch += rules.needs_fetch_on_admit(a + i);
+      mine.admit_fetch += range.needs_fetch_on_admit(a + i);
     }
   }
   __syncthreads();
