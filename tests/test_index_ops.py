@@ -240,6 +240,21 @@ def test_op_index_token_form_overflow_is_bad(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_op_index_divisors_above_int32(device):
+    """OP-INDEX with tokens per unit / per page above INT32_MAX (the CUDA kernels divide in 32
+    bits when the divisor fits): every int32 capacity is one unit, every token is on page 0."""
+    table = [[1, 2], [0, 3], [4, BAD]]
+    capacity = [0, 1, 2**31 - 1]
+    got = run_page_op(device, table, capacity, 1, 0, 2, 2**33, 5)
+    assert got == ref.convert_page_indices(table, capacity, 1, 0, 2, 2**33, 5)
+    assert got == [[BAD] * 5, [0, BAD, BAD, BAD, BAD], [8, BAD, BAD, BAD, BAD]]
+    selected = [[0, 5, 2**31 - 1, -1]] * 3
+    got = run_token_op(device, selected, table, capacity, 1, 0, 2**33)
+    assert got == ref.convert_token_indices(selected, table, capacity, 1, 0, 2**33)
+    assert got[2] == [BAD] * 4 and got[1] == [0, BAD, BAD, BAD]  # slot 4 * 2^33 > INT32_MAX
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_op_index_token_form_bad_arguments_raise(device):
     """SAFE-3: token form rejects wrong dtype, shape, layout and integer arguments."""
     pt = t32([[1, 2], [3, 4]], device)

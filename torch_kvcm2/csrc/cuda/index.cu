@@ -1,5 +1,6 @@
-// CUDA kernels of OP-INDEX. Bit-identical to cpu/index.cpp: the same int64 arithmetic, BAD for
-// anything that does not resolve, BAD (never a wrapped value) above INT32_MAX.
+// CUDA kernels of OP-INDEX. Bit-identical to cpu/index.cpp: the same results (divisions in 32
+// bits where the operands fit, the rest in int64), BAD for anything that does not resolve, BAD
+// (never a wrapped value) above INT32_MAX.
 //
 // Grid: x over column groups of kCols columns (kThreads * kCols per CTA), y over rows (looping when
 // there are more rows than gridDim.y allows). Each thread produces kCols consecutive columns and
@@ -30,6 +31,27 @@ __device__ __forceinline__ int32_t checked_index(int64_t v) {
 
 // kVec: the row width is a multiple of kCols and every pointer is 16-byte aligned, so each
 // thread's kCols columns are one aligned int4.
+// q = n / d, m = n % d for 0 <= n <= INT32_MAX and d >= 1: one 32-bit division when d fits in
+// 32 bits (an int64 division is a long software routine, and with one CTA of 8 warps per SM
+// nothing hides its instructions).
+__device__ __forceinline__ void divmod_small(int64_t n, int64_t d, int64_t& q, int64_t& m) {
+  if (d > INT32_MAX) {
+    q = 0, m = n;
+    return;
+  }
+  const uint32_t q32 = static_cast<uint32_t>(n) / static_cast<uint32_t>(d);
+  q = q32;
+  m = n - static_cast<int64_t>(q32) * d;
+}
+
+// ceil(max(c, 0) / d) for an int32 c and d >= 1.
+__device__ __forceinline__ int64_t ceil_div_small(int32_t c, int64_t d) {
+  if (c <= 0) return 0;
+  int64_t q, m;
+  divmod_small(c - 1, d, q, m);
+  return q + 1;
+}
+
 template <bool kVec>
 __device__ __forceinline__ void store_cols(int32_t* row, int64_t j0, int64_t width,
                                            const int32_t (&v)[kCols]) {
@@ -54,8 +76,12 @@ __global__ __launch_bounds__(kThreads) void convert_page_indices_kernel(
   const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kCols;
   if (j0 >= width) return;
   int64_t page[kCols], off[kCols];
-  page[0] = j0 / units_per_page;
-  off[0] = j0 - page[0] * units_per_page;
+  if (j0 <= INT32_MAX) {
+    divmod_small(j0, units_per_page, page[0], off[0]);
+  } else {
+    page[0] = j0 / units_per_page;
+    off[0] = j0 - page[0] * units_per_page;
+  }
 #pragma unroll
   for (int i = 1; i < kCols; ++i) {
     const bool next = off[i - 1] + 1 == units_per_page;
@@ -63,12 +89,12 @@ __global__ __launch_bounds__(kThreads) void convert_page_indices_kernel(
     off[i] = next ? 0 : off[i - 1] + 1;
   }
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const int64_t c = cap[r];
+    const int32_t c = cap[r];
     int32_t slot[kCols];
 #pragma unroll
     for (int i = 0; i < kCols; ++i)
       slot[i] = j0 + i < width && page[i] < pages ? table[r * pages + page[i]] : -1;
-    const int64_t units = ceil_div(c > 0 ? c : 0, tokens_per_unit);
+    const int64_t units = ceil_div_small(c, tokens_per_unit);
     int32_t v[kCols];
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
@@ -103,11 +129,13 @@ __global__ __launch_bounds__(kThreads) void convert_token_indices_kernel(
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int64_t t = t_in[i];
-      const int64_t p = t / tokens_per_page;
       v[i] = BAD;
-      if (t >= 0 && p < pages) {  // the table load does not wait for the capacity
+      if (t < 0) continue;
+      int64_t p, o;
+      divmod_small(t, tokens_per_page, p, o);
+      if (p < pages) {  // the table load does not wait for the capacity
         const int64_t slot = table[r * pages + p];
-        if (slot >= 0 && t < c) v[i] = checked_index((slot * scale + pos) * tokens_per_page + t % tokens_per_page);
+        if (slot >= 0 && t < c) v[i] = checked_index((slot * scale + pos) * tokens_per_page + o);
       }
     }
     store_cols<kVec>(out + r * width, j0, width, v);
