@@ -59,6 +59,9 @@ def extensions():
         macros.append(("TORCH_KVCM2_WITH_CUDA", "1"))
         if os.environ.get("TORCH_KVCM2_PROFILE", "0") == "1":  # development: resolve phase timing
             macros.append(("KVCM2_PROFILE", "1"))
+        threads = os.environ.get("TORCH_KVCM2_RESOLVE_THREADS")  # development: A/B of the CTA size
+        if threads:
+            macros.append(("KVCM2_RESOLVE_THREADS", threads))
     print(
         f"[torch_kvcm2] {'CUDA' if use_cuda else 'CPU-only'} build, torch {torch.__version__}, "
         f"CUDA_HOME={CUDA_HOME}, TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')}"

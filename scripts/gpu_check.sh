@@ -2,7 +2,7 @@
 # The GPU round trip, run on the device machine from the repo root:
 #   build the CUDA extension against the machine's torch, run the CUDA tests, a long data-safety
 #   run and the benchmarks. Logs go to $OUT (the device tool brings them back).
-# Usage: [TESTS=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1] [PDL_AB=1] [PROFILE=1]
+# Usage: [TESTS=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1] [PDL_AB=1] [PROFILE=1] [NCU=1] [AB_THREADS=N]
 #        [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
 #   EXAMPLES=0 skips only the examples.
@@ -10,6 +10,11 @@
 #   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs).
 #   PDL_AB=1 adds P-RES, P-INDEX and P-STEP with KVCM2_PDL=0 (launches without PDL), then with
 #   PDL again, for an A/B.
+#   AB_THREADS=1024 rebuilds the resolve kernel with that many threads per CTA, runs the residency
+#   tests and P-RES on it, then rebuilds the default and runs P-RES again (bench_threads*.txt).
+#   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
+#   set, clocks left alone): ncu_resolve.txt (details) and ncu_resolve_source.csv (per-SASS
+#   instruction stall samples).
 #   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_PROFILE=1) and
 #   prints the phase cycles of CTA 0 over P-RES's launches.
 set -uo pipefail
@@ -53,6 +58,24 @@ if [ "${PDL_AB:-0}" = 1 ]; then
   # without PDL, then with it again in a fresh process (processes differ by about +-0.4 us)
   KVCM2_PDL=0 python3 benchmarks/run.py --only P-RES,P-INDEX,P-STEP 2>&1 | tee "$OUT/bench_nopdl.txt"
   python3 benchmarks/run.py --only P-RES,P-INDEX,P-STEP 2>&1 | tee "$OUT/bench_pdl2.txt"
+fi
+if [ -n "${AB_THREADS:-}" ]; then
+  TORCH_KVCM2_RESOLVE_THREADS="$AB_THREADS" python3 -m pip install -q --no-build-isolation --no-deps -e . \
+    > "$OUT/build_threads.log" 2>&1 &&
+  python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_residency_ops.py 2>&1 | tail -2 | tee "$OUT/tests_threads.log" &&
+  python3 benchmarks/run.py --only P-RES 2>&1 | tee "$OUT/bench_threads_$AB_THREADS.txt"
+  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_default.log" 2>&1 &&
+  python3 benchmarks/run.py --only P-RES 2>&1 | tee "$OUT/bench_threads_default.txt"
+fi
+if [ "${NCU:-0}" = 1 ]; then
+  # launch 1 is P-RES's cold first resolve (every unit a miss); launch 2 is the timer's warm-up
+  # call of the steady state (1% misses)
+  ncu --clock-control none --set full --import-source yes -k regex:resolve_kernel -s 1 -c 1 \
+    -o "$OUT/ncu_resolve" -f python3 benchmarks/run.py --only P-RES > "$OUT/ncu_run.log" 2>&1
+  echo "ncu rc: $?" | tee -a "$OUT/gpu.txt"
+  ncu -i "$OUT/ncu_resolve.ncu-rep" --page details --print-details all > "$OUT/ncu_resolve.txt" 2>&1
+  ncu -i "$OUT/ncu_resolve.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_resolve_source.csv" 2>&1
+  grep -E "Duration|Elapsed Cycles|Stall|Warp Cycles|Issued|Bank|Occupancy" "$OUT/ncu_resolve.txt" | head -40
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   # without PDL: under it the first phase would include the wait for the previous launch

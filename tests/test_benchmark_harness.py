@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-IDS = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP", "P-STEP-HS",
-       "P-CAP"]
+IDS = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-INDEX-L", "P-TORCH", "P-STEP",
+       "P-STEP-HS", "P-CAP"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_quick_benchmark_run_checks_outputs_and_writes_json(bench, tmp_path, cap
     assert data["scaling"] == []
     printed = capsys.readouterr().out
     assert "numbers are not claims" in printed
-    for rid in ("P-TORCH", "P-STEP", "P-STEP-HS", "P-CAP"):
+    for rid in ("P-INDEX", "P-INDEX-L", "P-TORCH", "P-STEP", "P-STEP-HS", "P-CAP"):
         assert f"# {rid}: " in printed  # its note under the table
 
     torch_ = results["P-TORCH"]["extra"]
