@@ -70,7 +70,7 @@ def test_op_index_page_form_random_matches_reference(device):
     checked = 0
     for trial in range(400):
         rows = rng.randrange(0, 6)
-        pages = rng.randrange(0, 7)
+        pages = rng.randrange(0, 10)  # 4 and 8 with E = 1: the CUDA kernel's int4 page loads
         E = rng.choice([1, 2, 3, 4, 5])  # 3, 5: a thread's 4 columns cross pages anywhere
         U = rng.choice([1, 2, 16])
         scale = rng.choice([1, 2, 3])

@@ -65,9 +65,11 @@ __device__ __forceinline__ void store_cols(int32_t* row, int64_t j0, int64_t wid
 }
 
 // A thread's kCols consecutive columns span at most kCols pages: one division gives the first
-// column's page and offset, the others step from it. The page-table loads do not wait for the
-// row's capacity (both are in flight together); the capacity rule applies afterwards.
-template <bool kVec>
+// column's page and offset, the others step from it. kUnitPages (one unit per page, page-table
+// rows of whole 16-byte chunks): column j is page j, and a thread's kCols pages are one int4
+// load. The page-table loads do not wait for the row's capacity (both are in flight together);
+// the capacity rule applies afterwards.
+template <bool kVec, bool kUnitPages>
 __global__ __launch_bounds__(kThreads) void convert_page_indices_kernel(
     int32_t* __restrict__ out, const int32_t* __restrict__ table, const int32_t* __restrict__ cap,
     int64_t rows, int64_t width, int64_t pages, int64_t scale, int64_t pos, int64_t units_per_page,
@@ -76,24 +78,35 @@ __global__ __launch_bounds__(kThreads) void convert_page_indices_kernel(
   const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kCols;
   if (j0 >= width) return;
   int64_t page[kCols], off[kCols];
-  if (j0 <= INT32_MAX) {
-    divmod_small(j0, units_per_page, page[0], off[0]);
-  } else {
-    page[0] = j0 / units_per_page;
-    off[0] = j0 - page[0] * units_per_page;
-  }
+  if (kUnitPages) {
 #pragma unroll
-  for (int i = 1; i < kCols; ++i) {
-    const bool next = off[i - 1] + 1 == units_per_page;
-    page[i] = page[i - 1] + next;
-    off[i] = next ? 0 : off[i - 1] + 1;
+    for (int i = 0; i < kCols; ++i) page[i] = j0 + i, off[i] = 0;
+  } else {
+    if (j0 <= INT32_MAX) {
+      divmod_small(j0, units_per_page, page[0], off[0]);
+    } else {
+      page[0] = j0 / units_per_page;
+      off[0] = j0 - page[0] * units_per_page;
+    }
+#pragma unroll
+    for (int i = 1; i < kCols; ++i) {
+      const bool next = off[i - 1] + 1 == units_per_page;
+      page[i] = page[i - 1] + next;
+      off[i] = next ? 0 : off[i - 1] + 1;
+    }
   }
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const int32_t c = cap[r];
     int32_t slot[kCols];
+    if (kUnitPages) {  // pages % kCols == 0: the chunk is wholly inside the row or past it
+      const int4 t4 = j0 < pages ? __ldg(reinterpret_cast<const int4*>(table + r * pages + j0))
+                                 : make_int4(-1, -1, -1, -1);
+      slot[0] = t4.x, slot[1] = t4.y, slot[2] = t4.z, slot[3] = t4.w;
+    } else {
 #pragma unroll
-    for (int i = 0; i < kCols; ++i)
-      slot[i] = j0 + i < width && page[i] < pages ? table[r * pages + page[i]] : -1;
+      for (int i = 0; i < kCols; ++i)
+        slot[i] = j0 + i < width && page[i] < pages ? table[r * pages + page[i]] : -1;
+    }
     const int64_t units = ceil_div_small(c, tokens_per_unit);
     int32_t v[kCols];
 #pragma unroll
@@ -165,7 +178,11 @@ void convert_page_indices_cuda(const at::Tensor& out, const at::Tensor& page_tab
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid = index_grid(rows, width);
   const bool vec = width % kCols == 0 && aligned16(out);
-  auto kernel = vec ? convert_page_indices_kernel<true> : convert_page_indices_kernel<false>;
+  const bool unit_pages = units_per_page == 1 && pages % kCols == 0 && aligned16(page_table);
+  auto kernel = vec ? (unit_pages ? convert_page_indices_kernel<true, true>
+                                  : convert_page_indices_kernel<true, false>)
+                    : (unit_pages ? convert_page_indices_kernel<false, true>
+                                  : convert_page_indices_kernel<false, false>);
   launch_kernel(kernel, grid, dim3(kThreads), 0, stream, out.data_ptr<int32_t>(),
                 page_table.data_ptr<int32_t>(), capacity.data_ptr<int32_t>(), rows, width, pages,
                 scale, pos, units_per_page, tokens_per_unit);
