@@ -410,7 +410,8 @@ def bench_flush(timer, device, quick, ceil) -> Result:
 
 def bench_index(timer, device, quick, ceil, rows: int, pages: int, rid: str = "P-INDEX") -> Result:
     """P-INDEX: page-form conversion of rows x pages (PERF.md: 64 x 2048). P-INDEX-L runs the
-    same kernel on a shape large enough for bandwidth, not the launch, to bound it."""
+    same kernel on a shape large enough for HBM bandwidth, not the launch, to bound it (1024 x
+    32768 pages: 256 MB moved, 5x the 50 MB L2, which flattered a 34 MB shape to 100%)."""
     g = torch.Generator().manual_seed(2)
     table = torch.randint(0, 1 << 20, (rows, pages), generator=g, dtype=torch.int32).to(device)
     capacity = torch.full((rows,), pages * 64, dtype=torch.int32, device=device)
@@ -855,7 +856,7 @@ def main(argv=None) -> int:
                                              target_pct=90, ceil=ceil)],
         "P-FLUSH": lambda: [bench_flush(timer, device, q, ceil)],
         "P-INDEX": lambda: [bench_index(timer, device, q, ceil, *((4, 128) if q else (64, 2048))),
-                            bench_index(timer, device, q, ceil, *((8, 512) if q else (256, 16384)),
+                            bench_index(timer, device, q, ceil, *((8, 512) if q else (1024, 32768)),
                                         rid="P-INDEX-L")],
         "P-TORCH": lambda: [bench_torch(timer, device, q)],
         "P-STEP": lambda: bench_step(timer, device, q, ceil, pres_us=results[0].median_us),
