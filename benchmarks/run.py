@@ -10,7 +10,8 @@ times each op as CUDA-graph replays (several calls per graph, state restored bet
 launch overhead is amortised and every replay does the same work) and checks each op's outputs
 before its time counts. Targets are PERF.md's.
 
-Beyond the single ops: P-TORCH times a straightforward torch-op resolve + fetch against the
+Beyond the single ops: P-INDEX-L runs P-INDEX's kernel on 256 MB (bandwidth-bound, next to
+torch's copy of the same bytes); P-TORCH times a straightforward torch-op resolve + fetch against the
 library's on P-RES's workload (eagerly: it synchronises); P-STEP times a whole decode step of
 cache ops (61 sparse layers in 16 selection groups) as one graph replay, next to the same step
 with 61 private groups (P-STEP-HS, the HiSparse shape); P-CAP reads the GPU bytes per request
