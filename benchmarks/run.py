@@ -11,11 +11,11 @@ launch overhead is amortised and every replay does the same work) and checks eac
 before its time counts. Targets are PERF.md's.
 
 Beyond the single ops: P-INDEX-L runs P-INDEX's kernel on 256 MB (bandwidth-bound, next to
-torch's copy and an elementwise kernel on the same bytes); P-TORCH times a straightforward torch-op resolve + fetch against the
-library's on P-RES's workload (eagerly: it synchronises); P-STEP times a whole decode step of
-cache ops (61 sparse layers in 16 selection groups) as one graph replay, next to the same step
-with 61 private groups (P-STEP-HS, the HiSparse shape); P-CAP reads the GPU bytes per request
-off the batch's cell tensors at two context lengths.
+torch's copy and an elementwise kernel on the same bytes); P-TORCH times a straightforward
+torch-op resolve + fetch against the library's on P-RES's workload (eagerly: it synchronises);
+P-STEP times a whole decode step of cache ops (61 sparse layers in 16 selection groups) as one
+graph replay, next to the same step with 61 private groups (P-STEP-HS, the HiSparse shape);
+P-CAP reads the GPU bytes per request off the batch's cell tensors at two context lengths.
 
 Memory on the GPU machine (default run): P-STEP's 61 layers x 64 rows x 4096 slots x 656 B are
 10.5 GB of GPU cells and 64 rows x 2,560 tokens of history x 61 layers are 6.7 GB of pinned
