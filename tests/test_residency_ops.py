@@ -895,6 +895,8 @@ RANDOM_CONFIGS = {
     "u2e4": (2, 8, 6, 6, 12, 0, 5, 6, 96),
     "u4e1_window": (4, 4, 3, 5, 7, 32, 4, 5, 120),
     "u1e2": (1, 2, 4, 3, 8, 0, 4, 4, 40),
+    # tokens per unit and page not powers of two: the row rules' general division path
+    "u3e2_window": (3, 6, 4, 5, 8, 18, 4, 4, 90),
 }
 
 
@@ -1015,7 +1017,8 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-@pytest.mark.parametrize("config,steps", [("u2e4", 2000), ("u4e1_window", 1000), ("u1e2", 1000)])
+@pytest.mark.parametrize("config,steps", [("u2e4", 2000), ("u4e1_window", 1000), ("u1e2", 1000),
+                                           ("u3e2_window", 1000)])
 def test_op_resolve_random_sequence_matches_reference(device, config, steps):
     """RES-1, RES-2, RES-4, OP-RESOLVE, OP-FETCH: a long random sequence (joins, leaves, moves,
     decode and prefill, capacity shrinks, selections with duplicates, padding and out-of-range

@@ -39,6 +39,14 @@ enum Counter { kHits = 0, kMisses = 1, kInvalid = 2, kNumCounters = 3 };
 enum SlotClass : uint8_t { kUntouched = 0, kMissed = 1, kPinned = 2, kHit = 3, kNumClasses = 4 };
 
 KVCM2_HD int64_t floor_div(int64_t a, int64_t b) {
+  if (b > 0 && (b & (b - 1)) == 0) {  // a power of two (tokens per unit or page, typically):
+    // an arithmetic shift floors, where a 64-bit division is a subroutine call on the GPU
+#ifdef __CUDA_ARCH__
+    return a >> (__ffsll(b) - 1);
+#else
+    return a >> __builtin_ctzll(static_cast<unsigned long long>(b));
+#endif
+  }
   const int64_t q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }

@@ -164,70 +164,55 @@ struct ResolveParams {
 constexpr int kResolveWarps = kResolveThreads / 32;
 constexpr unsigned kAll = 0xffffffffu;
 
-// What scan 1 ranks (miss, admit, victim) or must know before the miss-list reservation
-// (admit_fetch). The victim field packs empty slots (low 16 bits) and evictable slots (high 16
-// bits): each count is <= S <= 65535, so no carry.
+// What a block scan ranks: counts in 16-bit lanes of one 64-bit word (scan 1: misses, admissions,
+// empty and evictable victims; scan 2: the four recency classes); every count is <= 65535 (S, K
+// and MI are checked on the host), so no lane carries into the next. And what scan 1 only
+// totals, in 16-bit halves of a 32-bit word: one warp reduction (REDUX) each, no shuffle scan.
 struct Tally {
-  uint32_t miss, admit, victim, admit_fetch, hits, invalid;
+  unsigned long long rank;
+  uint32_t hits_invalid;  // hits | invalid << 16
+  uint32_t admit_fetch;   // admissions that need a fetch (partly written head units)
 };
 
-__device__ __forceinline__ Tally operator+(const Tally& a, const Tally& b) {
-  return {a.miss + b.miss, a.admit + b.admit, a.victim + b.victim, a.admit_fetch + b.admit_fetch,
-          a.hits + b.hits, a.invalid + b.invalid};
+enum RankLane : int { kMissLane = 0, kAdmitLane = 16, kEmptyLane = 32, kEvictLane = 48 };
+
+__device__ __forceinline__ uint32_t lane16(unsigned long long w, int shift) {
+  return static_cast<uint32_t>(w >> shift) & 0xffffu;
 }
 
-// A tally with f applied to each of its fields.
-template <typename F>
-__device__ __forceinline__ Tally each_field(const Tally& t, F f) {
-  return {f(t.miss), f(t.admit), f(t.victim), f(t.admit_fetch), f(t.hits), f(t.invalid)};
-}
-
-__device__ __forceinline__ Tally shfl_up(const Tally& t, int d) {
-  return each_field(t, [d](uint32_t v) { return __shfl_up_sync(kAll, v, d); });
-}
-
-__device__ __forceinline__ Tally shfl_idx(const Tally& t, int src) {
-  return each_field(t, [src](uint32_t v) { return __shfl_sync(kAll, v, src); });
-}
-
-__device__ __forceinline__ unsigned long long shfl_up(unsigned long long x, int d) {
-  return __shfl_up_sync(kAll, x, d);
-}
-
-__device__ __forceinline__ unsigned long long shfl_idx(unsigned long long x, int src) {
-  return __shfl_sync(kAll, x, src);
-}
-
-// Block-wide exclusive sum with one barrier: a shuffle scan per warp; after the barrier lane w of
-// every warp reads warp w's total and a second shuffle scan over those kResolveWarps lanes gives
-// each warp the sum of the warps before it and the block's total (one shared load per thread
-// instead of kResolveWarps broadcast loads). warp_total must not be reused by another scan
-// before a later barrier.
-template <typename T>
-__device__ __forceinline__ T block_exclusive_sum(const T& x, T& total, T* warp_total) {
+// Block-wide with one barrier: returns the exclusive prefix of x.rank (a shuffle scan per warp;
+// after the barrier lane w of every warp reads warp w's total and a second shuffle scan over those
+// kResolveWarps lanes gives each warp the sum of the warps before it) and sets `total` to the
+// block's sums of every field. warp_total must not be reused by another scan before a later
+// barrier.
+__device__ __forceinline__ unsigned long long block_scan(const Tally& x, Tally& total,
+                                                         Tally* warp_total) {
   static_assert(kResolveWarps <= 32, "one lane per warp total");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  T inc = x;
+  unsigned long long inc = x.rank;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    const T y = shfl_up(inc, d);
-    if (lane >= d) inc = inc + y;
+    const unsigned long long y = __shfl_up_sync(kAll, inc, d);
+    if (lane >= d) inc += y;
   }
-  if (lane == 31) warp_total[warp] = inc;
+  const uint32_t hi = __reduce_add_sync(kAll, x.hits_invalid);
+  const uint32_t af = __reduce_add_sync(kAll, x.admit_fetch);
+  if (lane == 31) warp_total[warp] = Tally{inc, hi, af};
   __syncthreads();
-  T t = lane < kResolveWarps ? warp_total[lane] : T{};
+  const Tally t = lane < kResolveWarps ? warp_total[lane] : Tally{};
+  unsigned long long w = t.rank;
 #pragma unroll
   for (int d = 1; d < kResolveWarps; d <<= 1) {  // lanes >= kResolveWarps hold unused sums
-    const T y = shfl_up(t, d);
-    if (lane >= d) t = t + y;
+    const unsigned long long y = __shfl_up_sync(kAll, w, d);
+    if (lane >= d) w += y;
   }
-  total = shfl_idx(t, kResolveWarps - 1);
-  const T below = shfl_idx(t, warp > 0 ? warp - 1 : 0);  // warp-uniform source lane
-  const T before = warp > 0 ? below : T{};
-  // before + (inc - x), without a subtraction operator: the exclusive warp prefix is the
-  // inclusive prefix of the previous lane.
-  const T prev = shfl_up(inc, 1);
-  return lane == 0 ? before : before + prev;
+  total.rank = __shfl_sync(kAll, w, kResolveWarps - 1);
+  total.hits_invalid = __reduce_add_sync(kAll, t.hits_invalid);
+  total.admit_fetch = __reduce_add_sync(kAll, t.admit_fetch);
+  const unsigned long long below = __shfl_sync(kAll, w, warp > 0 ? warp - 1 : 0);  // uniform
+  // The exclusive warp prefix is the inclusive prefix of the previous lane.
+  const unsigned long long prev = __shfl_up_sync(kAll, inc, 1);
+  return (warp > 0 ? below : 0ull) + (lane > 0 ? prev : 0ull);
 }
 
 // This thread's contiguous share [lo, hi) of n items, whole chunks of V items (only the last
@@ -309,7 +294,7 @@ struct UnitRules {
 
   __device__ explicit UnitRules(const RowRange& r)
       : live(static_cast<int32_t>(r.first_live_unit > 0 ? r.first_live_unit : 0)),
-        settled(static_cast<int32_t>(r.history / r.tokens_per_unit)),
+        settled(static_cast<int32_t>(floor_div(r.history, r.tokens_per_unit))),  // h >= 0
         first_inflight(static_cast<int32_t>(r.first_inflight)),
         n_inflight(static_cast<uint32_t>(r.end_inflight - r.first_inflight)) {}
 
@@ -431,7 +416,7 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 // bandwidth; benchmarks/NOTES.md has the phase profile (TORCH_KVCM2_PROFILE=1 builds print it).
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   __shared__ Tally s_tally[kResolveWarps];                 // scan 1 warp totals
-  __shared__ unsigned long long s_classes[kResolveWarps];  // scan 2 warp totals
+  __shared__ Tally s_classes[kResolveWarps];               // scan 2 warp totals
   __shared__ int32_t s_miss_base;
   extern __shared__ __align__(16) unsigned char smem[];
 
@@ -638,9 +623,8 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       } else {
         k[i] = rules.inflight(u) ? 2 : 3;
       }
-      mine.invalid += k[i] == 1;
-      mine.hits += k[i] == 2;
-      mine.miss += k[i] == 3;
+      mine.hits_invalid += k[i] == 2 ? 1u : k[i] == 1 ? 1u << 16 : 0u;
+      mine.rank += static_cast<unsigned long long>(k[i] == 3) << kMissLane;
     }
     store_chunk(ckind, b, hi, k);
   }
@@ -652,7 +636,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       vk[sl] = 0;
       cls[sl] = kPinned;
     } else {
-      mine.admit += 1;
+      mine.rank += 1ull << kAdmitLane;
       mine.admit_fetch += range.needs_fetch_on_admit(a + i);
     }
   }
@@ -661,14 +645,15 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 
   // Part 2, victims in recency order: 1 empty slots, 2 evictable ones (neither hit nor pinned).
   blocked_range<8>(S, lo, hi);
-  mine.victim = gather_by_recency<uint32_t>(rec, vk, vkind, lo, hi, [](int k) {
-    return k == 1 ? 1u : k == 2 ? (1u << 16) : 0u;
+  mine.rank += gather_by_recency<unsigned long long>(rec, vk, vkind, lo, hi, [](int k) {
+    return k == 1 ? 1ull << kEmptyLane : k == 2 ? 1ull << kEvictLane : 0ull;
   });
   Tally total;
-  const Tally before = block_exclusive_sum(mine, total, s_tally);
-  const int nM = static_cast<int>(total.miss), nA = static_cast<int>(total.admit);
-  const int n1 = static_cast<int>(total.victim & 0xffffu);
-  const int nV = n1 + static_cast<int>(total.victim >> 16);
+  const unsigned long long before = block_scan(mine, total, s_tally);
+  const int nM = static_cast<int>(lane16(total.rank, kMissLane));
+  const int nA = static_cast<int>(lane16(total.rank, kAdmitLane));
+  const int n1 = static_cast<int>(lane16(total.rank, kEmptyLane));
+  const int nV = n1 + static_cast<int>(lane16(total.rank, kEvictLane));
   const int placed = min(nA + nM, nV);
   const int pA = min(nA, nV);  // placed admissions
   const int pM = placed - pA;  // placed misses
@@ -676,7 +661,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   // admissions, so the placed ones are the first fA.
   const int fA = min(static_cast<int>(total.admit_fetch), pA);
   {
-    uint32_t m = before.miss;
+    uint32_t m = lane16(before, kMissLane);
     blocked_range<4>(K, lo, hi);
 #pragma unroll 1
     for (int b = lo; b < hi; b += 4) {
@@ -688,7 +673,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       for (int i = 0; i < 4; ++i)
         if (k[i] == 3) miss_entry[m++] = e[i];
     }
-    uint32_t ad = before.admit;
+    uint32_t ad = lane16(before, kAdmitLane);
     blocked_range<1>(nF, lo, hi);
 #pragma unroll 1
     for (int i = lo; i < hi; ++i)
@@ -698,7 +683,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // both of its ranks are past them.
     const uint32_t taken = static_cast<uint32_t>(placed);
     const uint32_t empties = min(static_cast<uint32_t>(n1), taken);
-    uint32_t v1 = before.victim & 0xffffu, v2 = n1 + (before.victim >> 16);
+    uint32_t v1 = lane16(before, kEmptyLane), v2 = n1 + lane16(before, kEvictLane);
     blocked_range<8>(S, lo, hi);
 #pragma unroll 1
     for (int b = lo; b < hi && (v1 < empties || v2 < taken); b += 8) {
@@ -722,8 +707,8 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   unsigned long long reserved = 0;
   if (tid == 0) {
     reserved = reserve(p, n_fetch);  // consumed at the end, to hide the atomic's latency
-    const unsigned long long hits = total.hits, misses = pM;
-    const unsigned long long invalid = total.invalid + static_cast<unsigned>(nA - pA) +
+    const unsigned long long hits = total.hits_invalid & 0xffffu, misses = pM;
+    const unsigned long long invalid = (total.hits_invalid >> 16) + static_cast<unsigned>(nA - pA) +
                                        static_cast<unsigned>(nM - pM);
     if (hits) atomicAdd(p.counters + kHits, hits);
     if (misses) atomicAdd(p.counters + kMisses, misses);
@@ -794,11 +779,12 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     blocked_range<8>(S, lo, hi);
     const unsigned long long mine_c = gather_by_recency<unsigned long long>(
         rec, cls, vkind, lo, hi, [](int c) { return 1ull << (16 * c); });
-    unsigned long long total_c;
-    const unsigned long long before_c = block_exclusive_sum(mine_c, total_c, s_classes);
+    Tally total_c;
+    const unsigned long long before_c = block_scan(Tally{mine_c, 0, 0}, total_c, s_classes);
     // Lane c of `next` = start of class c (the counts of the classes below it) + this thread's
     // rank within the class.
-    const unsigned long long starts = (total_c << 16) + (total_c << 32) + (total_c << 48);
+    const unsigned long long starts =
+        (total_c.rank << 16) + (total_c.rank << 32) + (total_c.rank << 48);
     unsigned long long next = before_c + starts;
 #pragma unroll 1
     for (int b = lo; b < hi; b += 8) {
@@ -1047,8 +1033,9 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   }
   const int64_t MI = max_inflight_units(max_inflight_tokens, tokens_per_unit);
   TORCH_CHECK(rows * (K + MI) <= INT32_MAX, "resolve: too many miss-list entries for int32");
-  TORCH_CHECK(K <= (int64_t{1} << 28), "resolve: at most 2^28 selected columns, got ", K);
-  TORCH_CHECK(MI <= (int64_t{1} << 28), "resolve: max_inflight_tokens / tokens_per_unit too large");
+  // Scan counts are 16-bit lanes (Tally); shared memory bounds both far lower anyway.
+  TORCH_CHECK(K <= 65535, "resolve: at most 65535 selected columns per row, got ", K);
+  TORCH_CHECK(MI <= 65535, "resolve: max_inflight_tokens / tokens_per_unit too large");
   // Hash of >= 4K entries (load <= 1/4: measured 3.4 us faster than 1/2 at K=2048, S=4096) when
   // shared memory allows, else >= 2K (load <= 1/2).
   int bits = std::max(1, ceil_log2(4 * K));
