@@ -409,11 +409,12 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 #endif
 
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
-// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): ~13 us per
-// graph-replayed launch (23.5K cycles per CTA in the last profile). Nsight Compute: 42K warp
-// instructions per CTA issued at 1.7 per cycle, the 16 warps mostly waiting on the previous
+// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): ~12.8 us per
+// graph-replayed launch (~24K cycles per CTA in the last profile). Nsight Compute: 42K warp
+// instructions per CTA, each warp issuing one every 9-11 cycles, mostly waiting on the previous
 // instruction's result (integer and shared-memory dependency chains), not on shared-memory
-// bandwidth; benchmarks/NOTES.md has the phase profile (TORCH_KVCM2_PROFILE=1 builds print it).
+// bandwidth: the time follows the instructions per warp. benchmarks/NOTES.md has the phase
+// profile (TORCH_KVCM2_PROFILE=1 builds print it) and what was tried.
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   __shared__ Tally s_tally[kResolveWarps];                 // scan 1 warp totals
   __shared__ Tally s_classes[kResolveWarps];               // scan 2 warp totals
