@@ -26,8 +26,10 @@ VARIANTS = [
     {"KVCM2_FETCH_BLOCKS_PER_SM": "4"},
     {"KVCM2_FETCH_BLOCKS_PER_SM": "2"},
 ]
-# (id, missed units, tokens per unit): rows of 656 B, pages of 64 x 656 B
-SHAPES = [("ROW", 2048, 1), ("ROW", 8192, 1), ("PAGE", 256, 64), ("PAGE", 1024, 64)]
+# (id, missed units, tokens per unit) on pages of 64 x 656 B: rows of 656 B, units of 5 KB (8
+# tokens) and 21 KB (32 tokens), whole pages of 42 KB
+SHAPES = [("ROW", 2048, 1), ("ROW", 8192, 1), ("UNIT8", 1024, 8), ("UNIT32", 256, 32),
+          ("PAGE", 256, 64), ("PAGE", 1024, 64)]
 
 
 def child() -> None:
@@ -49,13 +51,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the sweep to this file")
+    parser.add_argument("--variants", help="comma-separated indices into VARIANTS (default: all)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the variants this many times, interleaved (a noisy machine)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child()
         return 0
+    chosen = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
     rows, failed = [], []
-    for variant in VARIANTS:
+    for variant in chosen * args.rounds:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVCM2_FETCH_")} | variant
         label = " ".join(f"{k[12:]}={v}" for k, v in variant.items()) or "defaults"
         try:

@@ -7,7 +7,8 @@
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
 #   EXAMPLES=0 skips only the examples.
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only).
-#   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs).
+#   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs; SWEEP_ARGS are its
+#   arguments).
 #   PDL_AB=1 adds P-RES, P-INDEX and P-STEP with KVCM2_PDL=0 (launches without PDL), then with
 #   PDL again, for an A/B.
 #   AB_THREADS=1024 rebuilds the resolve kernel with that many threads per CTA, runs the residency
@@ -52,7 +53,7 @@ if [ "${BENCH:-1}" = 1 ]; then
     ${BENCH_ONLY:+--only "$BENCH_ONLY"} 2>&1 | tee "$OUT/bench.txt"
 fi
 if [ "${SWEEP:-0}" = 1 ]; then
-  python3 benchmarks/fetch_sweep.py --json "$OUT/fetch_sweep.json" 2>&1 | tee "$OUT/fetch_sweep.txt"
+  python3 benchmarks/fetch_sweep.py --json "$OUT/fetch_sweep.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fetch_sweep.txt"
 fi
 if [ "${PDL_AB:-0}" = 1 ]; then
   # without PDL, then with it again in a fresh process (processes differ by about +-0.4 us)

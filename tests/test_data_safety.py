@@ -22,8 +22,9 @@ P = 4
 MAX_ROWS = 4
 
 
-def make_config(device, max_total_input_tokens=None):
-    # group "a": two layers, 2-token units, mixed chunking; group of layer "b": 1-token units
+def make_config(device, max_total_input_tokens=None, wide=False):
+    # group "a": two layers, 2-token units, mixed chunking; group of layer "b": 1-token units (of
+    # 4 KiB when wide: page-sized pieces, 16-byte vectors on CUDA, from pinned host memory)
     a = kv.SparseSpec(tokens_per_unit=2, width=4, slots=8, max_inflight_tokens=3, selection_id="a")
     b = kv.SparseSpec(tokens_per_unit=1, width=3, slots=8, max_inflight_tokens=2)
     layers = [
@@ -32,11 +33,13 @@ def make_config(device, max_total_input_tokens=None):
         kv.LayerSpec("a1", [kv.BufferSpec("kv", 6, sparse=True, chunks=2),
                             kv.BufferSpec("rope", 4, sparse=True),
                             kv.BufferSpec("none", 0, sparse=True)], sparse=a),
-        kv.LayerSpec("b", [kv.BufferSpec("kv", 6, sparse=True, chunks=1)], sparse=b),
+        kv.LayerSpec("b", [kv.BufferSpec("kv", 4096 if wide else 6, sparse=True, chunks=1)],
+                     sparse=b),
         kv.LayerSpec("dense", [kv.BufferSpec("k", 8)]),
     ]
     return kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=MAX_ROWS, max_tokens_per_row=96,
-                          gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device,
+                          gpu_budget_bytes=1 << 20, host_budget_bytes=(8 if wide else 1) << 20,
+                          device=device,
                           max_total_input_tokens=max_total_input_tokens)
 
 
@@ -49,10 +52,10 @@ def token_bytes(key: int, positions: torch.Tensor, nbytes: int) -> torch.Tensor:
 class Model:
     """Drives a batch the way a serving engine would and checks every byte it can see."""
 
-    def __init__(self, device, seed, max_total_input_tokens=None):
+    def __init__(self, device, seed, max_total_input_tokens=None, wide=False):
         self.device = device
         self.rng = random.Random(seed)
-        self.config = make_config(device, max_total_input_tokens)
+        self.config = make_config(device, max_total_input_tokens, wide)
         self.manager = kv.KVCacheManager(self.config)
         self.batch = kv.Batch(self.manager)
         self.buffers = []  # (layer, role, key, group index, bytes_per_token)
@@ -235,10 +238,11 @@ class Model:
                 self.check_host(cache)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_runs_lose_no_kv_and_keep_every_invariant(device, seed):
-    """SAFE-1..4, RES-1..4, OP-RESOLVE against the reference, OP-FETCH/OP-WRITE/OP-FLUSH bytes."""
-    model = Model(device, seed)
+@pytest.mark.parametrize("seed,wide", [(0, False), (1, False), (2, True)])
+def test_random_runs_lose_no_kv_and_keep_every_invariant(device, seed, wide):
+    """SAFE-1..4, RES-1..4, OP-RESOLVE against the reference, OP-FETCH/OP-WRITE/OP-FLUSH bytes;
+    `wide` gives layer b 4-KiB units."""
+    model = Model(device, seed, wide=wide)
     for number in range(STEPS):
         model.step(number)
     for cache in model.caches:

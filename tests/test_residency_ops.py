@@ -652,6 +652,8 @@ def test_op_fetch_two_layers_share_a_miss_list(device):
     (4, 8, 2, 8, 3, 2),   # E = 4
     (2, 4, 4, 6, 1, 0),   # E = 1: one unit per cell
     (2, 16, 1, 4, 2, 0),  # U = 1, E = 16
+    (1, 16, 8, 512, 1, 0),     # 4-KiB pieces
+    (2, 8, 4, 4160, 2, 1),     # 8320-B pieces, head-major, strided host view
 ])
 def test_op_fetch_chunked_layouts(device, chunks, P, U, bpt, scale, pos):
     """OP-FETCH / CFG-2: a unit is `chunks` pieces of U·B/chunks bytes, P·B/chunks apart; fetch
@@ -699,13 +701,14 @@ def test_op_fetch_zero_size_buffer_skipped(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_op_fetch_bad_device_data_skipped(device):
+@pytest.mark.parametrize("bpt", [6, 4096])  # 6-B and 4-KiB pieces (CUDA: 2-B and 16-B vectors)
+def test_op_fetch_bad_device_data_skipped(device, bpt):
     """OP-FETCH / SAFE-3: miss entries with a BAD host page, a host slot past the pool, a row or
     unit past the page table, an entry past the cells, negative fields, or a miss_count beyond
     the list (or negative) never crash and never write out of bounds; good entries still copy."""
     gen = torch.Generator().manual_seed(3)
     S, P, U = 8, 4, 2
-    layer = Layer(device, gen=gen, num_leases=2, S=S, P=P, U=U, chunks=2, bpt=6, host_slots=5,
+    layer = Layer(device, gen=gen, num_leases=2, S=S, P=P, U=U, chunks=2, bpt=bpt, host_slots=5,
                   rows=2, max_pages=4)
     layer.page_table[0, 1] = BAD
     layer.page_table[1, 0] = 5  # == host_slots: out of range
@@ -742,11 +745,12 @@ def test_op_fetch_bad_device_data_skipped(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_op_fetch_slot_beyond_lease_never_out_of_bounds(device):
+@pytest.mark.parametrize("bpt", [4, 2048])  # 8-B and 4-KiB pieces
+def test_op_fetch_slot_beyond_lease_never_out_of_bounds(device, bpt):
     """OP-FETCH / SAFE-3: an entry whose slot is >= S (bad data) must not write outside the
     cell tensor; whether it aliases another lease's entry is left open (only bounds checked)."""
     gen = torch.Generator().manual_seed(4)
-    layer = Layer(device, gen=gen, num_leases=2, S=8, P=4, U=2, chunks=1, bpt=4, host_slots=4,
+    layer = Layer(device, gen=gen, num_leases=2, S=8, P=4, U=2, chunks=1, bpt=bpt, host_slots=4,
                   rows=1, max_pages=4)
     miss_list = t32([[0, 9, 0, 0], [1, 8, 0, 1], [0, 100, 0, 2]], device)
     run_fetch([layer], miss_list, t32([3, 0, 0, 0], device), 8, 2)
