@@ -6,7 +6,10 @@ copy-engine ceiling measured in the same process.
     python benchmarks/fetch_sweep.py [--json out.json]
 
 Knobs (see DeviceInfo in torch_kvcm2/csrc/cuda/residency.cu): KVCM2_FETCH_ILP (loads in flight
-per thread: 1, 2, 4, 8) and KVCM2_FETCH_BLOCKS_PER_SM (grid size; default: every CTA that fits).
+per thread: 1, 2, 4, 8), KVCM2_FETCH_BLOCKS_PER_SM (grid size; default: every CTA that fits) and
+KVCM2_FETCH_TMA (0: vector loads for every piece; 1: bulk copies through shared memory for every
+16-byte aligned launch; default: bulk copies for pieces of >= 32 KiB), KVCM2_FETCH_TMA_STAGE
+(bytes per bulk-copy stage, default 8192).
 A variant that fails (or fails its byte check) is reported as failed; the others still run.
 """
 from __future__ import annotations
@@ -19,17 +22,22 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = [
-    {},  # the defaults (ILP 2, every CTA that fits)
+    {},  # the defaults (ILP 2, every CTA that fits, bulk copies for pieces of >= 32 KiB)
     {"KVCM2_FETCH_ILP": "1"},
     {"KVCM2_FETCH_ILP": "4"},
     {"KVCM2_FETCH_ILP": "8"},
     {"KVCM2_FETCH_BLOCKS_PER_SM": "4"},
     {"KVCM2_FETCH_BLOCKS_PER_SM": "2"},
+    {"KVCM2_FETCH_TMA": "0"},  # vector loads for every piece
+    {"KVCM2_FETCH_TMA": "1"},  # bulk copies for every 16-byte aligned launch
 ]
-# (id, missed units, tokens per unit) on pages of 64 x 656 B: rows of 656 B, units of 5 KB (8
-# tokens) and 21 KB (32 tokens), whole pages of 42 KB
-SHAPES = [("ROW", 2048, 1), ("ROW", 8192, 1), ("UNIT8", 1024, 8), ("UNIT32", 256, 32),
-          ("PAGE", 256, 64), ("PAGE", 1024, 64)]
+# (id, missed units, tokens per unit, bytes per token) on pages of 64 tokens: rows of 656 B (the
+# FP8 MLA row: 16-byte aligned, so 7 rows in 8 start inside a 128-byte line and touch 6 or 7
+# lines), of 640 B (5 whole lines) and of 768 B (6 whole lines), units of 5 KB (8 rows of 656 B)
+# and 21 KB (32), whole pages of 42 KB
+SHAPES = [("ROW", 2048, 1, 656), ("ROW", 8192, 1, 656), ("ROW640", 8192, 1, 640),
+          ("ROW768", 8192, 1, 768), ("UNIT8", 1024, 8, 656), ("UNIT32", 256, 32, 656),
+          ("PAGE", 256, 64, 656), ("PAGE", 1024, 64, 656)]
 
 
 def child() -> None:
@@ -39,9 +47,9 @@ def child() -> None:
     timer = run.Timer("cuda", 20)
     ceil = run.ceilings(timer, "cuda", quick=False)
     out = []
-    for name, units, unit_tokens in SHAPES:
+    for name, units, unit_tokens, row_bytes in SHAPES:
         r = run.bench_fetch(timer, "cuda", False, units=units, unit_tokens=unit_tokens, page=64,
-                            rid=f"P-FETCH-{name}", target_pct=0, ceil=ceil)
+                            rid=f"P-FETCH-{name}", target_pct=0, ceil=ceil, row_bytes=row_bytes)
         out.append({"shape": f"{name} {units}", "us": r.median_us, "gbs": r.gbs, "pct": r.pct})
         run.release("cuda")
     print(json.dumps({"h2d": ceil["h2d"], "results": out}))

@@ -333,15 +333,15 @@ def bench_resolve(timer, device, quick) -> Result:
                   passed=None if device == "cpu" else us <= 8.0)
 
 
-def fetch_setup(device, quick, *, units, unit_tokens, page):
+def fetch_setup(device, quick, *, units, unit_tokens, page, row_bytes=MLA_ROW):
     rows = 64 if not quick else 4
     per_row = units // rows
     K = max(per_row, 8)
     S = ((K + 16 + 2 + page // unit_tokens - 1) // (page // unit_tokens)) * (page // unit_tokens)
     history = max(16 * K * unit_tokens, 4 * page)
     config = sparse_config(device, rows=rows, width=K, slots=S, unit=unit_tokens, page=page,
-                           bytes_per_token=MLA_ROW, tokens_per_row=history + 2 * page,
-                           host_bytes=rows * (history + 4 * page) * MLA_ROW + (16 << 20))
+                           bytes_per_token=row_bytes, tokens_per_row=history + 2 * page,
+                           host_bytes=rows * (history + 4 * page) * row_bytes + (16 << 20))
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     seat(manager, batch, rows, history)
@@ -356,8 +356,12 @@ def fetch_setup(device, quick, *, units, unit_tokens, page):
     return manager, batch, state, selected
 
 
-def bench_fetch(timer, device, quick, *, units, unit_tokens, page, rid, target_pct, ceil) -> Result:
-    manager, batch, state, selected = fetch_setup(device, quick, units=units, unit_tokens=unit_tokens, page=page)
+def bench_fetch(timer, device, quick, *, units, unit_tokens, page, rid, target_pct, ceil,
+                row_bytes=MLA_ROW) -> Result:
+    """P-FETCH-ROW / P-FETCH-PAGE: a fetch of ``units`` missed units of ``unit_tokens`` tokens of
+    ``row_bytes`` each (fetch_sweep.py varies the row size)."""
+    manager, batch, state, selected = fetch_setup(device, quick, units=units, unit_tokens=unit_tokens,
+                                                  page=page, row_bytes=row_bytes)
     calls = 2 if quick else 10
     us = timer.graph(lambda: batch.fetch("l0"), calls)
     # check every fetched unit's bytes against its host page
@@ -372,8 +376,8 @@ def bench_fetch(timer, device, quick, *, units, unit_tokens, page, rid, target_p
     src = host.view(host.shape[0], page // U, U, -1)[slot, (misses[:, 3] % E)]
     dst = cells.view(cells.shape[0], page // U, U, -1)[entry // E, entry % E]
     assert torch.equal(src, dst), "fetch copied wrong bytes"
-    nbytes = len(misses) * U * MLA_ROW
-    return Result(rid, f"{len(misses)} units x {U * MLA_ROW} B", us, nbytes, "CE H2D", ceil["h2d"],
+    nbytes = len(misses) * U * row_bytes
+    return Result(rid, f"{len(misses)} units x {U * row_bytes} B", us, nbytes, "CE H2D", ceil["h2d"],
                   f">= {target_pct}% of CE H2D")
 
 

@@ -654,6 +654,8 @@ def test_op_fetch_two_layers_share_a_miss_list(device):
     (2, 16, 1, 4, 2, 0),  # U = 1, E = 16
     (1, 16, 8, 512, 1, 0),     # 4-KiB pieces
     (2, 8, 4, 4160, 2, 1),     # 8320-B pieces, head-major, strided host view
+    (1, 16, 16, 2048, 1, 0),   # 32-KiB pieces: bulk copies on CUDA, 4 stages each
+    (2, 8, 8, 8320, 2, 1),     # 33280-B pieces: 5 stages, the last 512 B; strided host view
 ])
 def test_op_fetch_chunked_layouts(device, chunks, P, U, bpt, scale, pos):
     """OP-FETCH / CFG-2: a unit is `chunks` pieces of U·B/chunks bytes, P·B/chunks apart; fetch
@@ -701,7 +703,8 @@ def test_op_fetch_zero_size_buffer_skipped(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-@pytest.mark.parametrize("bpt", [6, 4096])  # 6-B and 4-KiB pieces (CUDA: 2-B and 16-B vectors)
+# 6-B, 4-KiB and 32-KiB pieces (CUDA: 2-B vectors, 16-B vectors, bulk copies)
+@pytest.mark.parametrize("bpt", [6, 4096, 32768])
 def test_op_fetch_bad_device_data_skipped(device, bpt):
     """OP-FETCH / SAFE-3: miss entries with a BAD host page, a host slot past the pool, a row or
     unit past the page table, an entry past the cells, negative fields, or a miss_count beyond
@@ -745,7 +748,7 @@ def test_op_fetch_bad_device_data_skipped(device, bpt):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-@pytest.mark.parametrize("bpt", [4, 2048])  # 8-B and 4-KiB pieces
+@pytest.mark.parametrize("bpt", [4, 2048, 16384])  # 8-B, 4-KiB and 32-KiB pieces
 def test_op_fetch_slot_beyond_lease_never_out_of_bounds(device, bpt):
     """OP-FETCH / SAFE-3: an entry whose slot is >= S (bad data) must not write outside the
     cell tensor; whether it aliases another lease's entry is left open (only bounds checked)."""

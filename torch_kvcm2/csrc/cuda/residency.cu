@@ -27,7 +27,8 @@
 // store_chunk), so the sequential shared arrays are read without bank conflicts.
 //
 // fetch: a fixed grid sweeps (miss, buffer, chunk, vector) work items, several vector loads in
-// flight per thread before any store, loads through the device-mapped view of pinned host memory.
+// flight per thread before any store, loads through the device-mapped view of pinned host memory;
+// pieces of >= 32 KiB go by bulk copies (TMA) through shared memory instead (fetch_tma_kernel).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -60,12 +61,19 @@ struct DeviceInfo {
   int resolve_smem_set = 0;     // dynamic shared memory limit already raised for resolve_kernel
   int fetch_blocks_per_sm = 0;  // fetch CTAs per SM of the fixed grid (default: all that fit)
   int fetch_ilp = 2;            // vector loads in flight per fetch thread
+  // Bulk-copy fetches (fetch_tma_kernel) for launches whose every piece has at least
+  // fetch_tma_min_piece bytes (INT64_MAX: never), through stages of up to fetch_tma_stage bytes.
+  int64_t fetch_tma_min_piece = INT64_MAX;
+  int fetch_tma_stage = 8192;
 };
 
 // Development knobs for benchmarks/fetch_sweep.py, read once per process: KVCM2_FETCH_ILP (1, 2,
-// 4 or 8 loads in flight per thread) and KVCM2_FETCH_BLOCKS_PER_SM (fetch grid size). Unset, the
-// measured defaults apply: ILP 2 and every CTA that fits (benchmarks/NOTES.md, 2026-11-30 sweep:
-// ILP 2 was at or above ILP 4 on every shape, 656-B rows and 42-KB pages, 2K-8K units).
+// 4 or 8 loads in flight per thread), KVCM2_FETCH_BLOCKS_PER_SM (fetch grid size), KVCM2_FETCH_TMA
+// (0: vector loads only; 1: bulk copies for every 16-byte aligned launch) and
+// KVCM2_FETCH_TMA_STAGE (bytes per bulk-copy stage). Unset, the measured defaults apply: ILP 2,
+// every CTA that fits, bulk copies of 8-KB stages for pieces of >= 32 KiB (benchmarks/NOTES.md:
+// ILP 2 was at or above ILP 4 on every shape; bulk copies gained 3-4% on 42-KB pages and lost
+// on 656-B rows (-40%), 5-KB units (1.6-1.9x slower) and 21-KB units).
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? std::atoi(v) : fallback;
@@ -860,6 +868,13 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 // fetch
 
 constexpr int kFetchThreads = 256;
+// fetch_tma_kernel: used for pieces of >= kTmaMinPiece bytes, stages of up to kTmaStage bytes
+// (measured on an H200, benchmarks/NOTES.md), one CTA per SM with up to kTmaSmemBudget bytes of
+// stages and kTmaMaxThreads threads.
+constexpr int64_t kTmaMinPiece = 32768;
+constexpr int kTmaStage = 8192;
+constexpr int kTmaSmemBudget = 200 * 1024;
+constexpr int kTmaMaxThreads = 256;
 constexpr int kMaxFetchBuffers = 8;  // buffers per launch; more are split over several launches
 
 struct FetchBuffer {
@@ -870,20 +885,21 @@ struct FetchBuffer {
   int64_t table_rows, table_pages, host_slots, host_stride;
   int64_t page_bytes, chunk_bytes, piece;  // piece = U * B/chunks: one unit in one chunk
   int32_t E;             // units per page
-  int32_t vec;           // bytes per vector: 16, 8, 4, 2 or 1
-  int32_t vpp;           // vectors per piece
-  int32_t begin;         // first vector of this buffer within one miss's vectors
+  int32_t vec;           // bytes per part: a vector (16, 8, 4, 2 or 1), or a stage (TMA)
+  int32_t vpp;           // parts per piece (the last stage of a piece may be shorter)
+  int32_t begin;         // first part of this buffer within one miss's parts
 };
 
 struct FetchParams {
   FetchBuffer buf[kMaxFetchBuffers];
   int32_t nb;
-  int32_t per_miss;  // vectors per miss over all buffers of this launch
+  int32_t per_miss;  // parts per miss over all buffers of this launch
   const int32_t* miss_list;
   const int32_t* miss_count;
   int64_t list_rows;
   bool list_aligned;  // miss_list rows are 16-byte aligned: one int4 load per entry
   int64_t slots;
+  int32_t stage_bytes;  // fetch_tma_kernel: bytes per shared-memory stage
 };
 
 __device__ __forceinline__ uint4 load_vec(const uint8_t* src, int vec) {
@@ -912,10 +928,58 @@ __device__ __forceinline__ void store_vec(uint8_t* dst, const uint4& v, int vec)
   }
 }
 
-// Work item v = (miss m, buffer b, chunk k, vector o), m-major so that consecutive threads copy
-// consecutive vectors of one piece. A thread handles ILP items per round in stages (miss
-// entries, then page-table entries, then host loads, then stores), so the dependent loads of its
-// items overlap instead of forming ILP chains.
+// Work item v = (miss m, buffer b, w = chunk * vpp + part), m-major so that consecutive items are
+// consecutive parts of one piece. A part is one vector (fetch_kernel) or one stage of a
+// shared-memory staged copy (fetch_tma_kernel).
+__device__ __forceinline__ void split_item(const FetchParams& p, int64_t v, int64_t& m, int& b,
+                                           int& w) {
+  m = v / p.per_miss;
+  int ww = static_cast<int>(v - m * p.per_miss);
+  int bb = 0;
+  while (bb + 1 < p.nb && ww >= p.buf[bb + 1].begin) ++bb;
+  b = bb;
+  w = ww - p.buf[bb].begin;
+}
+
+__device__ __forceinline__ int4 load_entry(const FetchParams& p, int64_t m) {
+  const int32_t* const entry = p.miss_list + m * kMissFields;
+  return p.list_aligned ? __ldg(reinterpret_cast<const int4*>(entry))
+                        : make_int4(__ldg(entry), __ldg(entry + 1), __ldg(entry + 2),
+                                    __ldg(entry + 3));
+}
+
+// The host page slot of miss entry e = (lease, slot, row, unit) in buffer B, or -1: bad device
+// data is skipped exactly like the CPU, never written out of bounds.
+__device__ __forceinline__ int64_t host_slot_of(const FetchParams& p, const FetchBuffer& B,
+                                                const int4& e) {
+  const int32_t lease = e.x, slot = e.y, row = e.z, unit = e.w;
+  const int64_t entry = static_cast<int64_t>(lease) * p.slots + slot;
+  if (lease < 0 || slot < 0 || slot >= p.slots || entry >= B.num_entries || row < 0 ||
+      row >= B.table_rows || unit < 0 || unit / B.E >= B.table_pages)
+    return -1;
+  const int64_t h = B.table[row * B.table_pages + unit / B.E];
+  return h < B.host_slots ? h : -1;
+}
+
+// Part w of entry e's piece in chunk w / vpp: where it is read from (host page host_slot) and
+// written to (its cell); `inner` is its offset within the page.
+__device__ __forceinline__ int64_t part_offset(const FetchBuffer& B, int w) {
+  const int k = w / B.vpp;  // chunk
+  return k * B.chunk_bytes + static_cast<int64_t>(w - k * B.vpp) * B.vec;
+}
+__device__ __forceinline__ const uint8_t* part_src(const FetchBuffer& B, const int4& e,
+                                                   int64_t host_slot, int64_t inner) {
+  return B.host + host_slot * B.host_stride + (e.w % B.E) * B.piece + inner;
+}
+__device__ __forceinline__ uint8_t* part_dst(const FetchParams& p, const FetchBuffer& B,
+                                             const int4& e, int64_t inner) {
+  const int64_t entry = static_cast<int64_t>(e.x) * p.slots + e.y;
+  return B.cells + (entry / B.E) * B.page_bytes + (entry % B.E) * B.piece + inner;
+}
+
+// One vector per work item. A thread handles ILP items per round in stages (miss entries, then
+// page-table entries, then host loads, then stores), so the dependent loads of its items overlap
+// instead of forming ILP chains.
 template <int ILP>
 __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_constant__ FetchParams p) {
   pdl_enter();
@@ -934,32 +998,16 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
     for (int i = 0; i < ILP; ++i) {
       int64_t v = base + i * stride;
       if (v >= bound) v = base;  // a readable item; its copy is dropped in stage 2
-      const int64_t m = v / p.per_miss;
-      int ww = static_cast<int>(v - m * p.per_miss);
-      int bb = 0;
-      while (bb + 1 < p.nb && ww >= p.buf[bb + 1].begin) ++bb;
-      b[i] = bb;
-      w[i] = ww - p.buf[bb].begin;
-      const int32_t* const entry = p.miss_list + m * kMissFields;
-      e[i] = p.list_aligned ? __ldg(reinterpret_cast<const int4*>(entry))
-                            : make_int4(__ldg(entry), __ldg(entry + 1), __ldg(entry + 2),
-                                        __ldg(entry + 3));
+      int64_t m;
+      split_item(p, v, m, b[i], w[i]);
+      e[i] = load_entry(p, m);
     }
     const int64_t total = min(max(static_cast<int64_t>(count), int64_t{0}), p.list_rows) * p.per_miss;
     if (base >= total) break;
     int64_t host_slot[ILP];
 #pragma unroll
-    for (int i = 0; i < ILP; ++i) {
-      const FetchBuffer& B = p.buf[b[i]];
-      const int32_t lease = e[i].x, slot = e[i].y, row = e[i].z, unit = e[i].w;
-      const int64_t entry = static_cast<int64_t>(lease) * p.slots + slot;
-      host_slot[i] = -1;
-      // Bad device data is skipped exactly like the CPU, never written out of bounds.
-      if (base + i * stride < total && lease >= 0 && slot >= 0 && slot < p.slots &&
-          entry < B.num_entries && row >= 0 && row < B.table_rows && unit >= 0 &&
-          unit / B.E < B.table_pages)
-        host_slot[i] = B.table[row * B.table_pages + unit / B.E];
-    }
+    for (int i = 0; i < ILP; ++i)
+      host_slot[i] = base + i * stride < total ? host_slot_of(p, p.buf[b[i]], e[i]) : -1;
     uint4 val[ILP];
     uint8_t* dst[ILP];
     int vec[ILP];
@@ -968,19 +1016,97 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
       const FetchBuffer& B = p.buf[b[i]];
       dst[i] = nullptr;
       vec[i] = B.vec;
-      if (host_slot[i] < 0 || host_slot[i] >= B.host_slots) continue;
-      const int32_t unit = e[i].w;
-      const int64_t entry = static_cast<int64_t>(e[i].x) * p.slots + e[i].y;
-      const int k = w[i] / B.vpp;  // chunk
-      const int64_t inner = k * B.chunk_bytes + static_cast<int64_t>(w[i] - k * B.vpp) * B.vec;
-      val[i] = load_vec(B.host + host_slot[i] * B.host_stride + (unit % B.E) * B.piece + inner,
-                        vec[i]);
-      dst[i] = B.cells + (entry / B.E) * B.page_bytes + (entry % B.E) * B.piece + inner;
+      if (host_slot[i] < 0) continue;
+      const int64_t inner = part_offset(B, w[i]);
+      val[i] = load_vec(part_src(B, e[i], host_slot[i], inner), vec[i]);
+      dst[i] = part_dst(p, B, e[i], inner);
     }
 #pragma unroll
     for (int i = 0; i < ILP; ++i)
       if (dst[i] != nullptr) store_vec(dst[i], val[i], vec[i]);
   }
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// Bulk asynchronous copies (TMA, compute capability >= 9.0) through shared memory: each work item
+// is one stage of up to B.vec bytes of a piece (16-byte aligned on both sides), loaded from the
+// device-mapped host page into shared memory (cp.async.bulk, completion on an mbarrier) and
+// stored from there to its cell (cp.async.bulk, bulk group). Each thread owns two stages: the
+// load of its next item is in flight while the current one is stored. Used for pieces of
+// >= kTmaMinPiece bytes only: on an H200 it moved 42-KB pages 3-4% faster than fetch_kernel, but
+// 656-B rows 40% slower and 5-KB units 1.6-1.9x slower (each bulk copy of a randomly placed unit
+// pays its own round trip; one SM's copies do not overlap like the loads of its 64 warps).
+__global__ void fetch_tma_kernel(const __grid_constant__ FetchParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int T = blockDim.x, tid = threadIdx.x, SB = p.stage_bytes;
+  const uint32_t bar0 = smem_u32(smem) + 16 * tid;  // two 8-byte mbarriers per thread
+  const uint32_t stage0 = smem_u32(smem) + 16 * T + 2 * SB * tid;
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  pdl_enter();
+  const int32_t count = *p.miss_count;
+  const int64_t total = min(max(static_cast<int64_t>(count), int64_t{0}), p.list_rows) * p.per_miss;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * T;
+  // Item v's source, destination and size (0: nothing to copy).
+  auto locate = [&](int64_t v, const uint8_t*& src, uint8_t*& dst) -> int {
+    if (v >= total) return 0;
+    int64_t m;
+    int b, w;
+    split_item(p, v, m, b, w);
+    const FetchBuffer& B = p.buf[b];
+    const int4 e = load_entry(p, m);
+    const int64_t host_slot = host_slot_of(p, B, e);
+    if (host_slot < 0) return 0;
+    const int64_t inner = part_offset(B, w);
+    src = part_src(B, e, host_slot, inner);
+    dst = part_dst(p, B, e, inner);
+    const int64_t left = B.piece - (inner - (w / B.vpp) * B.chunk_bytes);
+    return static_cast<int>(left < B.vec ? left : B.vec);
+  };
+  auto load = [&](int s, const uint8_t* src, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar0 + 8 * s),
+                 "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(stage0 + s * SB), "l"(src), "r"(bytes), "r"(bar0 + 8 * s) : "memory");
+  };
+  int64_t v = static_cast<int64_t>(blockIdx.x) * T + tid;
+  const uint8_t* src = nullptr;
+  uint8_t* dst = nullptr;
+  int bytes = locate(v, src, dst);
+  if (bytes > 0) load(0, src, bytes);
+  uint32_t parity = 0;  // bit s: the phase of stage s's barrier to wait for
+  for (int s = 0; v < total; v += stride, s ^= 1) {
+    const uint8_t* nsrc = nullptr;
+    uint8_t* ndst = nullptr;
+    const int nbytes = locate(v + stride, nsrc, ndst);
+    if (nbytes > 0) {
+      // stage s ^ 1 held the previous item: its store must have read it
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      load(s ^ 1, nsrc, nbytes);
+    }
+    if (bytes > 0) {
+      uint32_t done = 0;
+      do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done) : "r"(bar0 + 8 * s), "r"((parity >> s) & 1u) : "memory");
+      } while (!done);
+      parity ^= 1u << s;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                   ::"l"(dst), "r"(stage0 + s * SB), "r"(bytes) : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    src = nsrc, dst = ndst, bytes = nbytes;
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1004,6 +1130,17 @@ void init_device_info(DeviceInfo& info, int device) {
   blocks = std::max(1, blocks);
   info.fetch_blocks_per_sm =
       std::min(std::max(1, env_int("KVCM2_FETCH_BLOCKS_PER_SM", blocks)), blocks);
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  const int tma = env_int("KVCM2_FETCH_TMA", -1);
+  if (major >= 9 && tma != 0) {
+    info.fetch_tma_min_piece = tma == 1 ? 0 : kTmaMinPiece;
+    info.fetch_tma_stage =
+        std::min(std::max(env_int("KVCM2_FETCH_TMA_STAGE", kTmaStage), 16), 32768) / 16 * 16;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(fetch_tma_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        std::min(info.smem_optin, kTmaSmemBudget)));
+  }
 }
 
 int ceil_log2(int64_t n) {
@@ -1107,13 +1244,18 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   const c10::cuda::CUDAGuard guard(miss_list.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (miss_list.size(0) == 0) return;
-  unsigned grid;
-  int ilp;
+  unsigned grid, sms;
+  int ilp, tma_stage, smem_budget;
+  int64_t tma_min_piece;
   {
     const std::lock_guard<std::mutex> lock(g_info_mutex);
     const DeviceInfo& info = device_info(miss_list.get_device());
     grid = static_cast<unsigned>(info.sms * info.fetch_blocks_per_sm);
+    sms = static_cast<unsigned>(info.sms);
     ilp = info.fetch_ilp;
+    tma_stage = info.fetch_tma_stage;
+    tma_min_piece = info.fetch_tma_min_piece;
+    smem_budget = std::min(info.smem_optin, kTmaSmemBudget);
   }
   FetchParams p{};
   p.miss_list = miss_list.data_ptr<int32_t>();
@@ -1121,13 +1263,42 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   p.list_rows = miss_list.size(0);
   p.list_aligned = reinterpret_cast<uintptr_t>(p.miss_list) % 16 == 0;
   p.slots = slots;
+  // Bulk copies when every buffer of the launch is 16-byte aligned throughout and its pieces are
+  // large enough (its parts become stages: the widest piece, at most tma_stage bytes; one CTA
+  // per SM with as many threads as two stages each fit).
+  auto launch_tma = [&]() -> bool {
+    int64_t widest = 0;
+    for (int b = 0; b < p.nb; ++b) {
+      if (p.buf[b].vec != 16 || p.buf[b].piece < tma_min_piece) return false;
+      widest = std::max(widest, p.buf[b].piece);
+    }
+    const int64_t SB = std::min<int64_t>(tma_stage, widest);
+    int threads = static_cast<int>(std::min<int64_t>(kTmaMaxThreads, smem_budget / (2 * SB + 16)));
+    if (threads >= 32) threads = threads / 32 * 32;
+    int64_t per_miss = 0;
+    for (int b = 0; b < p.nb; ++b) {
+      FetchBuffer& B = p.buf[b];
+      const int64_t chunks = B.page_bytes / B.chunk_bytes;
+      B.vec = static_cast<int32_t>(SB);
+      B.vpp = static_cast<int32_t>((B.piece + SB - 1) / SB);
+      B.begin = static_cast<int32_t>(per_miss);
+      per_miss += chunks * B.vpp;
+    }
+    p.per_miss = static_cast<int32_t>(per_miss);  // < the 16-byte vector count, an int32
+    p.stage_bytes = static_cast<int32_t>(SB);
+    launch_kernel(fetch_tma_kernel, dim3(sms), dim3(threads),
+                  static_cast<size_t>(threads) * (2 * SB + 16), stream, p);
+    return true;
+  };
   auto launch = [&]() {
     if (p.nb == 0) return;
-    void (*kernel)(FetchParams) = ilp == 1   ? fetch_kernel<1>
-                                  : ilp == 4 ? fetch_kernel<4>
-                                  : ilp == 8 ? fetch_kernel<8>
-                                             : fetch_kernel<2>;
-    launch_kernel(kernel, dim3(grid), dim3(kFetchThreads), 0, stream, p);
+    if (!launch_tma()) {
+      void (*kernel)(FetchParams) = ilp == 1   ? fetch_kernel<1>
+                                    : ilp == 4 ? fetch_kernel<4>
+                                    : ilp == 8 ? fetch_kernel<8>
+                                               : fetch_kernel<2>;
+      launch_kernel(kernel, dim3(grid), dim3(kFetchThreads), 0, stream, p);
+    }
     p.nb = 0;
     p.per_miss = 0;
   };
