@@ -3,7 +3,7 @@ the fetch kernel's development knobs, each in its own process (the knobs are rea
 process), every result checked byte for byte by ``run.bench_fetch`` and reported against the
 copy-engine ceiling measured in the same process.
 
-    python benchmarks/fetch_sweep.py [--json out.json]
+    python benchmarks/fetch_sweep.py [--json out.json] [--variants 0,6] [--rounds 2]
 
 Knobs (see DeviceInfo in torch_kvcm2/csrc/cuda/residency.cu): KVCM2_FETCH_ILP (loads in flight
 per thread: 1, 2, 4, 8), KVCM2_FETCH_BLOCKS_PER_SM (grid size; default: every CTA that fits) and
