@@ -8,7 +8,9 @@
 //   hash      as soon as the selection has landed, while the lease's rows still arrive: a shared
 //             open-addressing hash of the selected ordinals (atomicCAS insert; atomicMin keeps
 //             each ordinal's first column), >= 4K entries when shared memory allows (short
-//             probes); then recency from registers;
+//             probes); or, for a row whose live unit range fits the hash's space and whose
+//             selected ordinals all lie in it, a direct table of one word per unit (first
+//             column << 16 | lowest slot): no hashing, no probes; then recency from registers;
 //   slots     step 0 and each slot's victim kind (empty or evictable); every resident slot probes
 //             the hash (atomicMin: lowest slot wins, like the CPU's slot_of.emplace) and the
 //             in-flight array (which in-flight units are resident);
@@ -108,14 +110,18 @@ constexpr int32_t kNoSlot = INT32_MAX;  // "no slot yet": the identity of atomic
 constexpr int32_t kEmptyKey = -1;       // hash keys are selected ordinals, all >= 0
 
 // Shared-memory layout of one resolve CTA; the host sizes the launch with the same function
-// (I = int64_t there, uint32_t on the device where every size is small).
+// (I = int64_t there, uint32_t on the device where every size is small). The table region comes
+// first: the hash (key, hslot, first) or, for a row whose live unit range fits, the direct unit
+// table (one word per unit over the whole region); it is dead after the index phase, so newrec
+// (uint16, written by scan 2) reuses it.
 template <typename I>
 struct ResolveLayout {
-  I key, hslot, res, infl, admit;  // int32 arrays
-  I rec, vlist;                    // uint16 arrays
-  I vk, cls, vkind, ckind;         // uint8 arrays
-  // Dead after the index phase, so newrec (uint16, written by scan 2) reuses their space.
-  I first, col_entry, miss_entry;  // int32 arrays
+  I key, hslot, first;  // int32 arrays of H entries (the hash)
+  I table_words;        // words in the table region: the longest unit range a direct table takes
+  I res, infl, admit;   // int32 arrays
+  I rec, vlist;         // uint16 arrays
+  I vk, cls, vkind, ckind;  // uint8 arrays
+  I col_entry, miss_entry;  // int32 arrays
   I newrec;
   I bytes;
 
@@ -129,6 +135,10 @@ struct ResolveLayout {
     };
     key = take(4 * H);
     hslot = take(4 * H);
+    first = take(4 * H);
+    if (at < 2 * S) at = (2 * S + 15) / 16 * 16;
+    table_words = at / 4;
+    newrec = 0;
     res = take(4 * S);
     infl = take(4 * MI);
     admit = take(4 * MI);
@@ -138,12 +148,8 @@ struct ResolveLayout {
     cls = take(S);
     vkind = take(S);
     ckind = take(K);
-    const I region = at;
-    first = take(4 * H);
     col_entry = take(4 * K);
     miss_entry = take(4 * K);
-    at = region + ((at - region) > 2 * S ? (at - region) : 2 * S);
-    newrec = region;
     bytes = at;
   }
 };
@@ -447,7 +453,10 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   uint8_t* const cls = smem + L.cls;
   uint8_t* const vkind = smem + L.vkind;
   uint8_t* const ckind = smem + L.ckind;
-  int32_t* const first = reinterpret_cast<int32_t*>(smem + L.first);
+  uint32_t* const first = reinterpret_cast<uint32_t*>(smem + L.first);  // UINT32_MAX: none
+  // The direct unit table (rows whose live unit range fits the table region): word u - base is
+  // first column << 16 | lowest resident slot, 0xffff in either half for none.
+  uint32_t* const word = reinterpret_cast<uint32_t*>(smem + L.key);
   int32_t* const col_entry = reinterpret_cast<int32_t*>(smem + L.col_entry);
   int32_t* const miss_entry = reinterpret_cast<int32_t*>(smem + L.miss_entry);
   uint16_t* const newrec = reinterpret_cast<uint16_t*>(smem + L.newrec);
@@ -455,8 +464,8 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   // ---- preamble: the shared-memory init that reads no global memory (16 bytes per store; every
   // array starts 16-byte aligned). Under PDL it overlaps the previous kernel of the stream; then
   // wait for that kernel and let the next one launch.
-  fill_words(key, H, kEmptyKey);
-  fill_words(first, H, INT32_MAX);
+  static_assert(kEmptyKey == -1, "one fill serves key, first and the direct table");
+  fill_words(key, static_cast<int>(L.table_words), -1);
   static_assert(kUntouched == 0, "cls starts zeroed");
   fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
   for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
@@ -508,14 +517,68 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   const int nF = static_cast<int>(n_inflight < p.MI ? n_inflight : p.MI);
 
   fill_words(infl, nF, kNoSlot);
+  // The direct unit table covers [base, end): every selectable unit, and the non-selectable gap
+  // between history and the in-flight range. A row takes it when the range fits the table region
+  // and every selected ordinal >= 0 lies in it; else (long live ranges, bad ordinals) the hash.
+  const int32_t unit0 = rules.live;
+  const int64_t end = rules.settled > range.end_inflight ? rules.settled : range.end_inflight;
+  bool outside = end - unit0 > static_cast<int64_t>(L.table_words);
   __pipeline_wait_prior(1);  // the selection (the first group) has landed
-  __syncthreads();
+  // This thread's own copies (copy_async's assignment) are visible to it now.
+  auto out_of_range = [&](int32_t u) { return u >= 0 && (u < unit0 || u >= end); };
+  if ((reinterpret_cast<uintptr_t>(sel_row) & 15) == 0) {
+#pragma unroll 1
+    for (int i = tid; i < K / 4; i += kResolveThreads) {
+      const int4 v = *reinterpret_cast<const int4*>(col_entry + 4 * i);
+      outside |= out_of_range(v.x) | out_of_range(v.y) | out_of_range(v.z) | out_of_range(v.w);
+    }
+#pragma unroll 1
+    for (int i = K / 4 * 4 + tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
+  } else {
+#pragma unroll 1
+    for (int i = tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
+  }
+  const bool direct = !__syncthreads_or(outside);
   KVCM2_PROF(1);
+  // Entry e of the table (complete after the slots phase): its first column (>= K: none), its
+  // unit and its slot (kNoSlot: none).
+  auto entry_of = [&](int32_t e, uint32_t& f, int32_t& u, int32_t& sl) {
+    if (direct) {
+      const uint32_t w = word[e];
+      f = w >> 16;
+      u = unit0 + e;
+      sl = (w & 0xffffu) == 0xffffu ? kNoSlot : static_cast<int32_t>(w & 0xffffu);
+    } else {
+      f = first[e];
+      u = key[e];
+      sl = hslot[e];
+    }
+  };
+  auto set_slot = [&](int32_t e, int32_t sl) {  // one thread per entry at a time
+    if (direct)
+      word[e] = (word[e] & 0xffff0000u) | (sl == kNoSlot ? 0xffffu : static_cast<uint32_t>(sl));
+    else
+      hslot[e] = sl;
+  };
+  auto find = [&](int32_t u) -> int32_t {  // the entry of a selected unit u, else -1
+    if (!direct) return hash_find(key, u, bits);
+    if (u < unit0 || u >= end) return -1;
+    return (word[u - unit0] >> 16) != 0xffffu ? u - unit0 : -1;
+  };
 
-  // ---- the hash of the selected ordinals, with each ordinal's first column, while the lease's
-  // rows are still arriving; then recency, from registers.
+  // ---- the table of the selected ordinals, with each ordinal's first column, while the lease's
+  // rows are still arriving; then recency, from registers. col_entry becomes each column's entry
+  // (hash entry, or unit - unit0 in the direct table), -1 for padding.
   const int mask = H - 1;
-  for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
+  if (direct) {
+#pragma unroll 1
+    for (int j = tid; j < K; j += kResolveThreads) {
+      const int32_t u = col_entry[j];
+      const int32_t e = u < 0 ? -1 : u - unit0;
+      if (e >= 0) atomicMin(&word[e], static_cast<uint32_t>(j) << 16 | 0xffffu);
+      col_entry[j] = e;
+    }
+  } else for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
     constexpr int kN = sizeof(ok);
     int32_t u[kN], e[kN], prev[kN];
 #pragma unroll
@@ -539,7 +602,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       // hslot is read only at inserted entries, and only after the next barrier: the insert
       // that took the entry initialises it (no fill of the whole table).
       if (prev[i] == kEmptyKey) hslot[e[i]] = kNoSlot;
-      atomicMin(&first[e[i]], j[i]);
+      atomicMin(&first[e[i]], static_cast<uint32_t>(j[i]));
       col_entry[j[i]] = e[i];
     }
   });
@@ -584,17 +647,25 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     }
 #pragma unroll
     for (int i = 0; i < kN; ++i) {  // first probes of the chunk, all in flight
-      e[i] = hash_home(u[i], bits);
-      k0[i] = (ok[i] && u[i] >= 0) ? key[e[i]] : kEmptyKey;
+      // (selectable units lie in the direct table's range)
+      e[i] = direct ? u[i] - unit0 : hash_home(u[i], bits);
+      k0[i] = (ok[i] && u[i] >= 0) ? (direct ? static_cast<int32_t>(word[e[i]]) : key[e[i]])
+                                   : kEmptyKey;
     }
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       if (!ok[i] || u[i] < 0) continue;
-      while (k0[i] != u[i] && k0[i] != kEmptyKey) {
-        e[i] = (e[i] + 1) & mask;
-        k0[i] = key[e[i]];
+      if (direct) {
+        // A selected unit: its first column (the high half) is final since the last barrier.
+        const uint32_t w = static_cast<uint32_t>(k0[i]);
+        if ((w >> 16) != 0xffffu) atomicMin(&word[e[i]], (w & 0xffff0000u) | q[i]);
+      } else {
+        while (k0[i] != u[i] && k0[i] != kEmptyKey) {
+          e[i] = (e[i] + 1) & mask;
+          k0[i] = key[e[i]];
+        }
+        if (k0[i] == u[i]) atomicMin(&hslot[e[i]], q[i]);
       }
-      if (k0[i] == u[i]) atomicMin(&hslot[e[i]], q[i]);
       if (rules.inflight(u[i])) {
         const int f = u[i] - rules.first_inflight;
         if (f < nF) atomicMin(&infl[f], q[i]);
@@ -622,8 +693,11 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       k[i] = 0;
-      if (e[i] < 0 || first[e[i]] != b + i) continue;
-      const int32_t u = key[e[i]], sl = hslot[e[i]];
+      if (e[i] < 0) continue;
+      uint32_t f;
+      int32_t u, sl;
+      entry_of(e[i], f, u, sl);
+      if (f != static_cast<uint32_t>(b + i)) continue;
       if (!rules.selectable(u)) {
         k[i] = 1;
       } else if (sl != kNoSlot) {
@@ -735,22 +809,21 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // selected if it was resident twice (bad data) and this is not its lowest slot: the erase
     // then hides the unit's surviving slot from the index table. Reproduce that.
     if (old >= 0) {
-      const int e_old = hash_find(key, old, bits);
-      if (e_old >= 0) hslot[e_old] = kNoSlot;
+      const int32_t e_old = find(old);
+      if (e_old >= 0) set_slot(e_old, kNoSlot);
     }
-    int32_t u;
-    int e;
+    int32_t u, e;
     if (k < nA) {
       u = static_cast<int32_t>(a + admit[k]);
-      e = u >= 0 ? hash_find(key, u, bits) : -1;  // a selected in-flight unit lands here
+      e = u >= 0 ? find(u) : -1;  // a selected in-flight unit lands here
       cls[sl] = kPinned;
       infl[admit[k]] = sl;  // its in-flight slot record
     } else {
       e = miss_entry[k - nA];
-      u = key[e];
+      u = direct ? unit0 + e : key[e];
       cls[sl] = kMissed;
     }
-    if (e >= 0) hslot[e] = sl;
+    if (e >= 0) set_slot(e, sl);
     res[sl] = u;
   }
   __syncthreads();
@@ -760,13 +833,14 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   const int32_t lease_base = l * S;  // l * S + slot <= INT32_MAX (checked on the host)
   for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
     constexpr int kN = sizeof(ok);
-    int32_t e[kN], sl[kN], f[kN];
+    int32_t e[kN], sl[kN], u[kN];
+    uint32_t f[kN];
 #pragma unroll
     for (int i = 0; i < kN; ++i) e[i] = ok[i] ? col_entry[j[i]] : -1;
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
-      sl[i] = e[i] >= 0 ? hslot[e[i]] : kNoSlot;
-      f[i] = e[i] >= 0 ? first[e[i]] : -1;
+      sl[i] = kNoSlot;
+      if (e[i] >= 0) entry_of(e[i], f[i], u[i], sl[i]);
     }
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
@@ -774,7 +848,8 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       // Only selectable units ever hold a slot: non-selectable ones were dropped in step 0
       // and are never placed.
       out[j[i]] = sl[i] != kNoSlot ? lease_base + sl[i] : BAD;
-      if (sl[i] != kNoSlot && f[i] == j[i] && cls[sl[i]] != kMissed) cls[sl[i]] = kHit;
+      if (sl[i] != kNoSlot && f[i] == static_cast<uint32_t>(j[i]) && cls[sl[i]] != kMissed)
+        cls[sl[i]] = kHit;
     }
   });
   __syncthreads();
