@@ -17,7 +17,7 @@
 #   set, clocks left alone): ncu_resolve.txt (details) and ncu_resolve_source.csv (per-SASS
 #   instruction stall samples).
 #   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_PROFILE=1) and
-#   prints the phase cycles of CTA 0 over P-RES's launches.
+#   prints the phase cycles of CTA 0 over P-RES's launches, without PDL and with it.
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" TORCH_KVCM2_CUDA=1
@@ -79,16 +79,20 @@ if [ "${NCU:-0}" = 1 ]; then
   grep -E "Duration|Elapsed Cycles|Stall|Warp Cycles|Issued|Bank|Occupancy" "$OUT/ncu_resolve.txt" | head -40
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
-  # without PDL: under it the first phase would include the wait for the previous launch
-  TORCH_KVCM2_PROFILE=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_profile.log" 2>&1 &&
-  KVCM2_PDL=0 python3 benchmarks/run.py --only P-RES 2>&1 | grep "resolve phases" > "$OUT/profile_raw.txt"
-  python3 - "$OUT/profile_raw.txt" <<'PY' | tee "$OUT/profile.txt"
+  # Without PDL (the critical path of one launch) and with it (as P-RES runs: "wait" is the time
+  # a CTA that started early spends waiting for the previous launch).
+  TORCH_KVCM2_PROFILE=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_profile.log" 2>&1
+  for pdl in 0 1; do
+    KVCM2_PDL=$pdl python3 benchmarks/run.py --only P-RES 2>&1 | grep "resolve phases" > "$OUT/profile_raw_pdl$pdl.txt"
+    python3 - "$OUT/profile_raw_pdl$pdl.txt" "$pdl" <<'PY' | tee -a "$OUT/profile.txt"
 import statistics, sys
 rows = [[int(x) for x in l.split(":")[1].split()] for l in open(sys.argv[1]) if ":" in l]
-names = "load hash slots columns victims place index scan2 write".split()
-print(f"resolve phases, CTA 0, median cycles over {len(rows)} launches")
+names = "fill wait lease load hash slots columns victims place index scan2 write".split()
+print(f"resolve phases, CTA 0, KVCM2_PDL={sys.argv[2]}, median cycles over {len(rows)} launches")
 for i, n in enumerate(names):
-    print(f"  {n:6s} {statistics.median(r[i] for r in rows):8.0f}")
-print(f"  total  {statistics.median(sum(r) for r in rows):8.0f}")
+    print(f"  {n:8s} {statistics.median(r[i] for r in rows):8.0f}")
+print(f"  total    {statistics.median(sum(r) for r in rows):8.0f}")
+print(f"  after wait {statistics.median(sum(r[2:]) for r in rows):6.0f}")
 PY
+  done
 fi

@@ -8,6 +8,7 @@ named scenarios also assert hand-computed values.
 """
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -905,6 +906,13 @@ RANDOM_CONFIGS = {
     # tokens per unit and page not powers of two: the row rules' general division path
     "u3e2_window": (3, 6, 4, 5, 8, 18, 4, 4, 90),
 }
+# Rows longer than one CTA (512 threads on CUDA): cold starts whose victims run past the first
+# 512 recency positions, bursts of more than 512 misses, and a window whose dropped units leave
+# empty slots deep in recency (the victim search's later rounds).
+LARGE_CONFIGS = {
+    "u1_large": (1, 4, 1400, 64, 1300, 0, 3, 3, 6000),
+    "u2_large_window": (2, 4, 2000, 64, 1102, 4000, 3, 3, 9000),
+}
 
 
 class RandomDriver:
@@ -985,12 +993,16 @@ class RandomDriver:
 
 
 def run_random_sequence(devices, config, seed, steps, with_fetch=True):
-    U, P, K, I, S, window, leases, rows, max_tokens = RANDOM_CONFIGS[config]
-    drv = RandomDriver(seed, *RANDOM_CONFIGS[config])
+    """Runs the sequence on each device; returns the first device's counters and the most units
+    one row placed in one step."""
+    params = RANDOM_CONFIGS.get(config) or LARGE_CONFIGS[config]
+    U, P, K, I, S, window, leases, rows, max_tokens = params
+    drv = RandomDriver(seed, *params)
     groups = [Group(d, leases=leases, rows=rows, K=K, U=U, P=P, I=I, S=S, window=window)
               for d in devices]
     gen = torch.Generator().manual_seed(seed)
     max_pages = ref.ceil_div(max_tokens, P)
+    most_placed = 0
     layers = []
     if with_fetch:
         base = Layer("cpu", gen=gen, num_leases=leases, S=S, P=P, U=U, chunks=2, bpt=4,
@@ -1008,6 +1020,8 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True):
         outs = []
         for g in groups:
             outs.append(g.step(sel, list(drv.h), list(drv.c), lease))
+        per_row = collections.Counter(m[2] for m in outs[0][1])
+        most_placed = max([most_placed, *per_row.values()])
         for layer, g in zip(layers, groups):
             run_fetch([layer], g.miss_list, g.miss_count, S, U)
             ref_fetch([layer], g.op_misses(), S, U)
@@ -1020,7 +1034,7 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True):
             assert torch.equal(g.counters.cpu(), groups[0].counters.cpu())
         for layer in layers[1:]:
             assert torch.equal(layer.cells.cpu(), layers[0].cells.cpu())
-    return groups[0].counters.cpu().tolist()
+    return groups[0].counters.cpu().tolist(), most_placed
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -1030,7 +1044,7 @@ def test_op_resolve_random_sequence_matches_reference(device, config, steps):
     """RES-1, RES-2, RES-4, OP-RESOLVE, OP-FETCH: a long random sequence (joins, leaves, moves,
     decode and prefill, capacity shrinks, selections with duplicates, padding and out-of-range
     ordinals) agrees with the reference in every output and the full state after every step."""
-    hits, misses, invalid = run_random_sequence([device], config, seed=11, steps=steps)
+    (hits, misses, invalid), _ = run_random_sequence([device], config, seed=11, steps=steps)
     # the sequence exercised every path
     assert hits > steps // 2 and misses > steps // 10 and invalid > steps // 10
 
@@ -1040,5 +1054,18 @@ def test_op_resolve_random_sequence_matches_reference(device, config, steps):
 def test_op_resolve_random_sequence_cpu_cuda_identical(config):
     """INT-4: the same random sequence on CPU and CUDA side by side gives bit-identical state,
     index tables, counters and cells, and the same miss lists up to order."""
-    hits, misses, _ = run_random_sequence(["cpu", "cuda"], config, seed=23, steps=400)
+    (hits, misses, _), _ = run_random_sequence(["cpu", "cuda"], config, seed=23, steps=400)
     assert hits > 0 and misses > 0
+
+
+@pytest.mark.parametrize("devices", [pytest.param(["cpu"], id="cpu"),
+                                     pytest.param(["cpu", "cuda"], id="cpu_cuda",
+                                                  marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("config", list(LARGE_CONFIGS))
+def test_op_resolve_random_sequence_large_rows(devices, config):
+    """OP-RESOLVE, INT-4 on rows of more than 512 slots and columns: every step agrees with the
+    reference (and CPU with CUDA, bit for bit), through cold starts, bursts of misses and a
+    sliding window; the sequence placed more than 512 units in one row in one step."""
+    (hits, misses, invalid), most_placed = run_random_sequence(devices, config, seed=5, steps=60)
+    assert hits > 0 and misses > 0 and invalid > 0
+    assert most_placed > 512, most_placed

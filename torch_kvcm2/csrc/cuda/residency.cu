@@ -120,7 +120,7 @@ struct ResolveLayout {
   I table_words;        // words in the table region: the longest unit range a direct table takes
   I res, infl, admit;   // int32 arrays
   I rec, vlist;         // uint16 arrays
-  I vk, cls, vkind, ckind;  // uint8 arrays
+  I vk, cls, pclass, ckind;  // uint8 arrays
   I col_entry, miss_entry;  // int32 arrays
   I newrec;
   I bytes;
@@ -146,7 +146,7 @@ struct ResolveLayout {
     vlist = take(2 * S);
     vk = take(S);
     cls = take(S);
-    vkind = take(S);
+    pclass = take(S);
     ckind = take(K);
     col_entry = take(4 * K);
     miss_entry = take(4 * K);
@@ -179,13 +179,15 @@ constexpr int kResolveWarps = kResolveThreads / 32;
 constexpr unsigned kAll = 0xffffffffu;
 
 // What a block scan ranks: counts in 16-bit lanes of one 64-bit word (scan 1: misses, admissions,
-// empty and evictable victims; scan 2: the four recency classes); every count is <= 65535 (S, K
+// and the empty and evictable slots of the victim search's first round; scan 2: the four recency
+// classes); every count is <= 65535 (S, K
 // and MI are checked on the host), so no lane carries into the next. And what scan 1 only
 // totals, in 16-bit halves of a 32-bit word: one warp reduction (REDUX) each, no shuffle scan.
 struct Tally {
   unsigned long long rank;
   uint32_t hits_invalid;  // hits | invalid << 16
-  uint32_t admit_fetch;   // admissions that need a fetch (partly written head units)
+  uint32_t fetch_empty;   // admissions that need a fetch (partly written head units) | empty
+                          // slots << 16
 };
 
 enum RankLane : int { kMissLane = 0, kAdmitLane = 16, kEmptyLane = 32, kEvictLane = 48 };
@@ -210,8 +212,8 @@ __device__ __forceinline__ unsigned long long block_scan(const Tally& x, Tally& 
     if (lane >= d) inc += y;
   }
   const uint32_t hi = __reduce_add_sync(kAll, x.hits_invalid);
-  const uint32_t af = __reduce_add_sync(kAll, x.admit_fetch);
-  if (lane == 31) warp_total[warp] = Tally{inc, hi, af};
+  const uint32_t fe = __reduce_add_sync(kAll, x.fetch_empty);
+  if (lane == 31) warp_total[warp] = Tally{inc, hi, fe};
   __syncthreads();
   const Tally t = lane < kResolveWarps ? warp_total[lane] : Tally{};
   unsigned long long w = t.rank;
@@ -222,7 +224,7 @@ __device__ __forceinline__ unsigned long long block_scan(const Tally& x, Tally& 
   }
   total.rank = __shfl_sync(kAll, w, kResolveWarps - 1);
   total.hits_invalid = __reduce_add_sync(kAll, t.hits_invalid);
-  total.admit_fetch = __reduce_add_sync(kAll, t.admit_fetch);
+  total.fetch_empty = __reduce_add_sync(kAll, t.fetch_empty);
   const unsigned long long below = __shfl_sync(kAll, w, warp > 0 ? warp - 1 : 0);  // uniform
   // The exclusive warp prefix is the inclusive prefix of the previous lane.
   const unsigned long long prev = __shfl_up_sync(kAll, inc, 1);
@@ -408,14 +410,16 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 }
 
 #ifdef KVCM2_PROFILE  // phase timing of CTA 0, for development only
-#define KVCM2_PROF_BEGIN() long long prof_t[10]; prof_t[0] = clock64()
+#define KVCM2_PROF_BEGIN() long long prof_t[12]; prof_t[0] = clock64()
 #define KVCM2_PROF(i) prof_t[i] = clock64()
 #define KVCM2_PROF_END()                                                                       \
   if (blockIdx.x == 0 && threadIdx.x == 0)                                                     \
-  printf("resolve phases (cycles): %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",             \
+  printf("resolve phases (cycles): %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld "    \
+         "%lld\n",                                                                             \
          prof_t[1] - prof_t[0], prof_t[2] - prof_t[1], prof_t[3] - prof_t[2],                  \
          prof_t[4] - prof_t[3], prof_t[5] - prof_t[4], prof_t[6] - prof_t[5],                  \
-         prof_t[7] - prof_t[6], prof_t[8] - prof_t[7], clock64() - prof_t[8])
+         prof_t[7] - prof_t[6], prof_t[8] - prof_t[7], prof_t[9] - prof_t[8],                  \
+         prof_t[10] - prof_t[9], prof_t[11] - prof_t[10], clock64() - prof_t[11])
 #else
 #define KVCM2_PROF_BEGIN()
 #define KVCM2_PROF(i)
@@ -432,6 +436,7 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   __shared__ Tally s_tally[kResolveWarps];                 // scan 1 warp totals
   __shared__ Tally s_classes[kResolveWarps];               // scan 2 warp totals
+  __shared__ uint32_t s_round[2][kResolveWarps];           // victim search rounds >= 1
   __shared__ int32_t s_miss_base;
   extern __shared__ __align__(16) unsigned char smem[];
 
@@ -451,7 +456,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   uint16_t* const vlist = reinterpret_cast<uint16_t*>(smem + L.vlist);
   uint8_t* const vk = smem + L.vk;  // victim kind per slot: 0 none, 1 empty, 2 evictable
   uint8_t* const cls = smem + L.cls;
-  uint8_t* const vkind = smem + L.vkind;
+  uint8_t* const pclass = smem + L.pclass;
   uint8_t* const ckind = smem + L.ckind;
   uint32_t* const first = reinterpret_cast<uint32_t*>(smem + L.first);  // UINT32_MAX: none
   // The direct unit table (rows whose live unit range fits the table region): word u - base is
@@ -469,7 +474,9 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   static_assert(kUntouched == 0, "cls starts zeroed");
   fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
   for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
+  KVCM2_PROF(1);
   pdl_enter();
+  KVCM2_PROF(2);
 
   // The selection does not depend on the lease: start copying it (into col_entry, converted to
   // hash entries below) while the lease is read. cp.async keeps the loads in flight without
@@ -494,6 +501,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     for (int i = tid; i < p.MI; i += kResolveThreads) located[i] = BAD;
     return;
   }
+  KVCM2_PROF(3);
   int32_t* const res_row = p.resident + static_cast<int64_t>(l) * S;
   int32_t* const rec_row = p.recency + static_cast<int64_t>(l) * S;
   copy_async(res, res_row, S);
@@ -539,7 +547,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     for (int i = tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
   }
   const bool direct = !__syncthreads_or(outside);
-  KVCM2_PROF(1);
+  KVCM2_PROF(4);
   // Entry e of the table (complete after the slots phase): its first column (>= K: none), its
   // unit and its slot (kNoSlot: none).
   auto entry_of = [&](int32_t e, uint32_t& f, int32_t& u, int32_t& sl) {
@@ -627,11 +635,13 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   });
   __pipeline_wait_prior(0);  // the resident row
   __syncthreads();
-  KVCM2_PROF(2);
+  KVCM2_PROF(5);
 
   // ---- slots: step 0 on each resident slot (a negative unit other than BAD is bad data:
   // dropped too) and its victim kind (empty, or evictable until scan 1 flags it hit or pinned);
-  // which selected / in-flight units are resident, lowest slot first (slot_of).
+  // which selected / in-flight units are resident, lowest slot first (slot_of). The lease's
+  // resident row is written where it changes (here and in place), not copied back whole.
+  uint32_t my_empty = 0;
   for_chunks<1>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
     constexpr int kN = sizeof(ok);
     int32_t u[kN], e[kN], k0[kN];
@@ -640,8 +650,12 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       u[i] = ok[i] ? res[q[i]] : BAD;
       const bool empty = u[i] == BAD || !rules.selectable(u[i]);
       if (ok[i]) {
-        if (empty && u[i] != BAD) res[q[i]] = BAD;
+        if (empty && u[i] != BAD) {
+          res[q[i]] = BAD;
+          res_row[q[i]] = BAD;
+        }
         vk[q[i]] = empty ? 1 : 2;
+        my_empty += empty;
       }
       if (empty) u[i] = BAD;
     }
@@ -673,16 +687,16 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     }
   });
   __syncthreads();
-  KVCM2_PROF(3);
+  KVCM2_PROF(6);
 
   // ---- scan 1: misses, admissions, victims; hits and invalid ordinals for the counters.
   // Part 1, columns: the kind of each column (first occurrence of a distinct ordinal): 0
   // none/padding/duplicate, 1 invalid, 2 hit (resident, or in flight: admitted, never fetched
   // for the selection), 3 miss. A resident hit's slot is no victim (step 2), nor is a pinned
   // in-flight slot (step 1): both clear the slot's victim kind. In-flight units not resident
-  // are admissions. The kinds are kept (ckind, vkind; each thread reads back only what it
-  // wrote) so the ranking passes do not repeat the dependent loads.
-  Tally mine{};
+  // are admissions. The column kinds are kept (ckind; each thread reads back only what it
+  // wrote) so the ranking pass does not repeat the dependent loads.
+  Tally mine{0, 0, my_empty << 16};
   int lo, hi;
   blocked_range<4>(K, lo, hi);
 #pragma unroll 1
@@ -720,29 +734,77 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       cls[sl] = kPinned;
     } else {
       mine.rank += 1ull << kAdmitLane;
-      mine.admit_fetch += range.needs_fetch_on_admit(a + i);
+      mine.fetch_empty += range.needs_fetch_on_admit(a + i);
     }
   }
   __syncthreads();
-  KVCM2_PROF(4);
+  KVCM2_PROF(7);
 
-  // Part 2, victims in recency order: 1 empty slots, 2 evictable ones (neither hit nor pinned).
-  blocked_range<8>(S, lo, hi);
-  mine.rank += gather_by_recency<unsigned long long>(rec, vk, vkind, lo, hi, [](int k) {
-    return k == 1 ? 1ull << kEmptyLane : k == 2 ? 1ull << kEvictLane : 0ull;
-  });
+  // Part 2, victims in taking order: empty slots, then evictable ones (neither hit nor pinned),
+  // each in recency order. Only the first nA + nM are taken (a few per step in steady state,
+  // and the least recently used slots are the untouched ones at the front of recency), so they
+  // are searched for from the front, one position per thread per round: round 0's ranks ride
+  // in this block scan; further rounds (rare: empty slots deep in recency, or many victims)
+  // rank by warp ballots. Empty positions are searched for only when some slot is empty (with
+  // bad data recency may name a slot twice, so their number is only known once counted), until
+  // they are enough or recency is exhausted; then evictable ones, after them.
+  uint16_t sl0 = 0;
+  uint8_t k0 = 0;
+  if (tid < S) {
+    sl0 = rec[tid];
+    k0 = vk[sl0];
+  }
+  mine.rank += k0 == 1 ? 1ull << kEmptyLane : k0 == 2 ? 1ull << kEvictLane : 0ull;
   Tally total;
   const unsigned long long before = block_scan(mine, total, s_tally);
   const int nM = static_cast<int>(lane16(total.rank, kMissLane));
   const int nA = static_cast<int>(lane16(total.rank, kAdmitLane));
-  const int n1 = static_cast<int>(lane16(total.rank, kEmptyLane));
-  const int nV = n1 + static_cast<int>(lane16(total.rank, kEvictLane));
-  const int placed = min(nA + nM, nV);
-  const int pA = min(nA, nV);  // placed admissions
-  const int pM = placed - pA;  // placed misses
+  const uint32_t need = static_cast<uint32_t>(nA + nM);
+  int round = 0;  // the last round searched (alternates the warp-count buffers)
+  // Rounds >= 1 of a search for positions of `kind`: vlist[offset + rank] for the ranks below
+  // `want`; `found` counts them (round 0's included). The condition is uniform over the CTA.
+  auto search = [&](uint8_t kind, uint32_t& found, uint32_t want, uint32_t offset) {
+    const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll 1
+    for (int q = kResolveThreads + tid; found < want && q - tid < S; q += kResolveThreads) {
+      const uint16_t sl = q < S ? rec[q] : 0;
+      const bool is = q < S && vk[sl] == kind;
+      const unsigned ballot = __ballot_sync(kAll, is);
+      uint32_t* const counts = s_round[++round & 1];
+      if (lane == 0) counts[warp] = __popc(ballot);
+      __syncthreads();
+      uint32_t lower = 0, all = 0;  // this round's finds in the warps below this one, in all
+#pragma unroll
+      for (int w = 0; w < kResolveWarps; ++w) {
+        const uint32_t c = counts[w];
+        lower += w < warp ? c : 0u;
+        all += c;
+      }
+      const uint32_t rank = found + lower + __popc(ballot & ((1u << lane) - 1u));
+      if (is && rank < want) vlist[offset + rank] = sl;
+      found += all;
+    }
+  };
+  uint32_t f1 = 0;  // empty positions found: all of them unless need of them were found
+  if (total.fetch_empty >> 16) {
+    f1 = lane16(total.rank, kEmptyLane);
+    const uint32_t r = lane16(before, kEmptyLane);
+    if (k0 == 1 && r < need) vlist[r] = sl0;
+    search(1, f1, need, 0);
+  }
+  uint32_t f2 = 0;  // evictable positions found
+  if (f1 < need) {
+    f2 = lane16(total.rank, kEvictLane);
+    const uint32_t r = lane16(before, kEvictLane);
+    if (k0 == 2 && r < need - f1) vlist[f1 + r] = sl0;
+    search(2, f2, need - f1, f1);
+  }
+  const int placed = static_cast<int>(min(need, f1 + f2));
+  const int pA = min(nA, placed);  // placed admissions
+  const int pM = placed - pA;      // placed misses
   // Admissions that need a fetch (partly written head units) are a prefix of the ascending
   // admissions, so the placed ones are the first fA.
-  const int fA = min(static_cast<int>(total.admit_fetch), pA);
+  const int fA = min(static_cast<int>(total.fetch_empty & 0xffffu), pA);
   {
     uint32_t m = lane16(before, kMissLane);
     blocked_range<4>(K, lo, hi);
@@ -761,30 +823,6 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 #pragma unroll 1
     for (int i = lo; i < hi; ++i)
       if (infl[i] == kNoSlot) admit[ad++] = i;
-    // Victims in taking order: empty slots, then evictable ones, each in recency order. Only
-    // the first `placed` are ever taken (a few per step in steady state): a thread stops once
-    // both of its ranks are past them.
-    const uint32_t taken = static_cast<uint32_t>(placed);
-    const uint32_t empties = min(static_cast<uint32_t>(n1), taken);
-    uint32_t v1 = lane16(before, kEmptyLane), v2 = n1 + lane16(before, kEvictLane);
-    blocked_range<8>(S, lo, hi);
-#pragma unroll 1
-    for (int b = lo; b < hi && (v1 < empties || v2 < taken); b += 8) {
-      uint16_t sl[8];
-      uint8_t k[8];
-      load_chunk(rec, b, hi, sl, uint16_t{0});
-      load_chunk(vkind, b, hi, k, uint8_t{0});
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (k[i] == 1) {
-          if (v1 < taken) vlist[v1] = sl[i];
-          ++v1;
-        } else if (k[i] == 2) {
-          if (v2 < taken) vlist[v2] = sl[i];
-          ++v2;
-        }
-      }
-    }
   }
   const int n_fetch = fA + pM;
   unsigned long long reserved = 0;
@@ -798,7 +836,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     if (invalid) atomicAdd(p.counters + kInvalid, invalid);
   }
   __syncthreads();
-  KVCM2_PROF(5);
+  KVCM2_PROF(8);
 
   // ---- place: admissions take victims first, then misses in first-occurrence order.
 #pragma unroll 1
@@ -825,9 +863,10 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     }
     if (e >= 0) set_slot(e, sl);
     res[sl] = u;
+    res_row[sl] = u;
   }
   __syncthreads();
-  KVCM2_PROF(6);
+  KVCM2_PROF(9);
 
   // ---- index table (step 5) and the hit class of every selected resident unit.
   const int32_t lease_base = l * S;  // l * S + slot <= INT32_MAX (checked on the host)
@@ -853,16 +892,16 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     }
   });
   __syncthreads();
-  KVCM2_PROF(7);
+  KVCM2_PROF(10);
 
   // ---- scan 2: recency = untouched, misses, pinned, hits, each keeping its previous order.
   // Class counts are packed in 16-bit lanes of one 64-bit word (each <= S <= 65535: no
-  // carries); each position's class is kept in vkind (free since scan 1) for the ranking pass.
+  // carries); each position's class is kept in pclass for the ranking pass.
   {
     int lo, hi;
     blocked_range<8>(S, lo, hi);
     const unsigned long long mine_c = gather_by_recency<unsigned long long>(
-        rec, cls, vkind, lo, hi, [](int c) { return 1ull << (16 * c); });
+        rec, cls, pclass, lo, hi, [](int c) { return 1ull << (16 * c); });
     Tally total_c;
     const unsigned long long before_c = block_scan(Tally{mine_c, 0, 0}, total_c, s_classes);
     // Lane c of `next` = start of class c (the counts of the classes below it) + this thread's
@@ -875,7 +914,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       uint16_t sl[8];
       uint8_t c[8];
       load_chunk(rec, b, hi, sl, uint16_t{0});
-      load_chunk(vkind, b, hi, c, uint8_t{0});
+      load_chunk(pclass, b, hi, c, uint8_t{0});
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         if (b + i >= hi) break;
@@ -890,29 +929,27 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     publish_if_last(p, reserved, n_fetch);
   }
   __syncthreads();
-  KVCM2_PROF(8);
+  KVCM2_PROF(11);
 
-  // ---- write back the lease's rows (16-byte stores when aligned) and this row's miss-list
-  // entries.
-  const bool rows_vec = ((reinterpret_cast<uintptr_t>(res_row) |
-                          reinterpret_cast<uintptr_t>(rec_row)) & 15) == 0;
-#pragma unroll 2
-  for (int b = 4 * tid; b < S; b += 4 * kResolveThreads) {
-    int32_t u[4];
-    uint16_t v[4];
-    load_chunk(res, b, S, u, 0);
-    load_chunk(newrec, b, S, v, uint16_t{0});
-    if (rows_vec && b + 4 <= S) {
-      *reinterpret_cast<int4*>(res_row + b) = make_int4(u[0], u[1], u[2], u[3]);
-      *reinterpret_cast<int4*>(rec_row + b) = make_int4(v[0], v[1], v[2], v[3]);
-    } else {
+  // ---- write back the lease's recency row (16-byte stores when aligned; resident was written
+  // where it changed) and this row's miss-list entries.
+  if ((reinterpret_cast<uintptr_t>(rec_row) & 15) == 0) {
+#pragma unroll 1
+    for (int b = 8 * tid; b < S; b += 8 * kResolveThreads) {
+      uint16_t v[8];
+      load_chunk(newrec, b, S, v, uint16_t{0});
+      if (b + 8 <= S) {
+        reinterpret_cast<int4*>(rec_row + b)[0] = make_int4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<int4*>(rec_row + b)[1] = make_int4(v[4], v[5], v[6], v[7]);
+      } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (b + j >= S) break;
-        res_row[b + j] = u[j];
-        rec_row[b + j] = v[j];
+        for (int j = 0; j < 8; ++j)
+          if (b + j < S) rec_row[b + j] = v[j];
       }
     }
+  } else {
+#pragma unroll 1
+    for (int q = tid; q < S; q += kResolveThreads) rec_row[q] = newrec[q];
   }
   // In-flight slot records: the lowest slot that held the unit (pinned, so it still does), or
   // the admission's slot; BAD for an admission that found no victim.
