@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <type_traits>
 
 #include "../kvcm2.h"
 #include "pdl.cuh"
@@ -546,434 +547,444 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 #pragma unroll 1
     for (int i = tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
   }
-  const bool direct = !__syncthreads_or(outside);
+  const bool use_direct = !__syncthreads_or(outside);
   KVCM2_PROF(4);
-  // Entry e of the table (complete after the slots phase): its first column (>= K: none), its
-  // unit and its slot (kNoSlot: none).
-  auto entry_of = [&](int32_t e, uint32_t& f, int32_t& u, int32_t& sl) {
-    if (direct) {
-      const uint32_t w = word[e];
-      f = w >> 16;
-      u = unit0 + e;
-      sl = (w & 0xffffu) == 0xffffu ? kNoSlot : static_cast<int32_t>(w & 0xffffu);
-    } else {
-      f = first[e];
-      u = key[e];
-      sl = hslot[e];
-    }
-  };
-  auto set_slot = [&](int32_t e, int32_t sl) {  // one thread per entry at a time
-    if (direct)
-      word[e] = (word[e] & 0xffff0000u) | (sl == kNoSlot ? 0xffffu : static_cast<uint32_t>(sl));
-    else
-      hslot[e] = sl;
-  };
-  auto find = [&](int32_t u) -> int32_t {  // the entry of a selected unit u, else -1
-    if (!direct) return hash_find(key, u, bits);
-    if (u < unit0 || u >= end) return -1;
-    return (word[u - unit0] >> 16) != 0xffffu ? u - unit0 : -1;
-  };
-
-  // ---- the table of the selected ordinals, with each ordinal's first column, while the lease's
-  // rows are still arriving; then recency, from registers. col_entry becomes each column's entry
-  // (hash entry, or unit - unit0 in the direct table), -1 for padding.
-  const int mask = H - 1;
-  if (direct) {
-#pragma unroll 1
-    for (int j = tid; j < K; j += kResolveThreads) {
-      const int32_t u = col_entry[j];
-      const int32_t e = u < 0 ? -1 : u - unit0;
-      if (e >= 0) atomicMin(&word[e], static_cast<uint32_t>(j) << 16 | 0xffffu);
-      col_entry[j] = e;
-    }
-  } else for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
-    constexpr int kN = sizeof(ok);
-    int32_t u[kN], e[kN], prev[kN];
-#pragma unroll
-    for (int i = 0; i < kN; ++i) u[i] = ok[i] ? col_entry[j[i]] : -1;  // selected ordinals
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {  // first insert attempts of the chunk, all in flight
-      e[i] = hash_home(u[i], bits);
-      prev[i] = (ok[i] && u[i] >= 0) ? atomicCAS(&key[e[i]], kEmptyKey, u[i]) : kEmptyKey;
-    }
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      if (!ok[i]) continue;
-      if (u[i] < 0) {
-        col_entry[j[i]] = -1;  // padding
-        continue;
-      }
-      while (prev[i] != kEmptyKey && prev[i] != u[i]) {  // collision: linear probing
-        e[i] = (e[i] + 1) & mask;
-        prev[i] = atomicCAS(&key[e[i]], kEmptyKey, u[i]);
-      }
-      // hslot is read only at inserted entries, and only after the next barrier: the insert
-      // that took the entry initialises it (no fill of the whole table).
-      if (prev[i] == kEmptyKey) hslot[e[i]] = kNoSlot;
-      atomicMin(&first[e[i]], static_cast<uint32_t>(j[i]));
-      col_entry[j[i]] = e[i];
-    }
-  });
-  // recency must be a permutation of [0, S) (bad device data); an out-of-range
-  // entry is replaced so that nothing here can index out of bounds.
-  auto stage_rec = [&](int q, int32_t v) {
-    rec[q] = static_cast<uint16_t>(static_cast<uint32_t>(v) < static_cast<uint32_t>(S) ? v : q);
-  };
-#pragma unroll
-  for (int i = 0; i < kIlpGlobal; ++i) {
-    const int q = tid + i * kResolveThreads;
-    if (q < S) stage_rec(q, qv[i]);
-  }
-  for_chunks<kIlpGlobal>(tid + kIlpGlobal * kResolveThreads, S, kResolveThreads, [&](const auto& q, const auto& ok) {
-    constexpr int kN = sizeof(ok);
-    int32_t v[kN];
-#pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = ok[i] ? rec_row[q[i]] : 0;
-#pragma unroll
-    for (int i = 0; i < kN; ++i)
-      if (ok[i]) stage_rec(q[i], v[i]);
-  });
-  __pipeline_wait_prior(0);  // the resident row
-  __syncthreads();
-  KVCM2_PROF(5);
-
-  // ---- slots: step 0 on each resident slot (a negative unit other than BAD is bad data:
-  // dropped too) and its victim kind (empty, or evictable until scan 1 flags it hit or pinned);
-  // which selected / in-flight units are resident, lowest slot first (slot_of). The lease's
-  // resident row is written where it changes (here and in place), not copied back whole.
-  uint32_t my_empty = 0;
-  for_chunks<1>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
-    constexpr int kN = sizeof(ok);
-    int32_t u[kN], e[kN], k0[kN];
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      u[i] = ok[i] ? res[q[i]] : BAD;
-      const bool empty = u[i] == BAD || !rules.selectable(u[i]);
-      if (ok[i]) {
-        if (empty && u[i] != BAD) {
-          res[q[i]] = BAD;
-          res_row[q[i]] = BAD;
-        }
-        vk[q[i]] = empty ? 1 : 2;
-        my_empty += empty;
-      }
-      if (empty) u[i] = BAD;
-    }
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {  // first probes of the chunk, all in flight
-      // (selectable units lie in the direct table's range)
-      e[i] = direct ? u[i] - unit0 : hash_home(u[i], bits);
-      k0[i] = (ok[i] && u[i] >= 0) ? (direct ? static_cast<int32_t>(word[e[i]]) : key[e[i]])
-                                   : kEmptyKey;
-    }
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      if (!ok[i] || u[i] < 0) continue;
+  // The rest is compiled once per table mode (`direct` is a constant in each), so neither mode's
+  // loops carry the other's branches.
+  auto rest = [&](auto mode) {
+    constexpr bool direct = decltype(mode)::value;
+    // Entry e of the table (complete after the slots phase): its first column (>= K: none), its
+    // unit and its slot (kNoSlot: none).
+    auto entry_of = [&](int32_t e, uint32_t& f, int32_t& u, int32_t& sl) {
       if (direct) {
-        // A selected unit: its first column (the high half) is final since the last barrier.
-        const uint32_t w = static_cast<uint32_t>(k0[i]);
-        if ((w >> 16) != 0xffffu) atomicMin(&word[e[i]], (w & 0xffff0000u) | q[i]);
+        const uint32_t w = word[e];
+        f = w >> 16;
+        u = unit0 + e;
+        sl = (w & 0xffffu) == 0xffffu ? kNoSlot : static_cast<int32_t>(w & 0xffffu);
       } else {
-        while (k0[i] != u[i] && k0[i] != kEmptyKey) {
-          e[i] = (e[i] + 1) & mask;
-          k0[i] = key[e[i]];
+        f = first[e];
+        u = key[e];
+        sl = hslot[e];
+      }
+    };
+    auto set_slot = [&](int32_t e, int32_t sl) {  // one thread per entry at a time
+      if (direct)
+        word[e] = (word[e] & 0xffff0000u) | (sl == kNoSlot ? 0xffffu : static_cast<uint32_t>(sl));
+      else
+        hslot[e] = sl;
+    };
+    auto find = [&](int32_t u) -> int32_t {  // the entry of a selected unit u, else -1
+      if (!direct) return hash_find(key, u, bits);
+      if (u < unit0 || u >= end) return -1;
+      return (word[u - unit0] >> 16) != 0xffffu ? u - unit0 : -1;
+    };
+
+    // ---- the table of the selected ordinals, with each ordinal's first column, while the lease's
+    // rows are still arriving; then recency, from registers. col_entry becomes each column's entry
+    // (hash entry, or unit - unit0 in the direct table), -1 for padding.
+    const int mask = H - 1;
+    if (direct) {
+  #pragma unroll 1
+      for (int j = tid; j < K; j += kResolveThreads) {
+        const int32_t u = col_entry[j];
+        const int32_t e = u < 0 ? -1 : u - unit0;
+        if (e >= 0) atomicMin(&word[e], static_cast<uint32_t>(j) << 16 | 0xffffu);
+        col_entry[j] = e;
+      }
+    } else for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
+      constexpr int kN = sizeof(ok);
+      int32_t u[kN], e[kN], prev[kN];
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) u[i] = ok[i] ? col_entry[j[i]] : -1;  // selected ordinals
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) {  // first insert attempts of the chunk, all in flight
+        e[i] = hash_home(u[i], bits);
+        prev[i] = (ok[i] && u[i] >= 0) ? atomicCAS(&key[e[i]], kEmptyKey, u[i]) : kEmptyKey;
+      }
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        if (!ok[i]) continue;
+        if (u[i] < 0) {
+          col_entry[j[i]] = -1;  // padding
+          continue;
         }
-        if (k0[i] == u[i]) atomicMin(&hslot[e[i]], q[i]);
+        while (prev[i] != kEmptyKey && prev[i] != u[i]) {  // collision: linear probing
+          e[i] = (e[i] + 1) & mask;
+          prev[i] = atomicCAS(&key[e[i]], kEmptyKey, u[i]);
+        }
+        // hslot is read only at inserted entries, and only after the next barrier: the insert
+        // that took the entry initialises it (no fill of the whole table).
+        if (prev[i] == kEmptyKey) hslot[e[i]] = kNoSlot;
+        atomicMin(&first[e[i]], static_cast<uint32_t>(j[i]));
+        col_entry[j[i]] = e[i];
       }
-      if (rules.inflight(u[i])) {
-        const int f = u[i] - rules.first_inflight;
-        if (f < nF) atomicMin(&infl[f], q[i]);
-      }
+    });
+    // recency must be a permutation of [0, S) (bad device data); an out-of-range
+    // entry is replaced so that nothing here can index out of bounds.
+    auto stage_rec = [&](int q, int32_t v) {
+      rec[q] = static_cast<uint16_t>(static_cast<uint32_t>(v) < static_cast<uint32_t>(S) ? v : q);
+    };
+  #pragma unroll
+    for (int i = 0; i < kIlpGlobal; ++i) {
+      const int q = tid + i * kResolveThreads;
+      if (q < S) stage_rec(q, qv[i]);
     }
-  });
-  __syncthreads();
-  KVCM2_PROF(6);
+    for_chunks<kIlpGlobal>(tid + kIlpGlobal * kResolveThreads, S, kResolveThreads, [&](const auto& q, const auto& ok) {
+      constexpr int kN = sizeof(ok);
+      int32_t v[kN];
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) v[i] = ok[i] ? rec_row[q[i]] : 0;
+  #pragma unroll
+      for (int i = 0; i < kN; ++i)
+        if (ok[i]) stage_rec(q[i], v[i]);
+    });
+    __pipeline_wait_prior(0);  // the resident row
+    __syncthreads();
+    KVCM2_PROF(5);
 
-  // ---- scan 1: misses, admissions, victims; hits and invalid ordinals for the counters.
-  // Part 1, columns: the kind of each column (first occurrence of a distinct ordinal): 0
-  // none/padding/duplicate, 1 invalid, 2 hit (resident, or in flight: admitted, never fetched
-  // for the selection), 3 miss. A resident hit's slot is no victim (step 2), nor is a pinned
-  // in-flight slot (step 1): both clear the slot's victim kind. In-flight units not resident
-  // are admissions. The column kinds are kept (ckind; each thread reads back only what it
-  // wrote) so the ranking pass does not repeat the dependent loads.
-  Tally mine{0, 0, my_empty << 16};
-  int lo, hi;
-  blocked_range<4>(K, lo, hi);
-#pragma unroll 1
-  for (int b = lo; b < hi; b += 4) {
-    int32_t e[4];
-    uint8_t k[4];
-    load_chunk(col_entry, b, hi, e, -1);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      k[i] = 0;
-      if (e[i] < 0) continue;
-      uint32_t f;
-      int32_t u, sl;
-      entry_of(e[i], f, u, sl);
-      if (f != static_cast<uint32_t>(b + i)) continue;
-      if (!rules.selectable(u)) {
-        k[i] = 1;
-      } else if (sl != kNoSlot) {
-        k[i] = 2;
-        vk[sl] = 0;
-      } else {
-        k[i] = rules.inflight(u) ? 2 : 3;
+    // ---- slots: step 0 on each resident slot (a negative unit other than BAD is bad data:
+    // dropped too) and its victim kind (empty, or evictable until scan 1 flags it hit or pinned);
+    // which selected / in-flight units are resident, lowest slot first (slot_of). The lease's
+    // resident row is written where it changes (here and in place), not copied back whole.
+    uint32_t my_empty = 0;
+    for_chunks<1>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
+      constexpr int kN = sizeof(ok);
+      int32_t u[kN], e[kN], k0[kN];
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        u[i] = ok[i] ? res[q[i]] : BAD;
+        const bool empty = u[i] == BAD || !rules.selectable(u[i]);
+        if (ok[i]) {
+          if (empty && u[i] != BAD) {
+            res[q[i]] = BAD;
+            res_row[q[i]] = BAD;
+          }
+          vk[q[i]] = empty ? 1 : 2;
+          my_empty += empty;
+        }
+        if (empty) u[i] = BAD;
       }
-      mine.hits_invalid += k[i] == 2 ? 1u : k[i] == 1 ? 1u << 16 : 0u;
-      mine.rank += static_cast<unsigned long long>(k[i] == 3) << kMissLane;
-    }
-    store_chunk(ckind, b, hi, k);
-  }
-  blocked_range<1>(nF, lo, hi);
-#pragma unroll 1
-  for (int i = lo; i < hi; ++i) {
-    const int32_t sl = infl[i];
-    if (sl != kNoSlot) {
-      vk[sl] = 0;
-      cls[sl] = kPinned;
-    } else {
-      mine.rank += 1ull << kAdmitLane;
-      mine.fetch_empty += range.needs_fetch_on_admit(a + i);
-    }
-  }
-  __syncthreads();
-  KVCM2_PROF(7);
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) {  // first probes of the chunk, all in flight
+        // (selectable units lie in the direct table's range)
+        e[i] = direct ? u[i] - unit0 : hash_home(u[i], bits);
+        k0[i] = (ok[i] && u[i] >= 0) ? (direct ? static_cast<int32_t>(word[e[i]]) : key[e[i]])
+                                     : kEmptyKey;
+      }
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        if (!ok[i] || u[i] < 0) continue;
+        if (direct) {
+          // A selected unit: its first column (the high half) is final since the last barrier.
+          const uint32_t w = static_cast<uint32_t>(k0[i]);
+          if ((w >> 16) != 0xffffu) atomicMin(&word[e[i]], (w & 0xffff0000u) | q[i]);
+        } else {
+          while (k0[i] != u[i] && k0[i] != kEmptyKey) {
+            e[i] = (e[i] + 1) & mask;
+            k0[i] = key[e[i]];
+          }
+          if (k0[i] == u[i]) atomicMin(&hslot[e[i]], q[i]);
+        }
+        if (rules.inflight(u[i])) {
+          const int f = u[i] - rules.first_inflight;
+          if (f < nF) atomicMin(&infl[f], q[i]);
+        }
+      }
+    });
+    __syncthreads();
+    KVCM2_PROF(6);
 
-  // Part 2, victims in taking order: empty slots, then evictable ones (neither hit nor pinned),
-  // each in recency order. Only the first nA + nM are taken (a few per step in steady state,
-  // and the least recently used slots are the untouched ones at the front of recency), so they
-  // are searched for from the front, one position per thread per round: round 0's ranks ride
-  // in this block scan; further rounds (rare: empty slots deep in recency, or many victims)
-  // rank by warp ballots. Empty positions are searched for only when some slot is empty (with
-  // bad data recency may name a slot twice, so their number is only known once counted), until
-  // they are enough or recency is exhausted; then evictable ones, after them.
-  uint16_t sl0 = 0;
-  uint8_t k0 = 0;
-  if (tid < S) {
-    sl0 = rec[tid];
-    k0 = vk[sl0];
-  }
-  mine.rank += k0 == 1 ? 1ull << kEmptyLane : k0 == 2 ? 1ull << kEvictLane : 0ull;
-  Tally total;
-  const unsigned long long before = block_scan(mine, total, s_tally);
-  const int nM = static_cast<int>(lane16(total.rank, kMissLane));
-  const int nA = static_cast<int>(lane16(total.rank, kAdmitLane));
-  const uint32_t need = static_cast<uint32_t>(nA + nM);
-  int round = 0;  // the last round searched (alternates the warp-count buffers)
-  // Rounds >= 1 of a search for positions of `kind`: vlist[offset + rank] for the ranks below
-  // `want`; `found` counts them (round 0's included). The condition is uniform over the CTA.
-  auto search = [&](uint8_t kind, uint32_t& found, uint32_t want, uint32_t offset) {
-    const int lane = tid & 31, warp = tid >> 5;
-#pragma unroll 1
-    for (int q = kResolveThreads + tid; found < want && q - tid < S; q += kResolveThreads) {
-      const uint16_t sl = q < S ? rec[q] : 0;
-      const bool is = q < S && vk[sl] == kind;
-      const unsigned ballot = __ballot_sync(kAll, is);
-      uint32_t* const counts = s_round[++round & 1];
-      if (lane == 0) counts[warp] = __popc(ballot);
-      __syncthreads();
-      uint32_t lower = 0, all = 0;  // this round's finds in the warps below this one, in all
-#pragma unroll
-      for (int w = 0; w < kResolveWarps; ++w) {
-        const uint32_t c = counts[w];
-        lower += w < warp ? c : 0u;
-        all += c;
-      }
-      const uint32_t rank = found + lower + __popc(ballot & ((1u << lane) - 1u));
-      if (is && rank < want) vlist[offset + rank] = sl;
-      found += all;
-    }
-  };
-  uint32_t f1 = 0;  // empty positions found: all of them unless need of them were found
-  if (total.fetch_empty >> 16) {
-    f1 = lane16(total.rank, kEmptyLane);
-    const uint32_t r = lane16(before, kEmptyLane);
-    if (k0 == 1 && r < need) vlist[r] = sl0;
-    search(1, f1, need, 0);
-  }
-  uint32_t f2 = 0;  // evictable positions found
-  if (f1 < need) {
-    f2 = lane16(total.rank, kEvictLane);
-    const uint32_t r = lane16(before, kEvictLane);
-    if (k0 == 2 && r < need - f1) vlist[f1 + r] = sl0;
-    search(2, f2, need - f1, f1);
-  }
-  const int placed = static_cast<int>(min(need, f1 + f2));
-  const int pA = min(nA, placed);  // placed admissions
-  const int pM = placed - pA;      // placed misses
-  // Admissions that need a fetch (partly written head units) are a prefix of the ascending
-  // admissions, so the placed ones are the first fA.
-  const int fA = min(static_cast<int>(total.fetch_empty & 0xffffu), pA);
-  {
-    uint32_t m = lane16(before, kMissLane);
+    // ---- scan 1: misses, admissions, victims; hits and invalid ordinals for the counters.
+    // Part 1, columns: the kind of each column (first occurrence of a distinct ordinal): 0
+    // none/padding/duplicate, 1 invalid, 2 hit (resident, or in flight: admitted, never fetched
+    // for the selection), 3 miss. A resident hit's slot is no victim (step 2), nor is a pinned
+    // in-flight slot (step 1): both clear the slot's victim kind. In-flight units not resident
+    // are admissions. The column kinds are kept (ckind; each thread reads back only what it
+    // wrote) so the ranking pass does not repeat the dependent loads.
+    Tally mine{0, 0, my_empty << 16};
+    int lo, hi;
     blocked_range<4>(K, lo, hi);
-#pragma unroll 1
+  #pragma unroll 1
     for (int b = lo; b < hi; b += 4) {
       int32_t e[4];
       uint8_t k[4];
       load_chunk(col_entry, b, hi, e, -1);
-      load_chunk(ckind, b, hi, k, uint8_t{0});
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (k[i] == 3) miss_entry[m++] = e[i];
+  #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        k[i] = 0;
+        if (e[i] < 0) continue;
+        uint32_t f;
+        int32_t u, sl;
+        entry_of(e[i], f, u, sl);
+        if (f != static_cast<uint32_t>(b + i)) continue;
+        if (!rules.selectable(u)) {
+          k[i] = 1;
+        } else if (sl != kNoSlot) {
+          k[i] = 2;
+          vk[sl] = 0;
+        } else {
+          k[i] = rules.inflight(u) ? 2 : 3;
+        }
+        mine.hits_invalid += k[i] == 2 ? 1u : k[i] == 1 ? 1u << 16 : 0u;
+        mine.rank += static_cast<unsigned long long>(k[i] == 3) << kMissLane;
+      }
+      store_chunk(ckind, b, hi, k);
     }
-    uint32_t ad = lane16(before, kAdmitLane);
     blocked_range<1>(nF, lo, hi);
-#pragma unroll 1
-    for (int i = lo; i < hi; ++i)
-      if (infl[i] == kNoSlot) admit[ad++] = i;
-  }
-  const int n_fetch = fA + pM;
-  unsigned long long reserved = 0;
-  if (tid == 0) {
-    reserved = reserve(p, n_fetch);  // consumed at the end, to hide the atomic's latency
-    const unsigned long long hits = total.hits_invalid & 0xffffu, misses = pM;
-    const unsigned long long invalid = (total.hits_invalid >> 16) + static_cast<unsigned>(nA - pA) +
-                                       static_cast<unsigned>(nM - pM);
-    if (hits) atomicAdd(p.counters + kHits, hits);
-    if (misses) atomicAdd(p.counters + kMisses, misses);
-    if (invalid) atomicAdd(p.counters + kInvalid, invalid);
-  }
-  __syncthreads();
-  KVCM2_PROF(8);
-
-  // ---- place: admissions take victims first, then misses in first-occurrence order.
-#pragma unroll 1
-  for (int k = tid; k < placed; k += kResolveThreads) {
-    const int sl = vlist[k];
-    const int32_t old = res[sl];
-    // The CPU erases slot_of[old] when a slot is reused. A reused slot's unit can only be
-    // selected if it was resident twice (bad data) and this is not its lowest slot: the erase
-    // then hides the unit's surviving slot from the index table. Reproduce that.
-    if (old >= 0) {
-      const int32_t e_old = find(old);
-      if (e_old >= 0) set_slot(e_old, kNoSlot);
-    }
-    int32_t u, e;
-    if (k < nA) {
-      u = static_cast<int32_t>(a + admit[k]);
-      e = u >= 0 ? find(u) : -1;  // a selected in-flight unit lands here
-      cls[sl] = kPinned;
-      infl[admit[k]] = sl;  // its in-flight slot record
-    } else {
-      e = miss_entry[k - nA];
-      u = direct ? unit0 + e : key[e];
-      cls[sl] = kMissed;
-    }
-    if (e >= 0) set_slot(e, sl);
-    res[sl] = u;
-    res_row[sl] = u;
-  }
-  __syncthreads();
-  KVCM2_PROF(9);
-
-  // ---- index table (step 5) and the hit class of every selected resident unit.
-  const int32_t lease_base = l * S;  // l * S + slot <= INT32_MAX (checked on the host)
-  for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
-    constexpr int kN = sizeof(ok);
-    int32_t e[kN], sl[kN], u[kN];
-    uint32_t f[kN];
-#pragma unroll
-    for (int i = 0; i < kN; ++i) e[i] = ok[i] ? col_entry[j[i]] : -1;
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      sl[i] = kNoSlot;
-      if (e[i] >= 0) entry_of(e[i], f[i], u[i], sl[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      if (!ok[i]) continue;
-      // Only selectable units ever hold a slot: non-selectable ones were dropped in step 0
-      // and are never placed.
-      out[j[i]] = sl[i] != kNoSlot ? lease_base + sl[i] : BAD;
-      if (sl[i] != kNoSlot && f[i] == static_cast<uint32_t>(j[i]) && cls[sl[i]] != kMissed)
-        cls[sl[i]] = kHit;
-    }
-  });
-  __syncthreads();
-  KVCM2_PROF(10);
-
-  // ---- scan 2: recency = untouched, misses, pinned, hits, each keeping its previous order.
-  // Class counts are packed in 16-bit lanes of one 64-bit word (each <= S <= 65535: no
-  // carries); each position's class is kept in pclass for the ranking pass.
-  {
-    int lo, hi;
-    blocked_range<8>(S, lo, hi);
-    const unsigned long long mine_c = gather_by_recency<unsigned long long>(
-        rec, cls, pclass, lo, hi, [](int c) { return 1ull << (16 * c); });
-    Tally total_c;
-    const unsigned long long before_c = block_scan(Tally{mine_c, 0, 0}, total_c, s_classes);
-    // Lane c of `next` = start of class c (the counts of the classes below it) + this thread's
-    // rank within the class.
-    const unsigned long long starts =
-        (total_c.rank << 16) + (total_c.rank << 32) + (total_c.rank << 48);
-    unsigned long long next = before_c + starts;
-#pragma unroll 1
-    for (int b = lo; b < hi; b += 8) {
-      uint16_t sl[8];
-      uint8_t c[8];
-      load_chunk(rec, b, hi, sl, uint16_t{0});
-      load_chunk(pclass, b, hi, c, uint8_t{0});
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (b + i >= hi) break;
-        const int shift = 16 * c[i];
-        newrec[(next >> shift) & 0xffffu] = sl[i];
-        next += 1ull << shift;
-      }
-    }
-  }
-  if (tid == 0) {  // the atomic's latency overlapped place/index/scan 2
-    s_miss_base = static_cast<int32_t>(static_cast<uint32_t>(reserved));
-    publish_if_last(p, reserved, n_fetch);
-  }
-  __syncthreads();
-  KVCM2_PROF(11);
-
-  // ---- write back the lease's recency row (16-byte stores when aligned; resident was written
-  // where it changed) and this row's miss-list entries.
-  if ((reinterpret_cast<uintptr_t>(rec_row) & 15) == 0) {
-#pragma unroll 1
-    for (int b = 8 * tid; b < S; b += 8 * kResolveThreads) {
-      uint16_t v[8];
-      load_chunk(newrec, b, S, v, uint16_t{0});
-      if (b + 8 <= S) {
-        reinterpret_cast<int4*>(rec_row + b)[0] = make_int4(v[0], v[1], v[2], v[3]);
-        reinterpret_cast<int4*>(rec_row + b)[1] = make_int4(v[4], v[5], v[6], v[7]);
+  #pragma unroll 1
+    for (int i = lo; i < hi; ++i) {
+      const int32_t sl = infl[i];
+      if (sl != kNoSlot) {
+        vk[sl] = 0;
+        cls[sl] = kPinned;
       } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (b + j < S) rec_row[b + j] = v[j];
+        mine.rank += 1ull << kAdmitLane;
+        mine.fetch_empty += range.needs_fetch_on_admit(a + i);
       }
     }
-  } else {
-#pragma unroll 1
-    for (int q = tid; q < S; q += kResolveThreads) rec_row[q] = newrec[q];
-  }
-  // In-flight slot records: the lowest slot that held the unit (pinned, so it still does), or
-  // the admission's slot; BAD for an admission that found no victim.
-#pragma unroll 1
-  for (int i = tid; i < p.MI; i += kResolveThreads)
-    located[i] = (i < nF && infl[i] != kNoSlot) ? infl[i] : BAD;
-  const int32_t base = s_miss_base;
-#pragma unroll 1
-  for (int k = tid; k < placed; k += kResolveThreads) {
-    int idx;
-    if (k < nA) {
-      if (k >= fA) continue;  // admitted unit wholly in flight: nothing to fetch
-      idx = k;
-    } else {
-      idx = fA + (k - nA);
+    __syncthreads();
+    KVCM2_PROF(7);
+
+    // Part 2, victims in taking order: empty slots, then evictable ones (neither hit nor pinned),
+    // each in recency order. Only the first nA + nM are taken (a few per step in steady state,
+    // and the least recently used slots are the untouched ones at the front of recency), so they
+    // are searched for from the front, one position per thread per round: round 0's ranks ride
+    // in this block scan; further rounds (rare: empty slots deep in recency, or many victims)
+    // rank by warp ballots. Empty positions are searched for only when some slot is empty (with
+    // bad data recency may name a slot twice, so their number is only known once counted), until
+    // they are enough or recency is exhausted; then evictable ones, after them.
+    uint16_t sl0 = 0;
+    uint8_t k0 = 0;
+    if (tid < S) {
+      sl0 = rec[tid];
+      k0 = vk[sl0];
     }
-    const int sl = vlist[k];
-    int32_t* const entry = p.miss_list + static_cast<int64_t>(base + idx) * kMissFields;
-    entry[kMissLease] = l;
-    entry[kMissSlot] = sl;
-    entry[kMissRow] = r;
-    entry[kMissUnit] = res[sl];
-  }
-  KVCM2_PROF_END();
+    mine.rank += k0 == 1 ? 1ull << kEmptyLane : k0 == 2 ? 1ull << kEvictLane : 0ull;
+    Tally total;
+    const unsigned long long before = block_scan(mine, total, s_tally);
+    const int nM = static_cast<int>(lane16(total.rank, kMissLane));
+    const int nA = static_cast<int>(lane16(total.rank, kAdmitLane));
+    const uint32_t need = static_cast<uint32_t>(nA + nM);
+    int round = 0;  // the last round searched (alternates the warp-count buffers)
+    // Rounds >= 1 of a search for positions of `kind`: vlist[offset + rank] for the ranks below
+    // `want`; `found` counts them (round 0's included). The condition is uniform over the CTA.
+    auto search = [&](uint8_t kind, uint32_t& found, uint32_t want, uint32_t offset) {
+      const int lane = tid & 31, warp = tid >> 5;
+  #pragma unroll 1
+      for (int q = kResolveThreads + tid; found < want && q - tid < S; q += kResolveThreads) {
+        const uint16_t sl = q < S ? rec[q] : 0;
+        const bool is = q < S && vk[sl] == kind;
+        const unsigned ballot = __ballot_sync(kAll, is);
+        uint32_t* const counts = s_round[++round & 1];
+        if (lane == 0) counts[warp] = __popc(ballot);
+        __syncthreads();
+        uint32_t lower = 0, all = 0;  // this round's finds in the warps below this one, in all
+  #pragma unroll
+        for (int w = 0; w < kResolveWarps; ++w) {
+          const uint32_t c = counts[w];
+          lower += w < warp ? c : 0u;
+          all += c;
+        }
+        const uint32_t rank = found + lower + __popc(ballot & ((1u << lane) - 1u));
+        if (is && rank < want) vlist[offset + rank] = sl;
+        found += all;
+      }
+    };
+    uint32_t f1 = 0;  // empty positions found: all of them unless need of them were found
+    if (total.fetch_empty >> 16) {
+      f1 = lane16(total.rank, kEmptyLane);
+      const uint32_t r = lane16(before, kEmptyLane);
+      if (k0 == 1 && r < need) vlist[r] = sl0;
+      search(1, f1, need, 0);
+    }
+    uint32_t f2 = 0;  // evictable positions found
+    if (f1 < need) {
+      f2 = lane16(total.rank, kEvictLane);
+      const uint32_t r = lane16(before, kEvictLane);
+      if (k0 == 2 && r < need - f1) vlist[f1 + r] = sl0;
+      search(2, f2, need - f1, f1);
+    }
+    const int placed = static_cast<int>(min(need, f1 + f2));
+    const int pA = min(nA, placed);  // placed admissions
+    const int pM = placed - pA;      // placed misses
+    // Admissions that need a fetch (partly written head units) are a prefix of the ascending
+    // admissions, so the placed ones are the first fA.
+    const int fA = min(static_cast<int>(total.fetch_empty & 0xffffu), pA);
+    {
+      uint32_t m = lane16(before, kMissLane);
+      blocked_range<4>(K, lo, hi);
+  #pragma unroll 1
+      for (int b = lo; b < hi; b += 4) {
+        int32_t e[4];
+        uint8_t k[4];
+        load_chunk(col_entry, b, hi, e, -1);
+        load_chunk(ckind, b, hi, k, uint8_t{0});
+  #pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (k[i] == 3) miss_entry[m++] = e[i];
+      }
+      uint32_t ad = lane16(before, kAdmitLane);
+      blocked_range<1>(nF, lo, hi);
+  #pragma unroll 1
+      for (int i = lo; i < hi; ++i)
+        if (infl[i] == kNoSlot) admit[ad++] = i;
+    }
+    const int n_fetch = fA + pM;
+    unsigned long long reserved = 0;
+    if (tid == 0) {
+      reserved = reserve(p, n_fetch);  // consumed at the end, to hide the atomic's latency
+      const unsigned long long hits = total.hits_invalid & 0xffffu, misses = pM;
+      const unsigned long long invalid = (total.hits_invalid >> 16) +
+                                         static_cast<unsigned>(nA - pA) +
+                                         static_cast<unsigned>(nM - pM);
+      if (hits) atomicAdd(p.counters + kHits, hits);
+      if (misses) atomicAdd(p.counters + kMisses, misses);
+      if (invalid) atomicAdd(p.counters + kInvalid, invalid);
+    }
+    __syncthreads();
+    KVCM2_PROF(8);
+
+    // ---- place: admissions take victims first, then misses in first-occurrence order.
+  #pragma unroll 1
+    for (int k = tid; k < placed; k += kResolveThreads) {
+      const int sl = vlist[k];
+      const int32_t old = res[sl];
+      // The CPU erases slot_of[old] when a slot is reused. A reused slot's unit can only be
+      // selected if it was resident twice (bad data) and this is not its lowest slot: the erase
+      // then hides the unit's surviving slot from the index table. Reproduce that.
+      if (old >= 0) {
+        const int32_t e_old = find(old);
+        if (e_old >= 0) set_slot(e_old, kNoSlot);
+      }
+      int32_t u, e;
+      if (k < nA) {
+        u = static_cast<int32_t>(a + admit[k]);
+        e = u >= 0 ? find(u) : -1;  // a selected in-flight unit lands here
+        cls[sl] = kPinned;
+        infl[admit[k]] = sl;  // its in-flight slot record
+      } else {
+        e = miss_entry[k - nA];
+        u = direct ? unit0 + e : key[e];
+        cls[sl] = kMissed;
+      }
+      if (e >= 0) set_slot(e, sl);
+      res[sl] = u;
+      res_row[sl] = u;
+    }
+    __syncthreads();
+    KVCM2_PROF(9);
+
+    // ---- index table (step 5) and the hit class of every selected resident unit.
+    const int32_t lease_base = l * S;  // l * S + slot <= INT32_MAX (checked on the host)
+    for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
+      constexpr int kN = sizeof(ok);
+      int32_t e[kN], sl[kN], u[kN];
+      uint32_t f[kN];
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) e[i] = ok[i] ? col_entry[j[i]] : -1;
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        sl[i] = kNoSlot;
+        if (e[i] >= 0) entry_of(e[i], f[i], u[i], sl[i]);
+      }
+  #pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        if (!ok[i]) continue;
+        // Only selectable units ever hold a slot: non-selectable ones were dropped in step 0
+        // and are never placed.
+        out[j[i]] = sl[i] != kNoSlot ? lease_base + sl[i] : BAD;
+        if (sl[i] != kNoSlot && f[i] == static_cast<uint32_t>(j[i]) && cls[sl[i]] != kMissed)
+          cls[sl[i]] = kHit;
+      }
+    });
+    __syncthreads();
+    KVCM2_PROF(10);
+
+    // ---- scan 2: recency = untouched, misses, pinned, hits, each keeping its previous order.
+    // Class counts are packed in 16-bit lanes of one 64-bit word (each <= S <= 65535: no
+    // carries); each position's class is kept in pclass for the ranking pass.
+    {
+      int lo, hi;
+      blocked_range<8>(S, lo, hi);
+      const unsigned long long mine_c = gather_by_recency<unsigned long long>(
+          rec, cls, pclass, lo, hi, [](int c) { return 1ull << (16 * c); });
+      Tally total_c;
+      const unsigned long long before_c = block_scan(Tally{mine_c, 0, 0}, total_c, s_classes);
+      // Lane c of `next` = start of class c (the counts of the classes below it) + this thread's
+      // rank within the class.
+      const unsigned long long starts =
+          (total_c.rank << 16) + (total_c.rank << 32) + (total_c.rank << 48);
+      unsigned long long next = before_c + starts;
+  #pragma unroll 1
+      for (int b = lo; b < hi; b += 8) {
+        uint16_t sl[8];
+        uint8_t c[8];
+        load_chunk(rec, b, hi, sl, uint16_t{0});
+        load_chunk(pclass, b, hi, c, uint8_t{0});
+  #pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (b + i >= hi) break;
+          const int shift = 16 * c[i];
+          newrec[(next >> shift) & 0xffffu] = sl[i];
+          next += 1ull << shift;
+        }
+      }
+    }
+    if (tid == 0) {  // the atomic's latency overlapped place/index/scan 2
+      s_miss_base = static_cast<int32_t>(static_cast<uint32_t>(reserved));
+      publish_if_last(p, reserved, n_fetch);
+    }
+    __syncthreads();
+    KVCM2_PROF(11);
+
+    // ---- write back the lease's recency row (16-byte stores when aligned; resident was written
+    // where it changed) and this row's miss-list entries.
+    if ((reinterpret_cast<uintptr_t>(rec_row) & 15) == 0) {
+  #pragma unroll 1
+      for (int b = 8 * tid; b < S; b += 8 * kResolveThreads) {
+        uint16_t v[8];
+        load_chunk(newrec, b, S, v, uint16_t{0});
+        if (b + 8 <= S) {
+          reinterpret_cast<int4*>(rec_row + b)[0] = make_int4(v[0], v[1], v[2], v[3]);
+          reinterpret_cast<int4*>(rec_row + b)[1] = make_int4(v[4], v[5], v[6], v[7]);
+        } else {
+  #pragma unroll
+          for (int j = 0; j < 8; ++j)
+            if (b + j < S) rec_row[b + j] = v[j];
+        }
+      }
+    } else {
+  #pragma unroll 1
+      for (int q = tid; q < S; q += kResolveThreads) rec_row[q] = newrec[q];
+    }
+    // In-flight slot records: the lowest slot that held the unit (pinned, so it still does), or
+    // the admission's slot; BAD for an admission that found no victim.
+  #pragma unroll 1
+    for (int i = tid; i < p.MI; i += kResolveThreads)
+      located[i] = (i < nF && infl[i] != kNoSlot) ? infl[i] : BAD;
+    const int32_t base = s_miss_base;
+  #pragma unroll 1
+    for (int k = tid; k < placed; k += kResolveThreads) {
+      int idx;
+      if (k < nA) {
+        if (k >= fA) continue;  // admitted unit wholly in flight: nothing to fetch
+        idx = k;
+      } else {
+        idx = fA + (k - nA);
+      }
+      const int sl = vlist[k];
+      int32_t* const entry = p.miss_list + static_cast<int64_t>(base + idx) * kMissFields;
+      entry[kMissLease] = l;
+      entry[kMissSlot] = sl;
+      entry[kMissRow] = r;
+      entry[kMissUnit] = res[sl];
+    }
+    KVCM2_PROF_END();
+  };
+  if (use_direct)
+    rest(std::true_type{});
+  else
+    rest(std::false_type{});
 }
 
 // ------------------------------------------------------------------------------------------------
