@@ -10,21 +10,25 @@
 //             each ordinal's first column), >= 4K entries when shared memory allows (short
 //             probes); or, for a row whose live unit range fits the hash's space and whose
 //             selected ordinals all lie in it, a direct table of one word per unit (first
-//             column << 16 | lowest slot): no hashing, no probes; then recency from registers;
-//   slots     step 0 and each slot's victim kind (empty or evictable); every resident slot probes
-//             the hash (atomicMin: lowest slot wins, like the CPU's slot_of.emplace) and the
-//             in-flight array (which in-flight units are resident);
+//             column << 16 | lowest slot): no hashing, no probes; then recency from registers.
+//             The phases after this choice are compiled once per mode;
+//   slots     step 0 (a dropped unit's slot is written back at once) and each slot's victim kind
+//             (empty or evictable); every resident slot looks its unit up in the table
+//             (atomicMin: lowest slot wins, like the CPU's slot_of.emplace) and the in-flight
+//             array (which in-flight units are resident);
 //   scan 1    columns: first-occurrence kinds (invalid, hit, miss), hit slots (step 2) and pinned
-//             slots (step 1) lose their victim kind, admissions; then victims in recency order
-//             (one byte gather per position); one block scan ranks misses in column order,
-//             admissions in unit order and the first `placed` victims (empty slots, then
-//             evictable ones, each in recency order); it also sums hits/invalid for the counters;
-//   place     victim k takes admission k, then miss k - #admissions;
+//             slots (step 1) lose their victim kind, admissions; one block scan ranks misses in
+//             column order, admissions in unit order and the victims among recency positions
+//             0..511 (one per thread); further rounds of 512 positions (warp ballots) only while
+//             victims are missing: the victims are the first `placed` empty slots, then
+//             evictable ones, each in recency order; it also sums hits/invalid for the counters;
+//   place     victim k takes admission k, then miss k - #admissions (the resident row is
+//             written at the placed slots);
 //   index     index_table row and the step-5 hit classes;
 //   scan 2    the stable 4-way partition of recency (untouched, misses, pinned, hits);
-//   write     resident, recency, the row's in-flight slot records, and its miss-list entries at
-//             a base reserved with one 64-bit atomic per CTA (reserve / publish_if_last: issued
-//             after scan 1, consumed at the end to hide its latency; no memset before launch).
+//   write     recency, the row's in-flight slot records, and its miss-list entries at a base
+//             reserved with one 64-bit atomic per CTA (reserve / publish_if_last: issued after
+//             scan 1, consumed at the end to hide its latency; no memset before launch).
 // Scans run over blocked per-thread ranges of whole 4/8/16-byte chunks (load_chunk /
 // store_chunk), so the sequential shared arrays are read without bank conflicts.
 //
@@ -428,12 +432,13 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 #endif
 
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
-// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): ~12.8 us per
-// graph-replayed launch (~24K cycles per CTA in the last profile). Nsight Compute: 42K warp
-// instructions per CTA, each warp issuing one every 9-11 cycles, mostly waiting on the previous
-// instruction's result (integer and shared-memory dependency chains), not on shared-memory
-// bandwidth: the time follows the instructions per warp. benchmarks/NOTES.md has the phase
-// profile (TORCH_KVCM2_PROFILE=1 builds print it) and what was tried.
+// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): ~9.3 us per
+// graph-replayed launch (~17K cycles per CTA after the PDL wait in the last profile). Nsight
+// Compute (session 7, before the per-mode compilation): 35.5K warp instructions per CTA, each
+// warp issuing one every ~9 cycles, mostly waiting on the previous instruction's result (integer
+// and shared-memory dependency chains), not on shared-memory bandwidth: the time follows the
+// instructions per warp. benchmarks/NOTES.md has the phase profile (TORCH_KVCM2_PROFILE=1 builds
+// print it) and what was tried.
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   __shared__ Tally s_tally[kResolveWarps];                 // scan 1 warp totals
   __shared__ Tally s_classes[kResolveWarps];               // scan 2 warp totals
