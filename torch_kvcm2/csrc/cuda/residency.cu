@@ -589,7 +589,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // (hash entry, or unit - unit0 in the direct table), -1 for padding.
     const int mask = H - 1;
     if (direct) {
-  #pragma unroll 1
+#pragma unroll 1
       for (int j = tid; j < K; j += kResolveThreads) {
         const int32_t u = col_entry[j];
         const int32_t e = u < 0 ? -1 : u - unit0;
@@ -599,14 +599,14 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     } else for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
       constexpr int kN = sizeof(ok);
       int32_t u[kN], e[kN], prev[kN];
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) u[i] = ok[i] ? col_entry[j[i]] : -1;  // selected ordinals
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) {  // first insert attempts of the chunk, all in flight
         e[i] = hash_home(u[i], bits);
         prev[i] = (ok[i] && u[i] >= 0) ? atomicCAS(&key[e[i]], kEmptyKey, u[i]) : kEmptyKey;
       }
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) {
         if (!ok[i]) continue;
         if (u[i] < 0) {
@@ -629,7 +629,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     auto stage_rec = [&](int q, int32_t v) {
       rec[q] = static_cast<uint16_t>(static_cast<uint32_t>(v) < static_cast<uint32_t>(S) ? v : q);
     };
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < kIlpGlobal; ++i) {
       const int q = tid + i * kResolveThreads;
       if (q < S) stage_rec(q, qv[i]);
@@ -637,9 +637,9 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     for_chunks<kIlpGlobal>(tid + kIlpGlobal * kResolveThreads, S, kResolveThreads, [&](const auto& q, const auto& ok) {
       constexpr int kN = sizeof(ok);
       int32_t v[kN];
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) v[i] = ok[i] ? rec_row[q[i]] : 0;
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i)
         if (ok[i]) stage_rec(q[i], v[i]);
     });
@@ -655,7 +655,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     for_chunks<1>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
       constexpr int kN = sizeof(ok);
       int32_t u[kN], e[kN], k0[kN];
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) {
         u[i] = ok[i] ? res[q[i]] : BAD;
         const bool empty = u[i] == BAD || !rules.selectable(u[i]);
@@ -669,14 +669,14 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         }
         if (empty) u[i] = BAD;
       }
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) {  // first probes of the chunk, all in flight
         // (selectable units lie in the direct table's range)
         e[i] = direct ? u[i] - unit0 : hash_home(u[i], bits);
         k0[i] = (ok[i] && u[i] >= 0) ? (direct ? static_cast<int32_t>(word[e[i]]) : key[e[i]])
                                      : kEmptyKey;
       }
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) {
         if (!ok[i] || u[i] < 0) continue;
         if (direct) {
@@ -709,12 +709,12 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     Tally mine{0, 0, my_empty << 16};
     int lo, hi;
     blocked_range<4>(K, lo, hi);
-  #pragma unroll 1
+#pragma unroll 1
     for (int b = lo; b < hi; b += 4) {
       int32_t e[4];
       uint8_t k[4];
       load_chunk(col_entry, b, hi, e, -1);
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < 4; ++i) {
         k[i] = 0;
         if (e[i] < 0) continue;
@@ -736,7 +736,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       store_chunk(ckind, b, hi, k);
     }
     blocked_range<1>(nF, lo, hi);
-  #pragma unroll 1
+#pragma unroll 1
     for (int i = lo; i < hi; ++i) {
       const int32_t sl = infl[i];
       if (sl != kNoSlot) {
@@ -775,7 +775,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // `want`; `found` counts them (round 0's included). The condition is uniform over the CTA.
     auto search = [&](uint8_t kind, uint32_t& found, uint32_t want, uint32_t offset) {
       const int lane = tid & 31, warp = tid >> 5;
-  #pragma unroll 1
+#pragma unroll 1
       for (int q = kResolveThreads + tid; found < want && q - tid < S; q += kResolveThreads) {
         const uint16_t sl = q < S ? rec[q] : 0;
         const bool is = q < S && vk[sl] == kind;
@@ -784,7 +784,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         if (lane == 0) counts[warp] = __popc(ballot);
         __syncthreads();
         uint32_t lower = 0, all = 0;  // this round's finds in the warps below this one, in all
-  #pragma unroll
+#pragma unroll
         for (int w = 0; w < kResolveWarps; ++w) {
           const uint32_t c = counts[w];
           lower += w < warp ? c : 0u;
@@ -818,19 +818,19 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     {
       uint32_t m = lane16(before, kMissLane);
       blocked_range<4>(K, lo, hi);
-  #pragma unroll 1
+#pragma unroll 1
       for (int b = lo; b < hi; b += 4) {
         int32_t e[4];
         uint8_t k[4];
         load_chunk(col_entry, b, hi, e, -1);
         load_chunk(ckind, b, hi, k, uint8_t{0});
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < 4; ++i)
           if (k[i] == 3) miss_entry[m++] = e[i];
       }
       uint32_t ad = lane16(before, kAdmitLane);
       blocked_range<1>(nF, lo, hi);
-  #pragma unroll 1
+#pragma unroll 1
       for (int i = lo; i < hi; ++i)
         if (infl[i] == kNoSlot) admit[ad++] = i;
     }
@@ -850,7 +850,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     KVCM2_PROF(8);
 
     // ---- place: admissions take victims first, then misses in first-occurrence order.
-  #pragma unroll 1
+#pragma unroll 1
     for (int k = tid; k < placed; k += kResolveThreads) {
       const int sl = vlist[k];
       const int32_t old = res[sl];
@@ -885,14 +885,14 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       constexpr int kN = sizeof(ok);
       int32_t e[kN], sl[kN], u[kN];
       uint32_t f[kN];
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) e[i] = ok[i] ? col_entry[j[i]] : -1;
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) {
         sl[i] = kNoSlot;
         if (e[i] >= 0) entry_of(e[i], f[i], u[i], sl[i]);
       }
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kN; ++i) {
         if (!ok[i]) continue;
         // Only selectable units ever hold a slot: non-selectable ones were dropped in step 0
@@ -920,13 +920,13 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       const unsigned long long starts =
           (total_c.rank << 16) + (total_c.rank << 32) + (total_c.rank << 48);
       unsigned long long next = before_c + starts;
-  #pragma unroll 1
+#pragma unroll 1
       for (int b = lo; b < hi; b += 8) {
         uint16_t sl[8];
         uint8_t c[8];
         load_chunk(rec, b, hi, sl, uint16_t{0});
         load_chunk(pclass, b, hi, c, uint8_t{0});
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < 8; ++i) {
           if (b + i >= hi) break;
           const int shift = 16 * c[i];
@@ -945,7 +945,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // ---- write back the lease's recency row (16-byte stores when aligned; resident was written
     // where it changed) and this row's miss-list entries.
     if ((reinterpret_cast<uintptr_t>(rec_row) & 15) == 0) {
-  #pragma unroll 1
+#pragma unroll 1
       for (int b = 8 * tid; b < S; b += 8 * kResolveThreads) {
         uint16_t v[8];
         load_chunk(newrec, b, S, v, uint16_t{0});
@@ -953,22 +953,22 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
           reinterpret_cast<int4*>(rec_row + b)[0] = make_int4(v[0], v[1], v[2], v[3]);
           reinterpret_cast<int4*>(rec_row + b)[1] = make_int4(v[4], v[5], v[6], v[7]);
         } else {
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < 8; ++j)
             if (b + j < S) rec_row[b + j] = v[j];
         }
       }
     } else {
-  #pragma unroll 1
+#pragma unroll 1
       for (int q = tid; q < S; q += kResolveThreads) rec_row[q] = newrec[q];
     }
     // In-flight slot records: the lowest slot that held the unit (pinned, so it still does), or
     // the admission's slot; BAD for an admission that found no victim.
-  #pragma unroll 1
+#pragma unroll 1
     for (int i = tid; i < p.MI; i += kResolveThreads)
       located[i] = (i < nF && infl[i] != kNoSlot) ? infl[i] : BAD;
     const int32_t base = s_miss_base;
-  #pragma unroll 1
+#pragma unroll 1
     for (int k = tid; k < placed; k += kResolveThreads) {
       int idx;
       if (k < nA) {
