@@ -185,9 +185,9 @@ constexpr unsigned kAll = 0xffffffffu;
 
 // What a block scan ranks: counts in 16-bit lanes of one 64-bit word (scan 1: misses, admissions,
 // and the empty and evictable slots of the victim search's first round; scan 2: the four recency
-// classes); every count is <= 65535 (S, K
-// and MI are checked on the host), so no lane carries into the next. And what scan 1 only
-// totals, in 16-bit halves of a 32-bit word: one warp reduction (REDUX) each, no shuffle scan.
+// classes); every count is <= 65535 (S, K and MI are checked on the host), so no lane carries
+// into the next. And what scan 1 only totals, in 16-bit halves of a 32-bit word: one warp
+// reduction (REDUX) each, no shuffle scan.
 struct Tally {
   unsigned long long rank;
   uint32_t hits_invalid;  // hits | invalid << 16
@@ -465,7 +465,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   uint8_t* const pclass = smem + L.pclass;
   uint8_t* const ckind = smem + L.ckind;
   uint32_t* const first = reinterpret_cast<uint32_t*>(smem + L.first);  // UINT32_MAX: none
-  // The direct unit table (rows whose live unit range fits the table region): word u - base is
+  // The direct unit table (rows whose live unit range fits the table region): word u - unit0 is
   // first column << 16 | lowest resident slot, 0xffff in either half for none.
   uint32_t* const word = reinterpret_cast<uint32_t*>(smem + L.key);
   int32_t* const col_entry = reinterpret_cast<int32_t*>(smem + L.col_entry);
@@ -531,7 +531,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   const int nF = static_cast<int>(n_inflight < p.MI ? n_inflight : p.MI);
 
   fill_words(infl, nF, kNoSlot);
-  // The direct unit table covers [base, end): every selectable unit, and the non-selectable gap
+  // The direct unit table covers [unit0, end): every selectable unit, and the non-selectable gap
   // between history and the in-flight range. A row takes it when the range fits the table region
   // and every selected ordinal >= 0 lies in it; else (long live ranges, bad ordinals) the hash.
   const int32_t unit0 = rules.live;
@@ -547,7 +547,8 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       outside |= out_of_range(v.x) | out_of_range(v.y) | out_of_range(v.z) | out_of_range(v.w);
     }
 #pragma unroll 1
-    for (int i = K / 4 * 4 + tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
+    for (int i = K / 4 * 4 + tid; i < K; i += kResolveThreads)
+      outside |= out_of_range(col_entry[i]);
   } else {
 #pragma unroll 1
     for (int i = tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
