@@ -992,9 +992,11 @@ class RandomDriver:
         return sel
 
 
-def run_random_sequence(devices, config, seed, steps, with_fetch=True):
-    """Runs the sequence on each device; returns the first device's counters and the most units
-    one row placed in one step."""
+def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectable_only=False):
+    """Runs the sequence on each device; returns the first device's counters and the most
+    miss-list entries one row produced in one step. ``selectable_only`` turns every selected
+    ordinal its row cannot select into padding, so every row fits the CUDA resolve's direct unit
+    table (bad or out-of-range ordinals send a row to the hash)."""
     params = RANDOM_CONFIGS.get(config) or LARGE_CONFIGS[config]
     U, P, K, I, S, window, leases, rows, max_tokens = params
     drv = RandomDriver(seed, *params)
@@ -1017,6 +1019,10 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True):
         resident_rows = {r: groups[0].ref.resident[ell] for r, ell in enumerate(lease)
                          if 0 <= ell < leases}
         sel = drv.selection(resident_rows)
+        if selectable_only:
+            ranges = [ref.RowRange(h, c, U, P, I, window) for h, c in zip(drv.h, drv.c)]
+            sel = [[u if u < 0 or rng.selectable(u) else -1 for u in row]
+                   for row, rng in zip(sel, ranges)]
         outs = []
         for g in groups:
             outs.append(g.step(sel, list(drv.h), list(drv.c), lease))
@@ -1061,11 +1067,15 @@ def test_op_resolve_random_sequence_cpu_cuda_identical(config):
 @pytest.mark.parametrize("devices", [pytest.param(["cpu"], id="cpu"),
                                      pytest.param(["cpu", "cuda"], id="cpu_cuda",
                                                   marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("selectable_only", [False, True], ids=["raw", "selectable_only"])
 @pytest.mark.parametrize("config", list(LARGE_CONFIGS))
-def test_op_resolve_random_sequence_large_rows(devices, config):
+def test_op_resolve_random_sequence_large_rows(devices, config, selectable_only):
     """OP-RESOLVE, INT-4 on rows of more than 512 slots and columns: every step agrees with the
     reference (and CPU with CUDA, bit for bit), through cold starts, bursts of misses and a
-    sliding window; the sequence placed more than 512 units in one row in one step."""
-    (hits, misses, invalid), most_placed = run_random_sequence(devices, config, seed=5, steps=60)
-    assert hits > 0 and misses > 0 and invalid > 0
+    sliding window; the sequence placed more than 512 units in one row in one step. Raw
+    selections (out-of-range ordinals) send CUDA rows to the hash; selectable-only ones keep them
+    in the direct unit table."""
+    (hits, misses, invalid), most_placed = run_random_sequence(
+        devices, config, seed=5, steps=60, selectable_only=selectable_only)
+    assert hits > 0 and misses > 0 and (invalid > 0 or selectable_only)
     assert most_placed > 512, most_placed
