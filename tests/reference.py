@@ -190,7 +190,11 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
         for s in range(S):
             if resident[s] != BAD and not rng.selectable(resident[s]):
                 resident[s] = BAD
-        slot_of = {u: s for s, u in enumerate(resident) if u != BAD}
+        # unit -> slot; a unit resident twice (bad data, RES-1 broken) maps to its lowest slot
+        slot_of = {}
+        for s, u in enumerate(resident):
+            if u != BAD:
+                slot_of.setdefault(u, s)
 
         # step 1: in-flight units already resident are pinned, the others are admissions
         pinned_slots = set()
@@ -239,7 +243,8 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
             s = victims.pop()
             old = resident[s]
             if old != BAD:
-                del slot_of[old]
+                # forgets the unit even when this was not the slot that served it (bad data)
+                slot_of.pop(old, None)
             resident[s] = u
             slot_of[u] = s
             admitted_slots.add(s)
@@ -252,7 +257,8 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
             s = victims.pop()
             old = resident[s]
             if old != BAD:
-                del slot_of[old]
+                # forgets the unit even when this was not the slot that served it (bad data)
+                slot_of.pop(old, None)
             resident[s] = u
             slot_of[u] = s
             miss_slots.add(s)
@@ -260,12 +266,16 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
             misses.append((ell, s, r, u))
 
         # step 4: new recency = stable partition of the old one: untouched, misses, pinned, hits
+        # A hit is the slot that serves a selected unit (the one step 5 gives it). With sane
+        # data that is every slot holding a selected unit; a unit resident twice (bad data) is
+        # served by one slot, or by none once the reuse of its other slot forgot it.
+        served = {slot_of[u] for u in selected_set if u in slot_of}
+
         def slot_class(s):
             if s in miss_slots:
                 return 1
-            u = resident[s]
-            if u != BAD and u in selected_set:
-                return 3  # hit: holds a unit selected this step that is not a miss
+            if s in served:
+                return 3  # hit: serves a unit selected this step and is not a miss
             if s in pinned_slots or s in admitted_slots:
                 return 2  # pinned: holds an in-flight unit that was not selected
             return 0

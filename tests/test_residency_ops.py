@@ -470,6 +470,37 @@ def test_op_resolve_bad_device_data_no_crash(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_op_resolve_unit_resident_twice_matches_reference(device):
+    """SAFE-3 / INT-4 with RES-1 broken by bad device data: a unit held by two slots is served
+    by its lowest slot (the CPU's slot_of.emplace), and when its other slot is reused as a
+    victim the unit is forgotten (the CPU's erase), so its columns read BAD. Every device and
+    the reference agree on every output."""
+    g = small_group(device, leases=1, rows=1)
+    h = c = 40  # U = 2: units 0..19 are history
+    resident = [5, 5, 6, BAD, 5, 7, 8, 9]  # unit 5 in slots 0, 1 and 4
+    g.resident[0] = t32(resident, device)
+    g.ref.resident[0] = list(resident)
+    # Unit 5 hits in slot 0; misses 10, 11, 12 take the empty slot 3, then the evictable slots
+    # in recency order: 1 (unit 5 again: its erase hides slot 0 from the index table) and 2.
+    # Then slot 4 (unit 5 a third time) is reused: the second erase finds nothing to forget.
+    steps = [[5, 10, 11, 12], [13, 14, 15, 5], [5, 7, 8, 9]]
+    for sel in steps:
+        before = g.ref.clone()
+        g.run_op([sel], [h], [c], [0])
+        want_index, want_misses, _ = ref.resolve(g.ref, [sel], [h], [c], [0], g.U, g.P, g.I)
+        ctx = dict(selected=sel, before=before.resident[0])
+        assert g.index_table.cpu().tolist() == want_index, ctx
+        assert sorted(g.op_misses()) == sorted(want_misses), ctx
+        assert g.resident.cpu().tolist() == g.ref.resident, ctx
+        assert g.recency.cpu().tolist() == g.ref.recency, ctx
+        assert g.counters.cpu().tolist() == g.ref.counters, ctx
+    # the first step's hidden unit: column 0 (unit 5) reads BAD although slot 0 still holds it
+    first = ref.resolve(ref.ResidencyState([list(resident)], [list(range(8))], [0, 0, 0]),
+                        [steps[0]], [h], [c], [0], g.U, g.P, g.I)[0]
+    assert first[0][0] == BAD and first[0][1:] == [3, 1, 2], first
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_op_resolve_negative_history_stores_no_negative_units(device):
     """SAFE-3 (bad device data never corrupts): a negative history reads as 0 and a capacity below
     history as history, so resolve never stores negative ordinals or lists negative units."""
