@@ -466,7 +466,8 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   uint8_t* const ckind = smem + L.ckind;
   uint32_t* const first = reinterpret_cast<uint32_t*>(smem + L.first);  // UINT32_MAX: none
   // The direct unit table (rows whose live unit range fits the table region): word u - unit0 is
-  // first column << 16 | lowest resident slot, 0xffff in either half for none.
+  // first column << 16 | lowest resident slot, 0xffff in either half for none (no column or
+  // slot is 0xffff: the host checks K <= 65535, and shared memory bounds S far lower).
   uint32_t* const word = reinterpret_cast<uint32_t*>(smem + L.key);
   int32_t* const col_entry = reinterpret_cast<int32_t*>(smem + L.col_entry);
   int32_t* const miss_entry = reinterpret_cast<int32_t*>(smem + L.miss_entry);
@@ -771,7 +772,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     const int nM = static_cast<int>(lane16(total.rank, kMissLane));
     const int nA = static_cast<int>(lane16(total.rank, kAdmitLane));
     const uint32_t need = static_cast<uint32_t>(nA + nM);
-    int round = 0;  // the last round searched (alternates the warp-count buffers)
+    int rounds = 0;  // rounds searched after round 0 (alternates the warp-count buffers)
     // Rounds >= 1 of a search for positions of `kind`: vlist[offset + rank] for the ranks below
     // `want`; `found` counts them (round 0's included). The condition is uniform over the CTA.
     auto search = [&](uint8_t kind, uint32_t& found, uint32_t want, uint32_t offset) {
@@ -781,7 +782,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         const uint16_t sl = q < S ? rec[q] : 0;
         const bool is = q < S && vk[sl] == kind;
         const unsigned ballot = __ballot_sync(kAll, is);
-        uint32_t* const counts = s_round[++round & 1];
+        uint32_t* const counts = s_round[++rounds & 1];
         if (lane == 0) counts[warp] = __popc(ballot);
         __syncthreads();
         uint32_t lower = 0, all = 0;  // this round's finds in the warps below this one, in all
@@ -799,15 +800,15 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     uint32_t f1 = 0;  // empty positions found: all of them unless need of them were found
     if (total.fetch_empty >> 16) {
       f1 = lane16(total.rank, kEmptyLane);
-      const uint32_t r = lane16(before, kEmptyLane);
-      if (k0 == 1 && r < need) vlist[r] = sl0;
+      const uint32_t rank0 = lane16(before, kEmptyLane);
+      if (k0 == 1 && rank0 < need) vlist[rank0] = sl0;
       search(1, f1, need, 0);
     }
     uint32_t f2 = 0;  // evictable positions found
     if (f1 < need) {
       f2 = lane16(total.rank, kEvictLane);
-      const uint32_t r = lane16(before, kEvictLane);
-      if (k0 == 2 && r < need - f1) vlist[f1 + r] = sl0;
+      const uint32_t rank0 = lane16(before, kEvictLane);
+      if (k0 == 2 && rank0 < need - f1) vlist[f1 + rank0] = sl0;
       search(2, f2, need - f1, f1);
     }
     const int placed = static_cast<int>(min(need, f1 + f2));
