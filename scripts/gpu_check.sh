@@ -83,16 +83,22 @@ if [ "${PROFILE:-0}" = 1 ]; then
   # a CTA that started early spends waiting for the previous launch).
   TORCH_KVCM2_PROFILE=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_profile.log" 2>&1
   for pdl in 0 1; do
-    KVCM2_PDL=$pdl python3 benchmarks/run.py --only P-RES 2>&1 | grep "resolve phases" > "$OUT/profile_raw_pdl$pdl.txt"
+    KVCM2_PDL=$pdl python3 benchmarks/run.py --only P-RES 2>&1 | grep "resolve p" > "$OUT/profile_raw_pdl$pdl.txt"
     python3 - "$OUT/profile_raw_pdl$pdl.txt" "$pdl" <<'PY' | tee -a "$OUT/profile.txt"
 import statistics, sys
-rows = [[int(x) for x in l.split(":")[1].split()] for l in open(sys.argv[1]) if ":" in l]
+lines = [l for l in open(sys.argv[1]) if ":" in l]
+rows = [[int(x) for x in l.split(":")[1].split()] for l in lines if l.startswith("resolve phases")]
+parts = [[int(x) for x in l.split(":")[1].split()] for l in lines if l.startswith("resolve parts")]
 names = "fill wait lease load hash slots columns victims place index scan2 write".split()
 print(f"resolve phases, CTA 0, KVCM2_PDL={sys.argv[2]}, median cycles over {len(rows)} launches")
 for i, n in enumerate(names):
     print(f"  {n:8s} {statistics.median(r[i] for r in rows):8.0f}")
 print(f"  total    {statistics.median(sum(r) for r in rows):8.0f}")
 print(f"  after wait {statistics.median(sum(r[2:]) for r in rows):6.0f}")
+part_names = ("load: issue+rules", "load: infl fill", "load: selection wait", "load: range check",
+              "load: vote", "hash: insert", "hash: recency staging", "hash: resident wait")
+for i, n in enumerate(part_names if parts else ()):
+    print(f"  {n:22s} {statistics.median(r[i] for r in parts):6.0f}")
 PY
   done
 fi

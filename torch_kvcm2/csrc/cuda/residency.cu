@@ -415,19 +415,29 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 }
 
 #ifdef KVCM2_PROFILE  // phase timing of CTA 0, for development only
-#define KVCM2_PROF_BEGIN() long long prof_t[12]; prof_t[0] = clock64()
+// Phases end at PROF(1..11); the load and hash phases are split further at PROF_PART(0..5):
+// load = rows issued + row rules, infl fill, selection wait, range check, vote; hash = insert,
+// recency staging, resident wait + barrier.
+#define KVCM2_PROF_BEGIN() long long prof_t[12], prof_p[6]; prof_t[0] = clock64()
 #define KVCM2_PROF(i) prof_t[i] = clock64()
+#define KVCM2_PROF_PART(i) prof_p[i] = clock64()
 #define KVCM2_PROF_END()                                                                       \
-  if (blockIdx.x == 0 && threadIdx.x == 0)                                                     \
-  printf("resolve phases (cycles): %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld "    \
-         "%lld\n",                                                                             \
-         prof_t[1] - prof_t[0], prof_t[2] - prof_t[1], prof_t[3] - prof_t[2],                  \
-         prof_t[4] - prof_t[3], prof_t[5] - prof_t[4], prof_t[6] - prof_t[5],                  \
-         prof_t[7] - prof_t[6], prof_t[8] - prof_t[7], prof_t[9] - prof_t[8],                  \
-         prof_t[10] - prof_t[9], prof_t[11] - prof_t[10], clock64() - prof_t[11])
+  if (blockIdx.x == 0 && threadIdx.x == 0) {                                                   \
+    printf("resolve phases (cycles): %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld "  \
+           "%lld\n",                                                                           \
+           prof_t[1] - prof_t[0], prof_t[2] - prof_t[1], prof_t[3] - prof_t[2],                \
+           prof_t[4] - prof_t[3], prof_t[5] - prof_t[4], prof_t[6] - prof_t[5],                \
+           prof_t[7] - prof_t[6], prof_t[8] - prof_t[7], prof_t[9] - prof_t[8],                \
+           prof_t[10] - prof_t[9], prof_t[11] - prof_t[10], clock64() - prof_t[11]);           \
+    printf("resolve parts (cycles): %lld %lld %lld %lld %lld %lld %lld %lld\n",                \
+           prof_p[0] - prof_t[3], prof_p[1] - prof_p[0], prof_p[2] - prof_p[1],                \
+           prof_p[3] - prof_p[2], prof_t[4] - prof_p[3], prof_p[4] - prof_t[4],                \
+           prof_p[5] - prof_p[4], prof_t[5] - prof_p[5]);                                      \
+  }
 #else
 #define KVCM2_PROF_BEGIN()
 #define KVCM2_PROF(i)
+#define KVCM2_PROF_PART(i)
 #define KVCM2_PROF_END()
 #endif
 
@@ -530,6 +540,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   // In-flight units a .. a + nF - 1; nF <= MI always (CFG-3 bound), clamped only for safety.
   const int64_t n_inflight = range.end_inflight - a;
   const int nF = static_cast<int>(n_inflight < p.MI ? n_inflight : p.MI);
+  KVCM2_PROF_PART(0);
 
   fill_words(infl, nF, kNoSlot);
   // The direct unit table covers [unit0, end): every selectable unit, and the non-selectable gap
@@ -538,7 +549,9 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   const int32_t unit0 = rules.live;
   const int64_t end = rules.settled > range.end_inflight ? rules.settled : range.end_inflight;
   bool outside = end - unit0 > static_cast<int64_t>(L.table_words);
+  KVCM2_PROF_PART(1);
   __pipeline_wait_prior(1);  // the selection (the first group) has landed
+  KVCM2_PROF_PART(2);
   // This thread's own copies (copy_async's assignment) are visible to it now.
   auto out_of_range = [&](int32_t u) { return u >= 0 && (u < unit0 || u >= end); };
   if ((reinterpret_cast<uintptr_t>(sel_row) & 15) == 0) {
@@ -554,6 +567,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 #pragma unroll 1
     for (int i = tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
   }
+  KVCM2_PROF_PART(3);
   const bool use_direct = !__syncthreads_or(outside);
   KVCM2_PROF(4);
   // The rest is compiled once per table mode (`direct` is a constant in each), so neither mode's
@@ -626,6 +640,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         col_entry[j[i]] = e[i];
       }
     });
+    KVCM2_PROF_PART(4);
     // recency must be a permutation of [0, S) (bad device data); an out-of-range
     // entry is replaced so that nothing here can index out of bounds.
     auto stage_rec = [&](int q, int32_t v) {
@@ -645,6 +660,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       for (int i = 0; i < kN; ++i)
         if (ok[i]) stage_rec(q[i], v[i]);
     });
+    KVCM2_PROF_PART(5);
     __pipeline_wait_prior(0);  // the resident row
     __syncthreads();
     KVCM2_PROF(5);
