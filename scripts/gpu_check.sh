@@ -17,7 +17,8 @@
 #   set, clocks left alone): ncu_resolve.txt (details) and ncu_resolve_source.csv (per-SASS
 #   instruction stall samples).
 #   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_PROFILE=1) and
-#   prints the phase cycles of CTA 0 over P-RES's launches, without PDL and with it.
+#   prints the phase cycles of CTA 0 over P-RES's launches (the load and hash phases also in
+#   parts), without PDL and with it.
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" TORCH_KVCM2_CUDA=1
