@@ -313,6 +313,7 @@ struct UnitRules {
   int32_t first_inflight;
   uint32_t n_inflight;
 
+  UnitRules() = default;
   __device__ explicit UnitRules(const RowRange& r)
       : live(static_cast<int32_t>(r.first_live_unit > 0 ? r.first_live_unit : 0)),
         settled(static_cast<int32_t>(floor_div(r.history, r.tokens_per_unit))),  // h >= 0
@@ -483,92 +484,133 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   int32_t* const miss_entry = reinterpret_cast<int32_t*>(smem + L.miss_entry);
   uint16_t* const newrec = reinterpret_cast<uint16_t*>(smem + L.newrec);
 
-  // ---- preamble: the shared-memory init that reads no global memory (16 bytes per store; every
-  // array starts 16-byte aligned). Under PDL it overlaps the previous kernel of the stream; then
-  // wait for that kernel and let the next one launch.
+  // ---- preamble, before the PDL wait (pdl.cuh), so under PDL it overlaps the previous kernel of
+  // the stream. The row's lease, history and capacity are read here, early: only `publish` writes
+  // them (with torch ops, between steps), never a library kernel, so they almost always hold their
+  // final values already; but before the wait nothing guarantees that, so they are read again
+  // after it and compared (at the vote below). The first attempt loads the lease's rows and
+  // derives the row rules from the early values, which takes the lease's global round trip and
+  // the rules off the critical path; an attempt whose early values differ is abandoned before it
+  // has written anything but shared memory, and redone with the values read after the wait.
+  int32_t l = load_in_place(p.lease + r);
+  int32_t h = load_in_place(p.history + r), c = load_in_place(p.capacity + r);
+  // Then the shared-memory init that reads no global memory (16 bytes per store; every array
+  // starts 16-byte aligned).
   static_assert(kEmptyKey == -1, "one fill serves key, first and the direct table");
   fill_words(key, static_cast<int>(L.table_words), -1);
   static_assert(kUntouched == 0, "cls starts zeroed");
   fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
   for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
+  RowRange range(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens, p.window);
   KVCM2_PROF(1);
   pdl_enter();
   KVCM2_PROF(2);
 
   // The selection does not depend on the lease: start copying it (into col_entry, converted to
-  // hash entries below) while the lease is read. cp.async keeps the loads in flight without
-  // holding registers.
+  // hash entries below) at once. cp.async keeps the loads in flight without holding registers.
   const int32_t* const sel_row = p.selected + static_cast<int64_t>(r) * K;
   copy_async(col_entry, sel_row, K);
   __pipeline_commit();
-
-  // All three loads in flight at once: left to the compiler, history and capacity were loaded
-  // only after the lease check below (the hole path does not use them), a second global round
-  // trip on every row's critical path (Nsight Compute, session 4).
-  const int32_t l = load_in_place(p.lease + r);
-  const int32_t h = load_in_place(p.history + r), c = load_in_place(p.capacity + r);
+  // The values read after the wait, which decide; their round trip overlaps the rows' loads.
+  const int32_t lv = load_in_place(p.lease + r);
+  const int32_t hv = load_in_place(p.history + r), cv = load_in_place(p.capacity + r);
   int32_t* const out = p.index_table + static_cast<int64_t>(r) * K;
   int32_t* const located = p.inflight_slots + static_cast<int64_t>(r) * p.MI;
-  if (l < 0 || l >= p.leases) {  // hole, suspended row, or a bad lease: touch no residency
+  auto hole = [&](int32_t lease) { return lease < 0 || lease >= p.leases; };
+  // Hole, suspended row, or a bad lease: touch no residency. Holes are not speculated on.
+  auto leave_hole = [&]() {
     if (tid == 0) publish_if_last(p, reserve(p, 0), 0);
     __pipeline_wait_prior(0);
 #pragma unroll 1
     for (int j = tid; j < K; j += kResolveThreads) out[j] = BAD;
 #pragma unroll 1
     for (int i = tid; i < p.MI; i += kResolveThreads) located[i] = BAD;
-    return;
+  };
+  if (hole(l)) {
+    l = lv;
+    h = hv;
+    c = cv;
+    if (hole(l)) {
+      leave_hole();
+      return;
+    }
+    range = RowRange(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
+                     p.window);
   }
   KVCM2_PROF(3);
-  int32_t* const res_row = p.resident + static_cast<int64_t>(l) * S;
-  int32_t* const rec_row = p.recency + static_cast<int64_t>(l) * S;
-  copy_async(res, res_row, S);
-  __pipeline_commit();
-
-  // Recency goes through registers (to uint16); its first round of loads is issued before the
-  // row rules, so their work hides the loads' latency.
+  int32_t* res_row;
+  int32_t* rec_row;
   int32_t qv[kIlpGlobal];
+  UnitRules rules;
+  int64_t a, end;
+  int nF;
+  int32_t unit0;
+  bool use_direct;
+#pragma unroll 1
+  for (;;) {  // at most two attempts: the early values, then (rarely) the verified ones
+    res_row = p.resident + static_cast<int64_t>(l) * S;
+    rec_row = p.recency + static_cast<int64_t>(l) * S;
+    copy_async(res, res_row, S);
+    __pipeline_commit();
+    // Recency goes through registers (to uint16); its first round of loads is issued before the
+    // row rules, so their work hides the loads' latency.
 #pragma unroll
-  for (int i = 0; i < kIlpGlobal; ++i) {
-    const int q = tid + i * kResolveThreads;
-    qv[i] = q < S ? rec_row[q] : 0;
-  }
-
-  const RowRange range(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
-                       p.window);
-  const UnitRules rules(range);
-  const int64_t a = range.first_inflight;
-  // In-flight units a .. a + nF - 1; nF <= MI always (CFG-3 bound), clamped only for safety.
-  const int64_t n_inflight = range.end_inflight - a;
-  const int nF = static_cast<int>(n_inflight < p.MI ? n_inflight : p.MI);
-  KVCM2_PROF_PART(0);
-
-  fill_words(infl, nF, kNoSlot);
-  // The direct unit table covers [unit0, end): every selectable unit, and the non-selectable gap
-  // between history and the in-flight range. A row takes it when the range fits the table region
-  // and every selected ordinal >= 0 lies in it; else (long live ranges, bad ordinals) the hash.
-  const int32_t unit0 = rules.live;
-  const int64_t end = rules.settled > range.end_inflight ? rules.settled : range.end_inflight;
-  bool outside = end - unit0 > static_cast<int64_t>(L.table_words);
-  KVCM2_PROF_PART(1);
-  __pipeline_wait_prior(1);  // the selection (the first group) has landed
-  KVCM2_PROF_PART(2);
-  // This thread's own copies (copy_async's assignment) are visible to it now.
-  auto out_of_range = [&](int32_t u) { return u >= 0 && (u < unit0 || u >= end); };
-  if ((reinterpret_cast<uintptr_t>(sel_row) & 15) == 0) {
-#pragma unroll 1
-    for (int i = tid; i < K / 4; i += kResolveThreads) {
-      const int4 v = *reinterpret_cast<const int4*>(col_entry + 4 * i);
-      outside |= out_of_range(v.x) | out_of_range(v.y) | out_of_range(v.z) | out_of_range(v.w);
+    for (int i = 0; i < kIlpGlobal; ++i) {
+      const int q = tid + i * kResolveThreads;
+      qv[i] = q < S ? rec_row[q] : 0;
     }
+
+    rules = UnitRules(range);
+    a = range.first_inflight;
+    // In-flight units a .. a + nF - 1; nF <= MI always (CFG-3 bound), clamped only for safety.
+    const int64_t n_inflight = range.end_inflight - a;
+    nF = static_cast<int>(n_inflight < p.MI ? n_inflight : p.MI);
+    KVCM2_PROF_PART(0);
+
+    fill_words(infl, nF, kNoSlot);
+    // The direct unit table covers [unit0, end): every selectable unit, and the non-selectable
+    // gap between history and the in-flight range. A row takes it when the range fits the table
+    // region and every selected ordinal >= 0 lies in it; else (long live ranges, bad ordinals)
+    // the hash.
+    unit0 = rules.live;
+    end = rules.settled > range.end_inflight ? rules.settled : range.end_inflight;
+    bool outside = end - unit0 > static_cast<int64_t>(L.table_words);
+    KVCM2_PROF_PART(1);
+    __pipeline_wait_prior(1);  // the selection has landed (the group before the rows' last)
+    KVCM2_PROF_PART(2);
+    // This thread's own copies (copy_async's assignment) are visible to it now.
+    auto out_of_range = [&](int32_t u) { return u >= 0 && (u < unit0 || u >= end); };
+    if ((reinterpret_cast<uintptr_t>(sel_row) & 15) == 0) {
 #pragma unroll 1
-    for (int i = K / 4 * 4 + tid; i < K; i += kResolveThreads)
-      outside |= out_of_range(col_entry[i]);
-  } else {
+      for (int i = tid; i < K / 4; i += kResolveThreads) {
+        const int4 v = *reinterpret_cast<const int4*>(col_entry + 4 * i);
+        outside |= out_of_range(v.x) | out_of_range(v.y) | out_of_range(v.z) | out_of_range(v.w);
+      }
 #pragma unroll 1
-    for (int i = tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
+      for (int i = K / 4 * 4 + tid; i < K; i += kResolveThreads)
+        outside |= out_of_range(col_entry[i]);
+    } else {
+#pragma unroll 1
+      for (int i = tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
+    }
+    KVCM2_PROF_PART(3);
+    // The early values may differ between threads (nothing ordered them), the verified ones do
+    // not: a second vote, only when the first one is raised, tells a stale attempt from a row
+    // that takes the hash.
+    const bool stale = l != lv || h != hv || c != cv;
+    use_direct = !__syncthreads_or(outside || stale);
+    if (use_direct || !__syncthreads_or(stale)) break;
+    __pipeline_wait_prior(0);  // the abandoned attempt's copies land before the new ones start
+    l = lv;
+    h = hv;
+    c = cv;
+    if (hole(l)) {
+      leave_hole();
+      return;
+    }
+    range = RowRange(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
+                     p.window);
   }
-  KVCM2_PROF_PART(3);
-  const bool use_direct = !__syncthreads_or(outside);
   KVCM2_PROF(4);
   // The rest is compiled once per table mode (`direct` is a constant in each), so neither mode's
   // loops carry the other's branches.
