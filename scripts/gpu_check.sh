@@ -16,6 +16,9 @@
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
 #   set, clocks left alone): ncu_resolve.txt (details) and ncu_resolve_source.csv (per-SASS
 #   instruction stall samples).
+#   The CUDA tests run, then the residency tests again with KVCM2_RESOLVE_FORCE_STALE=1 (the
+#   resolve kernel alters the lease, history and capacity it reads before the PDL wait, so every
+#   row redoes its first attempt with the values read after the wait).
 #   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_PROFILE=1) and
 #   prints the phase cycles of CTA 0 over P-RES's launches (the load and hash phases also in
 #   parts), without PDL and with it.
@@ -40,6 +43,9 @@ python3 -c "import torch_kvcm2 as k; assert k.has_cuda_kernels(), 'no CUDA kerne
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda.log" | tail -25
   echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
+  KVCM2_RESOLVE_FORCE_STALE=1 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_residency_ops.py \
+    2>&1 | tee "$OUT/tests_cuda_stale.log" | tail -3
+  echo "cuda residency tests, every early read stale: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
   # the main example on the GPU: eager, compiled, and compiled into CUDA graphs
   [ "${EXAMPLES:-1}" = 1 ] && for mode in "" "--compile" "--compile reduce-overhead"; do
     echo "== examples/sparse_decode.py $mode" | tee -a "$OUT/examples.log"
@@ -96,8 +102,8 @@ for i, n in enumerate(names):
     print(f"  {n:8s} {statistics.median(r[i] for r in rows):8.0f}")
 print(f"  total    {statistics.median(sum(r) for r in rows):8.0f}")
 print(f"  after wait {statistics.median(sum(r[2:]) for r in rows):6.0f}")
-part_names = ("load: issue+rules", "load: infl fill", "load: selection wait", "load: range check",
-              "load: vote", "hash: insert", "hash: recency staging", "hash: resident wait")
+part_names = ("load: issue+rules", "load: infl fill", "load: selection wait", "load: direct insert",
+              "load: verify+vote", "hash: insert", "hash: recency staging", "hash: resident wait")
 for i, n in enumerate(part_names if parts else ()):
     print(f"  {n:22s} {statistics.median(r[i] for r in parts):6.0f}")
 PY

@@ -72,6 +72,11 @@ struct DeviceInfo {
   // fetch_tma_min_piece bytes (INT64_MAX: never), through stages of up to fetch_tma_stage bytes.
   int64_t fetch_tma_min_piece = INT64_MAX;
   int fetch_tma_stage = 8192;
+  // KVCM2_RESOLVE_FORCE_STALE=1 (tests only): the resolve kernel alters the lease, history and
+  // capacity it reads before the PDL wait, so every row takes the path that redoes a stale
+  // attempt with the values read after the wait (scripts/gpu_check.sh runs the residency tests
+  // so too).
+  bool resolve_force_stale = false;
 };
 
 // Development knobs for benchmarks/fetch_sweep.py, read once per process: KVCM2_FETCH_ILP (1, 2,
@@ -175,6 +180,7 @@ struct ResolveParams {
   int64_t leases, tokens_per_unit, tokens_per_page, max_inflight_tokens, window;
   int32_t rows, S, K, MI;
   int32_t hash_bits;  // hash table of 1 << hash_bits entries, >= 2K: load factor <= 1/2
+  int32_t force_stale;  // DeviceInfo::resolve_force_stale
   // Offsets in dynamic shared memory, computed on the host: kernel parameters live in the
   // constant bank, so the kernel does not spend registers on 13 array addresses.
   ResolveLayout<uint32_t> L;
@@ -417,8 +423,9 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 
 #ifdef KVCM2_PROFILE  // phase timing of CTA 0, for development only
 // Phases end at PROF(1..11); the load and hash phases are split further at PROF_PART(0..5):
-// load = rows issued + row rules, infl fill, selection wait, range check, vote; hash = insert,
-// recency staging, resident wait + barrier.
+// load = rows issued + row rules, infl fill, selection wait, direct insert, verify (the lease,
+// history and capacity read after the PDL wait) + vote; hash = hash insert, recency staging,
+// resident wait + barrier. "fill" includes the early reads of the lease, history and capacity.
 #define KVCM2_PROF_BEGIN() long long prof_t[12], prof_p[6]; prof_t[0] = clock64()
 #define KVCM2_PROF(i) prof_t[i] = clock64()
 #define KVCM2_PROF_PART(i) prof_p[i] = clock64()
@@ -494,6 +501,13 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   // has written anything but shared memory, and redone with the values read after the wait.
   int32_t l = load_in_place(p.lease + r);
   int32_t h = load_in_place(p.history + r), c = load_in_place(p.capacity + r);
+  if (p.force_stale) {  // tests: a stale lease, history or capacity, or an early hole, by row
+    const int kind = r & 3;
+    if (kind == 0 && l >= 0 && p.leases > 1) l = static_cast<int32_t>((l + 1) % p.leases);
+    if (kind == 1) h += 1;
+    if (kind == 2) l = -1;
+    if (kind == 3) c += 7;
+  }
   // Then the shared-memory init that reads no global memory (16 bytes per store; every array
   // starts 16-byte aligned).
   static_assert(kEmptyKey == -1, "one fill serves key, first and the direct table");
@@ -502,6 +516,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
   for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
   RowRange range(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens, p.window);
+  __syncthreads();  // the table is filled before any thread inserts into it (before the vote)
   KVCM2_PROF(1);
   pdl_enter();
   KVCM2_PROF(2);
@@ -517,6 +532,34 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   int32_t* const out = p.index_table + static_cast<int64_t>(r) * K;
   int32_t* const located = p.inflight_slots + static_cast<int64_t>(r) * p.MI;
   auto hole = [&](int32_t lease) { return lease < 0 || lease >= p.leases; };
+  const bool sel_aligned = (reinterpret_cast<uintptr_t>(sel_row) & 15) == 0;
+  // Visits this thread's own selection copies (copy_async's assignment), col_entry[j] = f(j, v)
+  // for each: they are visible to it once its copies have landed, before any barrier.
+  auto for_own_columns = [&](auto&& f) {
+    int done = 0;
+    if (sel_aligned) {
+#pragma unroll 1
+      for (int i = tid; i < K / 4; i += kResolveThreads) {
+        int4 v = reinterpret_cast<const int4*>(col_entry)[i];
+        v.x = f(4 * i, v.x);
+        v.y = f(4 * i + 1, v.y);
+        v.z = f(4 * i + 2, v.z);
+        v.w = f(4 * i + 3, v.w);
+        reinterpret_cast<int4*>(col_entry)[i] = v;
+      }
+      done = K / 4 * 4;
+    }
+#pragma unroll 1
+    for (int j = done + tid; j < K; j += kResolveThreads) col_entry[j] = f(j, col_entry[j]);
+  };
+  // The table filled again and the selection copied again (a direct insert changed both), once
+  // every copy in flight has landed.
+  auto restart_table = [&]() {
+    __pipeline_wait_prior(0);
+    fill_words(key, static_cast<int>(L.table_words), -1);
+    copy_async(col_entry, sel_row, K);
+    __pipeline_commit();
+  };
   // Hole, suspended row, or a bad lease: touch no residency. Holes are not speculated on.
   auto leave_hole = [&]() {
     if (tid == 0) publish_if_last(p, reserve(p, 0), 0);
@@ -578,29 +621,38 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     KVCM2_PROF_PART(1);
     __pipeline_wait_prior(1);  // the selection has landed (the group before the rows' last)
     KVCM2_PROF_PART(2);
-    // This thread's own copies (copy_async's assignment) are visible to it now.
-    auto out_of_range = [&](int32_t u) { return u >= 0 && (u < unit0 || u >= end); };
-    if ((reinterpret_cast<uintptr_t>(sel_row) & 15) == 0) {
-#pragma unroll 1
-      for (int i = tid; i < K / 4; i += kResolveThreads) {
-        const int4 v = *reinterpret_cast<const int4*>(col_entry + 4 * i);
-        outside |= out_of_range(v.x) | out_of_range(v.y) | out_of_range(v.z) | out_of_range(v.w);
-      }
-#pragma unroll 1
-      for (int i = K / 4 * 4 + tid; i < K; i += kResolveThreads)
-        outside |= out_of_range(col_entry[i]);
-    } else {
-#pragma unroll 1
-      for (int i = tid; i < K; i += kResolveThreads) outside |= out_of_range(col_entry[i]);
+    // A row whose live range fits inserts its selection into the direct table right away (its
+    // own copies, so no barrier first): col_entry becomes unit - unit0, -1 for padding; a selected
+    // ordinal outside the range leaves the row to the hash (below).
+    bool bad = false;
+    if (!outside) {
+      for_own_columns([&](int j, int32_t u) -> int32_t {
+        if (u < 0) return -1;
+        if (u < unit0 || u >= end) {
+          bad = true;
+          return u;
+        }
+        atomicMin(&word[u - unit0], static_cast<uint32_t>(j) << 16 | 0xffffu);
+        return u - unit0;
+      });
     }
     KVCM2_PROF_PART(3);
     // The early values may differ between threads (nothing ordered them), the verified ones do
     // not: a second vote, only when the first one is raised, tells a stale attempt from a row
-    // that takes the hash.
+    // that takes the hash (`outside` is uniform once the values are not stale).
     const bool stale = l != lv || h != hv || c != cv;
-    use_direct = !__syncthreads_or(outside || stale);
-    if (use_direct || !__syncthreads_or(stale)) break;
-    __pipeline_wait_prior(0);  // the abandoned attempt's copies land before the new ones start
+    use_direct = !__syncthreads_or(outside || bad || stale);
+    if (use_direct) break;
+    if (!__syncthreads_or(stale)) {
+      if (!outside) {  // a selected ordinal outside the range: the hash, on a clean table
+        restart_table();
+        __pipeline_wait_prior(0);
+        __syncthreads();
+      }
+      break;
+    }
+    restart_table();  // a stale attempt: redone with the verified values
+    __syncthreads();
     l = lv;
     h = hv;
     c = cv;
@@ -646,15 +698,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // rows are still arriving; then recency, from registers. col_entry becomes each column's entry
     // (hash entry, or unit - unit0 in the direct table), -1 for padding.
     const int mask = H - 1;
-    if (direct) {
-#pragma unroll 1
-      for (int j = tid; j < K; j += kResolveThreads) {
-        const int32_t u = col_entry[j];
-        const int32_t e = u < 0 ? -1 : u - unit0;
-        if (e >= 0) atomicMin(&word[e], static_cast<uint32_t>(j) << 16 | 0xffffu);
-        col_entry[j] = e;
-      }
-    } else for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
+    if (!direct) for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
       constexpr int kN = sizeof(ok);
       int32_t u[kN], e[kN], prev[kN];
 #pragma unroll
@@ -1307,6 +1351,7 @@ void init_device_info(DeviceInfo& info, int device) {
   cudaFuncAttributes attr{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, resolve_kernel));
   info.resolve_static_smem = static_cast<int>(attr.sharedSizeBytes);
+  info.resolve_force_stale = env_int("KVCM2_RESOLVE_FORCE_STALE", 0) != 0;
   const int ilp = env_int("KVCM2_FETCH_ILP", 2);
   info.fetch_ilp = (ilp == 1 || ilp == 4 || ilp == 8) ? ilp : 2;
   const void* kernel = info.fetch_ilp == 1   ? reinterpret_cast<const void*>(fetch_kernel<1>)
@@ -1369,9 +1414,11 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
     bits = std::max(1, ceil_log2(2 * K));
   const ResolveLayout<int64_t> layout(S, K, int64_t{1} << bits, MI);
   const int smem = static_cast<int>(layout.bytes);
+  bool force_stale = false;
   {
     const std::lock_guard<std::mutex> lock(g_info_mutex);
     DeviceInfo& info = device_info(resident.get_device());
+    force_stale = info.resolve_force_stale;
     TORCH_CHECK(layout.bytes + info.resolve_static_smem <= info.smem_optin, "resolve: S=", S,
                 ", K=", K, ", max in-flight units=", MI, " need ",
                 layout.bytes + info.resolve_static_smem,
@@ -1405,6 +1452,7 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   p.K = static_cast<int32_t>(K);
   p.MI = static_cast<int32_t>(MI);
   p.hash_bits = bits;
+  p.force_stale = force_stale ? 1 : 0;
   p.L = ResolveLayout<uint32_t>(static_cast<uint32_t>(S), static_cast<uint32_t>(K),
                                 uint32_t{1} << bits, static_cast<uint32_t>(MI));
   launch_kernel(resolve_kernel, dim3(static_cast<unsigned>(rows)), dim3(kResolveThreads),
