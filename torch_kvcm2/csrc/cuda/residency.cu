@@ -357,6 +357,15 @@ __device__ __forceinline__ int32_t load_in_place(const int32_t* src) {
   return v;
 }
 
+// v, hidden from the optimiser: what is computed from the result stays after this point (an
+// asm volatile is not hoisted out of a loop), so no loop-invariant use of a value loaded just
+// before waits for that load ahead of the loop.
+__device__ __forceinline__ int32_t opaque(int32_t v) {
+  int32_t out;
+  asm volatile("mov.b32 %0, %1;" : "=r"(out) : "r"(v));
+  return out;
+}
+
 // Starts copying src[0 .. n) to dst (16-byte aligned shared memory) with the CTA, 16 bytes per
 // cp.async when src is 16-byte aligned.
 __device__ __forceinline__ void copy_async(int32_t* dst, const int32_t* src, int n) {
@@ -422,11 +431,12 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 }
 
 #ifdef KVCM2_PROFILE  // phase timing of CTA 0, for development only
-// Phases end at PROF(1..11); the load and hash phases are split further at PROF_PART(0..5):
-// load = rows issued + row rules, infl fill, selection wait, direct insert, verify (the lease,
-// history and capacity read after the PDL wait) + vote; hash = hash insert, recency staging,
-// resident wait + barrier. "fill" includes the early reads of the lease, history and capacity.
-#define KVCM2_PROF_BEGIN() long long prof_t[12], prof_p[6]; prof_t[0] = clock64()
+// Phases end at PROF(1..11); the load, hash and write phases are split further at
+// PROF_PART(0..7): load = rows issued + row rules, infl fill, selection wait, direct insert,
+// verify (the lease, history and capacity read after the PDL wait) + vote; hash = hash insert,
+// recency staging, resident wait + barrier; write = recency row, in-flight records, miss-list
+// entries (the rest). "fill" includes the early reads of the lease, history and capacity.
+#define KVCM2_PROF_BEGIN() long long prof_t[12], prof_p[8]; prof_t[0] = clock64()
 #define KVCM2_PROF(i) prof_t[i] = clock64()
 #define KVCM2_PROF_PART(i) prof_p[i] = clock64()
 #define KVCM2_PROF_END()                                                                       \
@@ -437,10 +447,11 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
            prof_t[4] - prof_t[3], prof_t[5] - prof_t[4], prof_t[6] - prof_t[5],                \
            prof_t[7] - prof_t[6], prof_t[8] - prof_t[7], prof_t[9] - prof_t[8],                \
            prof_t[10] - prof_t[9], prof_t[11] - prof_t[10], clock64() - prof_t[11]);           \
-    printf("resolve parts (cycles): %lld %lld %lld %lld %lld %lld %lld %lld\n",                \
+    printf("resolve parts (cycles): %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",      \
            prof_p[0] - prof_t[3], prof_p[1] - prof_p[0], prof_p[2] - prof_p[1],                \
            prof_p[3] - prof_p[2], prof_t[4] - prof_p[3], prof_p[4] - prof_t[4],                \
-           prof_p[5] - prof_p[4], prof_t[5] - prof_p[5]);                                      \
+           prof_p[5] - prof_p[4], prof_t[5] - prof_p[5], prof_p[6] - prof_t[11],               \
+           prof_p[7] - prof_p[6]);                                                             \
   }
 #else
 #define KVCM2_PROF_BEGIN()
@@ -653,9 +664,11 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     }
     restart_table();  // a stale attempt: redone with the verified values
     __syncthreads();
-    l = lv;
-    h = hv;
-    c = cv;
+    // (opaque: their uses here would otherwise be hoisted above the loop, which would wait for
+    // the verifying loads before the first attempt's row loads are issued)
+    l = opaque(lv);
+    h = opaque(hv);
+    c = opaque(cv);
     if (hole(l)) {
       leave_hole();
       return;
@@ -1066,11 +1079,13 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 #pragma unroll 1
       for (int q = tid; q < S; q += kResolveThreads) rec_row[q] = newrec[q];
     }
+    KVCM2_PROF_PART(6);
     // In-flight slot records: the lowest slot that held the unit (pinned, so it still does), or
     // the admission's slot; BAD for an admission that found no victim.
 #pragma unroll 1
     for (int i = tid; i < p.MI; i += kResolveThreads)
       located[i] = (i < nF && infl[i] != kNoSlot) ? infl[i] : BAD;
+    KVCM2_PROF_PART(7);
     const int32_t base = s_miss_base;
 #pragma unroll 1
     for (int k = tid; k < placed; k += kResolveThreads) {
