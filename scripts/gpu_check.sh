@@ -90,7 +90,7 @@ if [ "${PROFILE:-0}" = 1 ]; then
   # a CTA that started early spends waiting for the previous launch).
   TORCH_KVCM2_PROFILE=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_profile.log" 2>&1
   for pdl in 0 1; do
-    KVCM2_PDL=$pdl python3 benchmarks/run.py --only P-RES 2>&1 | grep "resolve p" > "$OUT/profile_raw_pdl$pdl.txt"
+    KVCM2_PDL=$pdl python3 benchmarks/run.py --only P-RES 2>&1 | grep "^resolve " > "$OUT/profile_raw_pdl$pdl.txt"
     python3 - "$OUT/profile_raw_pdl$pdl.txt" "$pdl" <<'PY' | tee -a "$OUT/profile.txt"
 import statistics, sys
 lines = [l for l in open(sys.argv[1]) if ":" in l]
@@ -107,6 +107,11 @@ part_names = ("load: issue+rules", "load: infl fill", "load: selection wait", "l
               "write: recency row", "write: in-flight records")
 for i, n in enumerate(part_names if parts else ()):
     print(f"  {n:22s} {statistics.median(r[i] for r in parts):6.0f}")
+ctas = sorted(int(l.split(":")[1]) for l in lines if l.startswith("resolve cta"))
+if ctas:  # thread 0 of every CTA, every launch
+    q = lambda f: ctas[min(len(ctas) - 1, int(f * len(ctas)))]
+    print(f"  every CTA after the wait ({len(ctas)}): median {q(0.5)}, p90 {q(0.9)}, "
+          f"p98.5 {q(0.985)} (~ a launch's slowest of 64), max {ctas[-1]}")
 PY
   done
 fi

@@ -440,6 +440,8 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 #define KVCM2_PROF(i) prof_t[i] = clock64()
 #define KVCM2_PROF_PART(i) prof_p[i] = clock64()
 #define KVCM2_PROF_END()                                                                       \
+  if (threadIdx.x == 0)                                                                        \
+    printf("resolve cta (cycles after the wait): %lld\n", clock64() - prof_t[2]);             \
   if (blockIdx.x == 0 && threadIdx.x == 0) {                                                   \
     printf("resolve phases (cycles): %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld "  \
            "%lld\n",                                                                           \
@@ -1023,13 +1025,33 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     KVCM2_PROF(10);
 
     // ---- scan 2: recency = untouched, misses, pinned, hits, each keeping its previous order.
-    // Class counts are packed in 16-bit lanes of one 64-bit word (each <= S <= 65535: no
-    // carries); each position's class is kept in pclass for the ranking pass.
+    // Pass 1 counts each thread's positions per class in 8-bit lanes of a 32-bit word (a thread
+    // holds at most 128 positions: S <= 65535), widened to 16-bit lanes of a 64-bit word for the
+    // block scan (totals <= S: no carries). A thread whose share is one whole chunk (S = 8 x
+    // threads, or any thread but the last few) keeps its slots and classes in registers for the
+    // ranking pass; a longer share goes through pclass.
     {
       int lo, hi;
       blocked_range<8>(S, lo, hi);
-      const unsigned long long mine_c = gather_by_recency<unsigned long long>(
-          rec, cls, pclass, lo, hi, [](int c) { return 1ull << (16 * c); });
+      const bool one_chunk = hi - lo == 8;
+      uint16_t sl[8];
+      uint8_t c[8];
+      uint32_t mine8 = 0;
+      if (one_chunk) {
+        load_chunk(rec, lo, hi, sl, uint16_t{0});
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          c[i] = cls[sl[i]];
+          mine8 += 1u << (8 * c[i]);
+        }
+      } else {
+        mine8 = gather_by_recency<uint32_t>(rec, cls, pclass, lo, hi,
+                                            [](int k) { return 1u << (8 * k); });
+      }
+      const unsigned long long mine_c =
+          (mine8 & 0xffu) | (static_cast<unsigned long long>((mine8 >> 8) & 0xffu) << 16) |
+          (static_cast<unsigned long long>((mine8 >> 16) & 0xffu) << 32) |
+          (static_cast<unsigned long long>(mine8 >> 24) << 48);
       Tally total_c;
       const unsigned long long before_c = block_scan(Tally{mine_c, 0, 0}, total_c, s_classes);
       // Lane c of `next` = start of class c (the counts of the classes below it) + this thread's
@@ -1037,18 +1059,23 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       const unsigned long long starts =
           (total_c.rank << 16) + (total_c.rank << 32) + (total_c.rank << 48);
       unsigned long long next = before_c + starts;
-#pragma unroll 1
-      for (int b = lo; b < hi; b += 8) {
-        uint16_t sl[8];
-        uint8_t c[8];
-        load_chunk(rec, b, hi, sl, uint16_t{0});
-        load_chunk(pclass, b, hi, c, uint8_t{0});
+      auto place_chunk = [&](int n) {  // the first n of sl / c, in order
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          if (b + i >= hi) break;
+          if (i >= n) break;
           const int shift = 16 * c[i];
           newrec[(next >> shift) & 0xffffu] = sl[i];
           next += 1ull << shift;
+        }
+      };
+      if (one_chunk) {
+        place_chunk(8);
+      } else {
+#pragma unroll 1
+        for (int b = lo; b < hi; b += 8) {
+          load_chunk(rec, b, hi, sl, uint16_t{0});
+          load_chunk(pclass, b, hi, c, uint8_t{0});
+          place_chunk(hi - b);
         }
       }
     }
