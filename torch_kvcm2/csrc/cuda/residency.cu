@@ -3,14 +3,17 @@
 //
 // resolve: one CTA per row, the lease's residency rows staged in shared memory, O(K + S) work per
 // row and no global sort:
-//   preamble  shared-memory init, before the PDL wait (pdl.cuh): it overlaps the previous kernel;
+//   preamble  before the PDL wait (pdl.cuh), so it overlaps the previous kernel: the row's lease,
+//             history and capacity read early (checked after the wait; a stale attempt is redone)
+//             and the row rules, then the shared-memory init;
 //   load      the selection (cp.async, first), resident (cp.async) and recency (to registers);
-//   hash      as soon as the selection has landed, while the lease's rows still arrive: a shared
-//             open-addressing hash of the selected ordinals (atomicCAS insert; atomicMin keeps
-//             each ordinal's first column), >= 4K entries when shared memory allows (short
-//             probes); or, for a row whose live unit range fits the hash's space and whose
-//             selected ordinals all lie in it, a direct table of one word per unit (first
-//             column << 16 | lowest slot): no hashing, no probes; then recency from registers.
+//             a row whose live unit range fits the table's space fills a direct table of one
+//             word per unit (first column << 16 | lowest slot) from each thread's own copies
+//             of the selection as they land: no hashing, no probes;
+//   hash      for the other rows (long live ranges, or a selected ordinal outside the range), a
+//             shared open-addressing hash of the selected ordinals (atomicCAS insert; atomicMin
+//             keeps each ordinal's first column), >= 4K entries when shared memory allows (short
+//             probes), filled while the lease's rows still arrive; then recency from registers.
 //             The phases after this choice are compiled once per mode;
 //   slots     step 0 (a dropped unit's slot is written back at once) and each slot's victim kind
 //             (empty or evictable); every resident slot looks its unit up in the table
@@ -463,8 +466,8 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 #endif
 
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
-// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): ~9.3 us per
-// graph-replayed launch (~17K cycles per CTA after the PDL wait in the last profile). Nsight
+// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): 8.1-8.4 us per
+// graph-replayed launch (~15K cycles per CTA after the PDL wait in the last profile). Nsight
 // Compute (session 7, before the per-mode compilation): 35.5K warp instructions per CTA, each
 // warp issuing one every ~9 cycles, mostly waiting on the previous instruction's result (integer
 // and shared-memory dependency chains), not on shared-memory bandwidth: the time follows the
