@@ -15,7 +15,8 @@
 #   tests and P-RES on it, then rebuilds the default and runs P-RES again (bench_threads*.txt).
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
 #   set, clocks left alone): ncu_resolve.txt (details) and ncu_resolve_source.csv (per-SASS
-#   instruction stall samples).
+#   instruction stall samples). NCU_CACHE=none keeps the caches warm between the profiler's
+#   passes (its default flushes them, instruction cache included, before each pass).
 #   The CUDA tests run, then the residency tests again with KVCM2_RESOLVE_FORCE_STALE=1 (the
 #   resolve kernel alters the lease, history and capacity it reads before the PDL wait, so every
 #   row redoes its first attempt with the values read after the wait).
@@ -78,7 +79,8 @@ fi
 if [ "${NCU:-0}" = 1 ]; then
   # launch 1 is P-RES's cold first resolve (every unit a miss); launch 2 is the timer's warm-up
   # call of the steady state (1% misses)
-  ncu --clock-control none --set full --import-source yes -k regex:resolve_kernel -s 1 -c 1 \
+  ncu --clock-control none ${NCU_CACHE:+--cache-control "$NCU_CACHE"} --set full --import-source yes \
+    -k regex:resolve_kernel -s 1 -c 1 \
     -o "$OUT/ncu_resolve" -f python3 benchmarks/run.py --only P-RES > "$OUT/ncu_run.log" 2>&1
   echo "ncu rc: $?" | tee -a "$OUT/gpu.txt"
   ncu -i "$OUT/ncu_resolve.ncu-rep" --page details --print-details all > "$OUT/ncu_resolve.txt" 2>&1
