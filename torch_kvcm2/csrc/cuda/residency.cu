@@ -1029,10 +1029,10 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 
     // ---- scan 2: recency = untouched, misses, pinned, hits, each keeping its previous order.
     // Pass 1 counts each thread's positions per class in 8-bit lanes of a 32-bit word (a thread
-    // holds at most 128 positions: S <= 65535), widened to 16-bit lanes of a 64-bit word for the
-    // block scan (totals <= S: no carries). A thread whose share is one whole chunk (S = 8 x
-    // threads, or any thread but the last few) keeps its slots and classes in registers for the
-    // ranking pass; a longer share goes through pclass.
+    // holds at most 128 positions: S <= 65535, checked on the host), widened to 16-bit lanes of a
+    // 64-bit word for the block scan (totals <= S: no carries). A thread whose share is one whole
+    // chunk (when S <= 8 x threads: every thread but the last one holding positions) keeps its
+    // slots and classes in registers for the ranking pass; other shares go through pclass.
     {
       int lo, hi;
       blocked_range<8>(S, lo, hi);
