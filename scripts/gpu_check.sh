@@ -106,7 +106,7 @@ print(f"  total    {statistics.median(sum(r) for r in rows):8.0f}")
 print(f"  after wait {statistics.median(sum(r[2:]) for r in rows):6.0f}")
 part_names = ("load: issue+rules", "load: infl fill", "load: selection wait", "load: direct insert",
               "load: verify+vote", "hash: insert", "hash: recency staging", "hash: resident wait",
-              "write: recency row", "write: in-flight records")
+              "write: miss-list entries", "write: recency row")
 for i, n in enumerate(part_names if parts else ()):
     print(f"  {n:22s} {statistics.median(r[i] for r in parts):6.0f}")
 ctas = sorted(int(l.split(":")[1]) for l in lines if l.startswith("resolve cta"))

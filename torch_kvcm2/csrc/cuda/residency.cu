@@ -27,11 +27,11 @@
 //             evictable ones, each in recency order; it also sums hits/invalid for the counters;
 //   place     victim k takes admission k, then miss k - #admissions (the resident row is
 //             written at the placed slots);
-//   index     index_table row and the step-5 hit classes;
+//   index     the row's in-flight slot records, its index_table row and the step-5 hit classes;
 //   scan 2    the stable 4-way partition of recency (untouched, misses, pinned, hits);
-//   write     recency, the row's in-flight slot records, and its miss-list entries at a base
-//             reserved with one 64-bit atomic per CTA (reserve / publish_if_last: issued after
-//             scan 1, consumed at the end to hide its latency; no memset before launch).
+//   write     the row's miss-list entries at a base reserved with one 64-bit atomic per CTA
+//             (reserve / publish_if_last: issued after scan 1, consumed at the end to hide its
+//             latency; no memset before launch), then recency.
 // Scans run over blocked per-thread ranges of whole 4/8/16-byte chunks (load_chunk /
 // store_chunk), so the sequential shared arrays are read without bank conflicts.
 //
@@ -333,8 +333,9 @@ struct UnitRules {
   __device__ __forceinline__ bool inflight(int32_t u) const {
     return static_cast<uint32_t>(u) - static_cast<uint32_t>(first_inflight) < n_inflight;
   }
+  // Bitwise, not short-circuit: three compares and no branches in the loops over S and K.
   __device__ __forceinline__ bool selectable(int32_t u) const {
-    return u >= live && (u < settled || inflight(u));
+    return (u >= live) & ((u < settled) | inflight(u));
   }
 };
 
@@ -358,6 +359,16 @@ __device__ __forceinline__ int32_t load_in_place(const int32_t* src) {
   int32_t v;
   asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(src));
   return v;
+}
+
+// The row rules of one row, out of line: the kernel needs them at three places (the preamble,
+// an early hole, a stale attempt), and each inlined copy of RowRange's int64 divisions is
+// ~2 KB of code; one copy keeps the hot path denser in the instruction cache.
+// (Scalars, not the parameter struct: a reference to a kernel parameter would copy it to local
+// memory.)
+__device__ __noinline__ RowRange row_range(int32_t h, int32_t c, int64_t U, int64_t P, int64_t I,
+                                           int64_t window) {
+  return RowRange(h, c, U, P, I, window);
 }
 
 // v, hidden from the optimiser: what is computed from the result stays after this point (an
@@ -437,8 +448,8 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 // Phases end at PROF(1..11); the load, hash and write phases are split further at
 // PROF_PART(0..7): load = rows issued + row rules, infl fill, selection wait, direct insert,
 // verify (the lease, history and capacity read after the PDL wait) + vote; hash = hash insert,
-// recency staging, resident wait + barrier; write = recency row, in-flight records, miss-list
-// entries (the rest). "fill" includes the early reads of the lease, history and capacity.
+// recency staging, resident wait + barrier; write = miss-list entries, recency row. "fill"
+// includes the early reads of the lease, history and capacity.
 #define KVCM2_PROF_BEGIN() long long prof_t[12], prof_p[8]; prof_t[0] = clock64()
 #define KVCM2_PROF(i) prof_t[i] = clock64()
 #define KVCM2_PROF_PART(i) prof_p[i] = clock64()
@@ -531,7 +542,11 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   static_assert(kUntouched == 0, "cls starts zeroed");
   fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
   for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
-  RowRange range(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens, p.window);
+  auto range_of = [&](int32_t hh, int32_t cc) {
+    return row_range(hh, cc, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
+                     p.window);
+  };
+  RowRange range = range_of(h, c);
   __syncthreads();  // the table is filled before any thread inserts into it (before the vote)
   KVCM2_PROF(1);
   pdl_enter();
@@ -593,8 +608,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       leave_hole();
       return;
     }
-    range = RowRange(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
-                     p.window);
+    range = range_of(h, c);
   }
   KVCM2_PROF(3);
   int32_t* res_row;
@@ -678,8 +692,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       leave_hole();
       return;
     }
-    range = RowRange(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
-                     p.window);
+    range = range_of(h, c);
   }
   KVCM2_PROF(4);
   // The rest is compiled once per table mode (`direct` is a constant in each), so neither mode's
@@ -774,7 +787,29 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // which selected / in-flight units are resident, lowest slot first (slot_of). The lease's
     // resident row is written where it changes (here and in place), not copied back whole.
     uint32_t my_empty = 0;
-    for_chunks<1>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
+    if (direct) {
+      // One slot per iteration with one branch around the table lookup (the rest predicated):
+      // a selectable unit lies in the table's range, and its first column (the word's high
+      // half) is final since the last barrier.
+#pragma unroll 1
+      for (int q = tid; q < S; q += kResolveThreads) {
+        const int32_t u = res[q];
+        const bool sel = rules.selectable(u);  // false for BAD and other negatives (live >= 0)
+        if (!sel & (u != BAD)) {  // step 0: dropped (rare)
+          res[q] = BAD;
+          res_row[q] = BAD;
+        }
+        vk[q] = sel ? 2 : 1;
+        my_empty += !sel;
+        if (sel) {
+          uint32_t* const wp = word + (u - unit0);
+          const uint32_t w = *wp;
+          if ((w >> 16) != 0xffffu) atomicMin(wp, (w & 0xffff0000u) | static_cast<uint32_t>(q));
+          const uint32_t f = static_cast<uint32_t>(u - rules.first_inflight);
+          if (f < static_cast<uint32_t>(nF)) atomicMin(&infl[f], q);
+        }
+      }
+    } else for_chunks<1>(tid, S, kResolveThreads, [&](const auto& q, const auto& ok) {
       constexpr int kN = sizeof(ok);
       int32_t u[kN], e[kN], k0[kN];
 #pragma unroll
@@ -793,25 +828,17 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       }
 #pragma unroll
       for (int i = 0; i < kN; ++i) {  // first probes of the chunk, all in flight
-        // (selectable units lie in the direct table's range)
-        e[i] = direct ? u[i] - unit0 : hash_home(u[i], bits);
-        k0[i] = (ok[i] && u[i] >= 0) ? (direct ? static_cast<int32_t>(word[e[i]]) : key[e[i]])
-                                     : kEmptyKey;
+        e[i] = hash_home(u[i], bits);
+        k0[i] = (ok[i] && u[i] >= 0) ? key[e[i]] : kEmptyKey;
       }
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
         if (!ok[i] || u[i] < 0) continue;
-        if (direct) {
-          // A selected unit: its first column (the high half) is final since the last barrier.
-          const uint32_t w = static_cast<uint32_t>(k0[i]);
-          if ((w >> 16) != 0xffffu) atomicMin(&word[e[i]], (w & 0xffff0000u) | q[i]);
-        } else {
-          while (k0[i] != u[i] && k0[i] != kEmptyKey) {
-            e[i] = (e[i] + 1) & mask;
-            k0[i] = key[e[i]];
-          }
-          if (k0[i] == u[i]) atomicMin(&hslot[e[i]], q[i]);
+        while (k0[i] != u[i] && k0[i] != kEmptyKey) {
+          e[i] = (e[i] + 1) & mask;
+          k0[i] = key[e[i]];
         }
+        if (k0[i] == u[i]) atomicMin(&hslot[e[i]], q[i]);
         if (rules.inflight(u[i])) {
           const int f = u[i] - rules.first_inflight;
           if (f < nF) atomicMin(&infl[f], q[i]);
@@ -829,6 +856,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // are admissions. The column kinds are kept (ckind; each thread reads back only what it
     // wrote) so the ranking pass does not repeat the dependent loads.
     Tally mine{0, 0, my_empty << 16};
+    uint32_t hits_invalid = 0, misses = 0;
     int lo, hi;
     blocked_range<4>(K, lo, hi);
 #pragma unroll 1
@@ -837,26 +865,22 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       uint8_t k[4];
       load_chunk(col_entry, b, hi, e, -1);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        k[i] = 0;
-        if (e[i] < 0) continue;
-        uint32_t f;
-        int32_t u, sl;
-        entry_of(e[i], f, u, sl);
-        if (f != static_cast<uint32_t>(b + i)) continue;
-        if (!rules.selectable(u)) {
-          k[i] = 1;
-        } else if (sl != kNoSlot) {
-          k[i] = 2;
-          vk[sl] = 0;
-        } else {
-          k[i] = rules.inflight(u) ? 2 : 3;
-        }
-        mine.hits_invalid += k[i] == 2 ? 1u : k[i] == 1 ? 1u << 16 : 0u;
-        mine.rank += static_cast<unsigned long long>(k[i] == 3) << kMissLane;
+      for (int i = 0; i < 4; ++i) {  // kinds by selects, not branches; one predicated store
+        uint32_t f = 0xffffu;
+        int32_t u = -1, sl = kNoSlot;
+        if (e[i] >= 0) entry_of(e[i], f, u, sl);
+        const bool first = f == static_cast<uint32_t>(b + i);  // never for padding (f < K)
+        const bool sel = rules.selectable(u), resident = sl != kNoSlot;
+        k[i] = !first ? 0 : !sel ? 1 : (resident | rules.inflight(u)) ? 2 : 3;
+        if (first & sel & resident) vk[sl] = 0;
+        hits_invalid += k[i] == 2 ? 1u : k[i] == 1 ? 1u << 16 : 0u;
+        misses += k[i] == 3;
       }
       store_chunk(ckind, b, hi, k);
     }
+    static_assert(kMissLane == 0, "misses are the rank's low lane");
+    mine.rank += misses;
+    mine.hits_invalid += hits_invalid;
     blocked_range<1>(nF, lo, hi);
 #pragma unroll 1
     for (int i = lo; i < hi; ++i) {
@@ -1001,6 +1025,14 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     __syncthreads();
     KVCM2_PROF(9);
 
+    // In-flight slot records (final since place): the lowest slot that held the unit (pinned, so
+    // it still does), or the admission's slot; BAD for an admission that found no victim. Stored
+    // here, so their stores drain under the index and scan-2 phases instead of queueing at the
+    // end behind the recency row.
+#pragma unroll 1
+    for (int i = tid; i < p.MI; i += kResolveThreads)
+      located[i] = (i < nF && infl[i] != kNoSlot) ? infl[i] : BAD;
+
     // ---- index table (step 5) and the hit class of every selected resident unit.
     const int32_t lease_base = l * S;  // l * S + slot <= INT32_MAX (checked on the host)
     for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
@@ -1089,8 +1121,27 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     __syncthreads();
     KVCM2_PROF(11);
 
-    // ---- write back the lease's recency row (16-byte stores when aligned; resident was written
-    // where it changed) and this row's miss-list entries.
+    // ---- write back: this row's miss-list entries first (a few scattered stores),
+    const int32_t base = s_miss_base;
+#pragma unroll 1
+    for (int k = tid; k < placed; k += kResolveThreads) {
+      int idx;
+      if (k < nA) {
+        if (k >= fA) continue;  // admitted unit wholly in flight: nothing to fetch
+        idx = k;
+      } else {
+        idx = fA + (k - nA);
+      }
+      const int sl = vlist[k];
+      int32_t* const entry = p.miss_list + static_cast<int64_t>(base + idx) * kMissFields;
+      entry[kMissLease] = l;
+      entry[kMissSlot] = sl;
+      entry[kMissRow] = r;
+      entry[kMissUnit] = res[sl];
+    }
+    KVCM2_PROF_PART(6);
+    // Then the lease's recency row (16-byte stores when aligned; resident was written where it
+    // changed), last: its 16 KB of stores queue behind nothing the CTA still has to issue.
     if ((reinterpret_cast<uintptr_t>(rec_row) & 15) == 0) {
 #pragma unroll 1
       for (int b = 8 * tid; b < S; b += 8 * kResolveThreads) {
@@ -1109,30 +1160,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 #pragma unroll 1
       for (int q = tid; q < S; q += kResolveThreads) rec_row[q] = newrec[q];
     }
-    KVCM2_PROF_PART(6);
-    // In-flight slot records: the lowest slot that held the unit (pinned, so it still does), or
-    // the admission's slot; BAD for an admission that found no victim.
-#pragma unroll 1
-    for (int i = tid; i < p.MI; i += kResolveThreads)
-      located[i] = (i < nF && infl[i] != kNoSlot) ? infl[i] : BAD;
     KVCM2_PROF_PART(7);
-    const int32_t base = s_miss_base;
-#pragma unroll 1
-    for (int k = tid; k < placed; k += kResolveThreads) {
-      int idx;
-      if (k < nA) {
-        if (k >= fA) continue;  // admitted unit wholly in flight: nothing to fetch
-        idx = k;
-      } else {
-        idx = fA + (k - nA);
-      }
-      const int sl = vlist[k];
-      int32_t* const entry = p.miss_list + static_cast<int64_t>(base + idx) * kMissFields;
-      entry[kMissLease] = l;
-      entry[kMissSlot] = sl;
-      entry[kMissRow] = r;
-      entry[kMissUnit] = res[sl];
-    }
     KVCM2_PROF_END();
   };
   if (use_direct)
