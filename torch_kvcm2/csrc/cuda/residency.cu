@@ -869,7 +869,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         uint32_t f = 0xffffu;
         int32_t u = -1, sl = kNoSlot;
         if (e[i] >= 0) entry_of(e[i], f, u, sl);
-        const bool first = f == static_cast<uint32_t>(b + i);  // never for padding (f < K)
+        const bool first = (e[i] >= 0) & (f == static_cast<uint32_t>(b + i));
         const bool sel = rules.selectable(u), resident = sl != kNoSlot;
         k[i] = !first ? 0 : !sel ? 1 : (resident | rules.inflight(u)) ? 2 : 3;
         if (first & sel & resident) vk[sl] = 0;
