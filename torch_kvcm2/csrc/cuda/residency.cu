@@ -600,16 +600,21 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 #pragma unroll 1
     for (int i = tid; i < p.MI; i += kResolveThreads) located[i] = BAD;
   };
-  if (hole(l)) {
-    l = lv;
-    h = hv;
-    c = cv;
+  // Takes the values read after the wait; false for a hole, which it has left. (opaque: in the
+  // redo path below their uses would otherwise be hoisted above the attempt loop, which would
+  // wait for the verifying loads before the first attempt's row loads are issued.)
+  auto adopt_verified = [&]() {
+    l = opaque(lv);
+    h = opaque(hv);
+    c = opaque(cv);
     if (hole(l)) {
       leave_hole();
-      return;
+      return false;
     }
     range = range_of(h, c);
-  }
+    return true;
+  };
+  if (hole(l) && !adopt_verified()) return;
   KVCM2_PROF(3);
   int32_t* res_row;
   int32_t* rec_row;
@@ -683,16 +688,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     }
     restart_table();  // a stale attempt: redone with the verified values
     __syncthreads();
-    // (opaque: their uses here would otherwise be hoisted above the loop, which would wait for
-    // the verifying loads before the first attempt's row loads are issued)
-    l = opaque(lv);
-    h = opaque(hv);
-    c = opaque(cv);
-    if (hole(l)) {
-      leave_hole();
-      return;
-    }
-    range = range_of(h, c);
+    if (!adopt_verified()) return;
   }
   KVCM2_PROF(4);
   // The rest is compiled once per table mode (`direct` is a constant in each), so neither mode's
