@@ -20,14 +20,17 @@
 //             (atomicMin: lowest slot wins, like the CPU's slot_of.emplace) and the in-flight
 //             array (which in-flight units are resident);
 //   scan 1    columns: first-occurrence kinds (invalid, hit, miss), hit slots (step 2) and pinned
-//             slots (step 1) lose their victim kind, admissions; one block scan ranks misses in
-//             column order, admissions in unit order and the victims among recency positions
-//             0..511 (one per thread); further rounds of 512 positions (warp ballots) only while
-//             victims are missing: the victims are the first `placed` empty slots, then
-//             evictable ones, each in recency order; it also sums hits/invalid for the counters;
+//             slots (step 1) lose their victim kind, hit slots take their class, the index
+//             entries that place cannot change are written (step 5), admissions; one block scan
+//             ranks misses in column order, admissions in unit order and the victims among
+//             recency positions 0..511 (one per thread); further rounds of 512 positions (warp
+//             ballots) only while victims are missing: the victims are the first `placed` empty
+//             slots, then evictable ones, each in recency order; it also sums hits/invalid for
+//             the counters;
 //   place     victim k takes admission k, then miss k - #admissions (the resident row is
 //             written at the placed slots);
-//   index     the row's in-flight slot records, its index_table row and the step-5 hit classes;
+//   index     the row's in-flight slot records and the index entries left pending (placed
+//             misses and admissions; every column after place hid a slot, on bad data);
 //   scan 2    the stable 4-way partition of recency (untouched, misses, pinned, hits);
 //   write     the row's miss-list entries at a base reserved with one 64-bit atomic per CTA
 //             (reserve / publish_if_last: issued after scan 1, consumed at the end to hide its
@@ -121,6 +124,7 @@ constexpr int kResolveThreads = KVCM2_RESOLVE_THREADS;
 constexpr int kIlpGlobal = 8;  // recency loads in flight per thread while staging
 constexpr int32_t kNoSlot = INT32_MAX;  // "no slot yet": the identity of atomicMin
 constexpr int32_t kEmptyKey = -1;       // hash keys are selected ordinals, all >= 0
+constexpr uint8_t kPending = 4;  // ckind flag: a selectable unit's column without a slot yet
 
 // Shared-memory layout of one resolve CTA; the host sizes the launch with the same function
 // (I = int64_t there, uint32_t on the device where every size is small). The table region comes
@@ -489,6 +493,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   __shared__ Tally s_classes[kResolveWarps];               // scan 2 warp totals
   __shared__ uint32_t s_round[2][kResolveWarps];           // victim search rounds >= 1
   __shared__ int32_t s_miss_base;
+  __shared__ int32_t s_erased;  // place hid a unit's surviving slot (bad data): redo every column
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x;
@@ -542,6 +547,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   static_assert(kUntouched == 0, "cls starts zeroed");
   fill_words(reinterpret_cast<int32_t*>(cls), S / 4, 0);
   for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) cls[s] = 0;
+  if (tid == 0) s_erased = 0;
   auto range_of = [&](int32_t hh, int32_t cc) {
     return row_range(hh, cc, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens,
                      p.window);
@@ -851,13 +857,20 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // in-flight slot (step 1): both clear the slot's victim kind. In-flight units not resident
     // are admissions. The column kinds are kept (ckind; each thread reads back only what it
     // wrote) so the ranking pass does not repeat the dependent loads.
+    // Step 5 is done here for every column whose slot place cannot change: the index entry of a
+    // resident unit (its slot is no victim) and BAD for a unit that can never get one (padding,
+    // not selectable); a resident hit's slot takes its class (kHit) here too. The columns of
+    // selectable units without a slot yet (misses and admissions, duplicates included) are
+    // flagged kPending in ckind and finished after place.
+    const int32_t lease_base = l * S;  // l * S + slot <= INT32_MAX (checked on the host)
+    const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 15) == 0;
     Tally mine{0, 0, my_empty << 16};
     uint32_t hits_invalid = 0, misses = 0;
     int lo, hi;
     blocked_range<4>(K, lo, hi);
 #pragma unroll 1
     for (int b = lo; b < hi; b += 4) {
-      int32_t e[4];
+      int32_t e[4], o[4];
       uint8_t k[4];
       load_chunk(col_entry, b, hi, e, -1);
 #pragma unroll
@@ -867,12 +880,25 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         if (e[i] >= 0) entry_of(e[i], f, u, sl);
         const bool first = (e[i] >= 0) & (f == static_cast<uint32_t>(b + i));
         const bool sel = rules.selectable(u), resident = sl != kNoSlot;
-        k[i] = !first ? 0 : !sel ? 1 : (resident | rules.inflight(u)) ? 2 : 3;
-        if (first & sel & resident) vk[sl] = 0;
-        hits_invalid += k[i] == 2 ? 1u : k[i] == 1 ? 1u << 16 : 0u;
-        misses += k[i] == 3;
+        const uint8_t kind = !first ? 0 : !sel ? 1 : (resident | rules.inflight(u)) ? 2 : 3;
+        if (first & sel & resident) {
+          vk[sl] = 0;
+          cls[sl] = kHit;
+        }
+        hits_invalid += kind == 2 ? 1u : kind == 1 ? 1u << 16 : 0u;
+        misses += kind == 3;
+        // Only selectable units ever hold a slot: the others were dropped in step 0.
+        o[i] = resident ? lease_base + sl : BAD;
+        k[i] = kind | (sel & !resident ? kPending : 0);
       }
       store_chunk(ckind, b, hi, k);
+      if (out_aligned & (b + 4 <= hi)) {
+        *reinterpret_cast<int4*>(out + b) = make_int4(o[0], o[1], o[2], o[3]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (b + i < hi) out[b + i] = o[i];
+      }
     }
     static_assert(kMissLane == 0, "misses are the rank's low lane");
     mine.rank += misses;
@@ -883,7 +909,10 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       const int32_t sl = infl[i];
       if (sl != kNoSlot) {
         vk[sl] = 0;
-        cls[sl] = kPinned;
+        // A pinned slot whose unit is selected is its entry's lowest slot: a hit, classed by the
+        // columns above (kHit wins; nothing here races with them).
+        const int32_t u = static_cast<int32_t>(a + i);
+        if (!(rules.selectable(u) && find(u) >= 0)) cls[sl] = kPinned;
       } else {
         mine.rank += 1ull << kAdmitLane;
         mine.fetch_empty += range.needs_fetch_on_admit(a + i);
@@ -968,7 +997,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         load_chunk(ckind, b, hi, k, uint8_t{0});
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          if (k[i] == 3) miss_entry[m++] = e[i];
+          if ((k[i] & 3) == 3) miss_entry[m++] = e[i];
       }
       uint32_t ad = lane16(before, kAdmitLane);
       blocked_range<1>(nF, lo, hi);
@@ -998,16 +1027,28 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
       const int32_t old = res[sl];
       // The CPU erases slot_of[old] when a slot is reused. A reused slot's unit can only be
       // selected if it was resident twice (bad data) and this is not its lowest slot: the erase
-      // then hides the unit's surviving slot from the index table. Reproduce that.
+      // then hides the unit's surviving slot from the index table. Reproduce that: the surviving
+      // slot loses the hit class the columns phase gave it, and every column's index entry is
+      // redone below.
       if (old >= 0) {
         const int32_t e_old = find(old);
-        if (e_old >= 0) set_slot(e_old, kNoSlot);
+        if (e_old >= 0) {
+          uint32_t f_old;
+          int32_t u_old, sl_old;
+          entry_of(e_old, f_old, u_old, sl_old);
+          if (sl_old != kNoSlot) {
+            const bool pinned = rules.inflight(old) && old - rules.first_inflight < nF;
+            cls[sl_old] = pinned ? kPinned : kUntouched;
+          }
+          set_slot(e_old, kNoSlot);
+          s_erased = 1;
+        }
       }
       int32_t u, e;
       if (k < nA) {
         u = static_cast<int32_t>(a + admit[k]);
-        e = u >= 0 ? find(u) : -1;  // a selected in-flight unit lands here
-        cls[sl] = kPinned;
+        e = u >= 0 ? find(u) : -1;  // a selected in-flight unit lands here: a hit
+        cls[sl] = e >= 0 ? kHit : kPinned;
         infl[admit[k]] = sl;  // its in-flight slot record
       } else {
         e = miss_entry[k - nA];
@@ -1029,30 +1070,26 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     for (int i = tid; i < p.MI; i += kResolveThreads)
       located[i] = (i < nF && infl[i] != kNoSlot) ? infl[i] : BAD;
 
-    // ---- index table (step 5) and the hit class of every selected resident unit.
-    const int32_t lease_base = l * S;  // l * S + slot <= INT32_MAX (checked on the host)
-    for_chunks<1>(tid, K, kResolveThreads, [&](const auto& j, const auto& ok) {
-      constexpr int kN = sizeof(ok);
-      int32_t e[kN], sl[kN], u[kN];
-      uint32_t f[kN];
+    // ---- index table (step 5), the columns the columns phase left pending (a placed miss or
+    // admission, or none found), or every column after an erase. No barrier after it: scan 2
+    // reads only what place wrote, and its first writes into the table region (newrec) follow
+    // its block scan's barrier, which every thread reaches after its lookups here.
+    const bool redo_all = s_erased != 0;
+    blocked_range<4>(K, lo, hi);
+#pragma unroll 1
+    for (int b = lo; b < hi; b += 4) {
+      uint8_t k[4];
+      load_chunk(ckind, b, hi, k, uint8_t{0});
 #pragma unroll
-      for (int i = 0; i < kN; ++i) e[i] = ok[i] ? col_entry[j[i]] : -1;
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        sl[i] = kNoSlot;
-        if (e[i] >= 0) entry_of(e[i], f[i], u[i], sl[i]);
+      for (int i = 0; i < 4; ++i) {
+        if (b + i >= hi || !(redo_all || (k[i] & kPending))) continue;
+        const int32_t e = col_entry[b + i];
+        uint32_t f;
+        int32_t u, sl = kNoSlot;
+        if (e >= 0) entry_of(e, f, u, sl);
+        out[b + i] = sl != kNoSlot ? lease_base + sl : BAD;
       }
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        if (!ok[i]) continue;
-        // Only selectable units ever hold a slot: non-selectable ones were dropped in step 0
-        // and are never placed.
-        out[j[i]] = sl[i] != kNoSlot ? lease_base + sl[i] : BAD;
-        if (sl[i] != kNoSlot && f[i] == static_cast<uint32_t>(j[i]) && cls[sl[i]] != kMissed)
-          cls[sl[i]] = kHit;
-      }
-    });
-    __syncthreads();
+    }
     KVCM2_PROF(10);
 
     // ---- scan 2: recency = untouched, misses, pinned, hits, each keeping its previous order.
