@@ -481,13 +481,13 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 #endif
 
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
-// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): 8.1-8.4 us per
-// graph-replayed launch (~15K cycles per CTA after the PDL wait in the last profile). Nsight
-// Compute (session 7, before the per-mode compilation): 35.5K warp instructions per CTA, each
-// warp issuing one every ~9 cycles, mostly waiting on the previous instruction's result (integer
-// and shared-memory dependency chains), not on shared-memory bandwidth: the time follows the
-// instructions per warp. benchmarks/NOTES.md has the phase profile (TORCH_KVCM2_PROFILE=1 builds
-// print it) and what was tried.
+// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): 7.8-8.1 us per
+// graph-replayed launch, median 7.8 over nine processes (~13.5K cycles per CTA after the PDL
+// wait in the last profile). Nsight Compute (session 7, before the per-mode compilation): 35.5K
+// warp instructions per CTA, each warp issuing one every ~9 cycles, mostly waiting on the
+// previous instruction's result (integer and shared-memory dependency chains), not on
+// shared-memory bandwidth: the time follows the instructions per warp. benchmarks/NOTES.md has
+// the phase profile (TORCH_KVCM2_PROFILE=1 builds print it) and what was tried.
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   __shared__ Tally s_tally[kResolveWarps];                 // scan 1 warp totals
   __shared__ Tally s_classes[kResolveWarps];               // scan 2 warp totals
