@@ -789,6 +789,18 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // which selected / in-flight units are resident, lowest slot first (slot_of). The lease's
     // resident row is written where it changes (here and in place), not copied back whole.
     uint32_t my_empty = 0;
+    // Step 0 and the victim kind of slot q holding u; true if u stays (is selectable: never BAD
+    // or another negative, as live >= 0).
+    auto keep_slot = [&](int q, int32_t u) {
+      const bool sel = rules.selectable(u);
+      if (!sel & (u != BAD)) {  // dropped (rare)
+        res[q] = BAD;
+        res_row[q] = BAD;
+      }
+      vk[q] = sel ? 2 : 1;
+      my_empty += !sel;
+      return sel;
+    };
     if (direct) {
       // One slot per iteration with one branch around the table lookup (the rest predicated):
       // a selectable unit lies in the table's range, and its first column (the word's high
@@ -796,14 +808,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 #pragma unroll 1
       for (int q = tid; q < S; q += kResolveThreads) {
         const int32_t u = res[q];
-        const bool sel = rules.selectable(u);  // false for BAD and other negatives (live >= 0)
-        if (!sel & (u != BAD)) {  // step 0: dropped (rare)
-          res[q] = BAD;
-          res_row[q] = BAD;
-        }
-        vk[q] = sel ? 2 : 1;
-        my_empty += !sel;
-        if (sel) {
+        if (keep_slot(q, u)) {
           uint32_t* const wp = word + (u - unit0);
           const uint32_t w = *wp;
           if ((w >> 16) != 0xffffu) atomicMin(wp, (w & 0xffff0000u) | static_cast<uint32_t>(q));
@@ -817,16 +822,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
         u[i] = ok[i] ? res[q[i]] : BAD;
-        const bool empty = u[i] == BAD || !rules.selectable(u[i]);
-        if (ok[i]) {
-          if (empty && u[i] != BAD) {
-            res[q[i]] = BAD;
-            res_row[q[i]] = BAD;
-          }
-          vk[q[i]] = empty ? 1 : 2;
-          my_empty += empty;
-        }
-        if (empty) u[i] = BAD;
+        if (!ok[i] || !keep_slot(q[i], u[i])) u[i] = BAD;
       }
 #pragma unroll
       for (int i = 0; i < kN; ++i) {  // first probes of the chunk, all in flight
@@ -863,6 +859,8 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     // selectable units without a slot yet (misses and admissions, duplicates included) are
     // flagged kPending in ckind and finished after place.
     const int32_t lease_base = l * S;  // l * S + slot <= INT32_MAX (checked on the host)
+    // Only selectable units ever hold a slot: the others were dropped in step 0.
+    auto index_entry = [&](int32_t sl) { return sl != kNoSlot ? lease_base + sl : BAD; };
     const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 15) == 0;
     Tally mine{0, 0, my_empty << 16};
     uint32_t hits_invalid = 0, misses = 0;
@@ -887,8 +885,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         }
         hits_invalid += kind == 2 ? 1u : kind == 1 ? 1u << 16 : 0u;
         misses += kind == 3;
-        // Only selectable units ever hold a slot: the others were dropped in step 0.
-        o[i] = resident ? lease_base + sl : BAD;
+        o[i] = index_entry(sl);
         k[i] = kind | (sel & !resident ? kPending : 0);
       }
       store_chunk(ckind, b, hi, k);
@@ -1036,10 +1033,9 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
           uint32_t f_old;
           int32_t u_old, sl_old;
           entry_of(e_old, f_old, u_old, sl_old);
-          if (sl_old != kNoSlot) {
-            const bool pinned = rules.inflight(old) && old - rules.first_inflight < nF;
-            cls[sl_old] = pinned ? kPinned : kUntouched;
-          }
+          if (sl_old != kNoSlot)  // pinned if the unit has an in-flight record
+            cls[sl_old] = static_cast<uint32_t>(old - rules.first_inflight) <
+                                  static_cast<uint32_t>(nF) ? kPinned : kUntouched;
           set_slot(e_old, kNoSlot);
           s_erased = 1;
         }
@@ -1087,7 +1083,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
         uint32_t f;
         int32_t u, sl = kNoSlot;
         if (e >= 0) entry_of(e, f, u, sl);
-        out[b + i] = sl != kNoSlot ? lease_base + sl : BAD;
+        out[b + i] = index_entry(sl);
       }
     }
     KVCM2_PROF(10);
