@@ -482,7 +482,7 @@ __device__ __forceinline__ T gather_by_recency(const uint16_t* rec, const uint8_
 
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
 // hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): 7.8-8.1 us per
-// graph-replayed launch, median 7.8 over nine processes (~13.5K cycles per CTA after the PDL
+// graph-replayed launch, median 7.8 over twelve processes (~13.5K cycles per CTA after the PDL
 // wait in the last profile). Nsight Compute (session 7, before the per-mode compilation): 35.5K
 // warp instructions per CTA, each warp issuing one every ~9 cycles, mostly waiting on the
 // previous instruction's result (integer and shared-memory dependency chains), not on
