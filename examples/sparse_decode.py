@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -53,44 +54,115 @@ def check(ok: bool, what: str) -> None:
         raise CheckFailed(what)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def prompt_lengths(text: str) -> list[int]:
+    """argparse type: comma-separated prompt lengths, each an int >= 1."""
+    try:
+        return [positive_int(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: every length must be an int >= 1 "
+                                         f"({error})") from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=4, help="requests decoded together")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=2, help="layers per selection group")
-    p.add_argument("--prompt-lengths", default="100,250,500,1000",
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rows", type=positive_int, default=4, help="requests decoded together")
+    p.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
+    p.add_argument("--group-size", type=positive_int, default=2,
+                   help="layers per selection group (layers sharing one indexer)")
+    p.add_argument("--prompt-lengths", type=prompt_lengths, default="100,250,500,1000",
                    help="comma-separated prompt lengths, cycled over the rows")
-    p.add_argument("--steps", type=int, default=64, help="decode steps")
-    p.add_argument("--topk", "-K", type=int, default=8,
+    p.add_argument("--steps", type=positive_int, default=64, help="decode steps")
+    p.add_argument("--topk", "-K", type=positive_int, default=8,
                    help="history units the indexer picks per row (the current unit comes on top)")
-    p.add_argument("--slots", "-S", type=int, default=32, help="cell slots per request and group")
-    p.add_argument("--tokens-per-unit", "-U", type=int, default=4)
-    p.add_argument("--tokens-per-page", "-P", type=int, default=16)
-    p.add_argument("--inflight", type=int, default=8, help="max in-flight tokens per row (I)")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--latent", type=int, default=32, help="latent KV width (float16 values)")
-    p.add_argument("--index-dim", type=int, default=16, help="indexer key width (float32)")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--slots", "-S", type=positive_int, default=32,
+                   help="cell slots per request and selection group")
+    p.add_argument("--tokens-per-unit", "-U", type=positive_int, default=4,
+                   help="tokens per unit (what the indexer selects)")
+    p.add_argument("--tokens-per-page", "-P", type=positive_int, default=16, help="tokens per page")
+    p.add_argument("--inflight", type=positive_int, default=8,
+                   help="max in-flight tokens per row (I)")
+    p.add_argument("--d-model", type=positive_int, default=64, help="model width")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    p.add_argument("--latent", type=positive_int, default=32,
+                   help="latent KV width (float16 values; even)")
+    p.add_argument("--index-dim", type=positive_int, default=16,
+                   help="indexer key width (float32)")
+    p.add_argument("--vocab", type=positive_int, default=512, help="vocabulary size")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampling")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when the extension has CUDA kernels and a GPU is visible")
     p.add_argument("--compile", nargs="?", const="default", choices=("default", "reduce-overhead"),
                    help="run each decode layer's cache ops and attention under "
                         "torch.compile(fullgraph=True) (mode 'default', or 'reduce-overhead': CUDA "
-                        "graphs), checked against eager")
+                        "graphs, GPU only), checked against eager")
     args = p.parse_args(argv)
     if args.latent % 2:
-        p.error("--latent must be even (the compiled cell write moves 4-byte words)")
-    lengths = [int(n) for n in args.prompt_lengths.split(",")]
-    args.prompts = [lengths[i % len(lengths)] for i in range(args.rows)]
+        p.error(f"argument --latent: {args.latent} is odd; it must be even (the compiled cell "
+                f"write moves 4-byte words)")
+    if args.compile and args.steps < 2:
+        p.error(f"argument --steps: {args.steps} is too few with --compile: the first step "
+                f"compiles and is timed apart, so at least 2 are needed")
+    check_cache_flags(p, args)
+    args.prompts = [args.prompt_lengths[i % len(args.prompt_lengths)] for i in range(args.rows)]
+    try:  # any rule the checks above do not state: the library's own message
+        build_config(args, torch.device("cpu"))
+    except ValueError as error:
+        p.error(f"these flags make an invalid cache config: {error}")
     return args
 
 
-def pick_device(choice: str) -> torch.device:
+def check_cache_flags(p: argparse.ArgumentParser, args) -> None:
+    """The cache config's sparse rules (CFG-3), stated in this script's flags: the library would
+    reject the same values with a ValueError naming its own fields."""
+    P, U, K, S, I = (args.tokens_per_page, args.tokens_per_unit, args.topk, args.slots,
+                     args.inflight)
+    if P % U:
+        p.error(f"argument --tokens-per-unit/-U: {U} must divide --tokens-per-page/-P ({P})")
+    units_per_page = P // U
+    if S % units_per_page:
+        p.error(f"argument --slots/-S: {S} must be a multiple of the units per page "
+                f"(--tokens-per-page / --tokens-per-unit = {units_per_page})")
+    # the selection is the top-K units plus the query's own one: width K + 1
+    need = kv.SparseSpec(tokens_per_unit=U, width=K + 1, slots=S,
+                         max_inflight_tokens=I).max_inflight_units + K + 1
+    if S < need:
+        p.error(f"argument --slots/-S: {S} is too small: the cache needs at least (--topk + 1) + "
+                f"ceil(--inflight / --tokens-per-unit) + 1 = {need} slots, so that a full "
+                f"selection fits next to a full in-flight range")
+    if S > 65535:
+        p.error(f"argument --slots/-S: {S} is above the cache's limit of 65535")
+
+
+def usage_error(message: str) -> None:
+    """One line on stderr and exit status 2, as argparse does for a bad flag (without the usage
+    text: the flags parse, the machine lacks what they ask for)."""
+    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {message}\n")
+    sys.exit(2)
+
+
+def pick_device(args) -> torch.device:
     usable = kv.has_cuda_kernels() and torch.cuda.is_available()
-    if choice == "cuda" and not usable:
-        sys.exit("--device cuda: needs a GPU and an extension built with CUDA kernels")
-    return torch.device("cuda" if choice == "cuda" or (choice == "auto" and usable) else "cpu")
+    gpu = "a visible CUDA device and an extension built with CUDA kernels"
+    if args.device == "cuda" and not usable:
+        usage_error(f"--device cuda needs a GPU ({gpu})")
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and usable)
+                          else "cpu")
+    if args.compile == "reduce-overhead" and device.type != "cuda":
+        usage_error("--compile reduce-overhead (CUDA graphs) needs a GPU"
+                    + (": drop --device cpu" if usable else f" ({gpu})"))
+    return device
 
 
 # ---------------------------------------------------------------- cache configuration
@@ -192,9 +264,11 @@ def select_units(query, keys, key_ok, qpos, K: int, U: int) -> torch.Tensor:
     unit_scores = scores.unflatten(-1, (T // U, U)).amax(-1)
     current = qpos.div(U, rounding_mode="floor")
     earlier = torch.arange(T // U, device=keys.device) < current[..., None]
-    top = unit_scores.masked_fill(~earlier, -math.inf).topk(K, dim=-1)
+    # a short context has fewer than K units in all: pick what there is, pad the rest
+    top = unit_scores.masked_fill(~earlier, -math.inf).topk(min(K, T // U), dim=-1)
     picks = torch.where(top.values > -math.inf, top.indices, BAD)
-    return torch.cat([current[..., None], picks], -1).int()
+    padding = picks.new_full((*picks.shape[:-1], K - picks.shape[-1]), BAD)
+    return torch.cat([current[..., None], picks, padding], -1).int()
 
 
 def unit_tokens(units: torch.Tensor, U: int) -> torch.Tensor:
@@ -300,8 +374,6 @@ class SparseDecoder:
         self.all_positions = torch.arange(T, dtype=torch.int32, device=device).repeat(args.rows, 1)
         self.decode_layer = decode_layer
         if args.compile:
-            if args.compile == "reduce-overhead" and device.type != "cuda":
-                sys.exit("--compile reduce-overhead: CUDA graphs need a GPU")
             # one compiled graph per layer (its cells are guarded by identity) and per role
             torch._dynamo.config.recompile_limit = max(8, 2 * args.layers)
             self.decode_layer = torch.compile(decode_layer, fullgraph=True, dynamic=False,
@@ -482,6 +554,10 @@ class Timer:
 
 
 def progress(done: int, total: int, width: int = 30) -> None:
+    """A bar on stderr, drawn only when both stdout and stderr are terminals (never into a log
+    file or a pipe)."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        return
     filled = width * done // total
     if filled == width * (done - 1) // total and done < total:
         return  # redraw only when the bar grows: a log file gets at most `width` frames
@@ -515,7 +591,7 @@ def report(run: SparseDecoder, args, host_tokens: int) -> None:
     note = (f"; the first step, which compiled ({args.compile} mode), took {run.compile_s:.1f} s "
             f"and is not counted" if args.compile else "")
     rate = f"{tokens / run.timer.elapsed:.0f} tokens/s" if run.timer.elapsed > 0 else "-"
-    print(f"decode: {tokens} tokens in {run.timer.elapsed:.2f} s = {rate} ({args.rows} rows; "
+    print(f"decode: {tokens} tokens in {run.timer.elapsed:.2f} s = {rate} ({args.rows} row{'s' if args.rows != 1 else ''}; "
           f"checks not counted{note})")
 
 
@@ -534,7 +610,7 @@ def check_compiled(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = pick_device(args.device)
+    device = pick_device(args)
     run = SparseDecoder(args, device)
     groups = "; ".join(f"{g.name}: {', '.join(g.layers)}" for g in run.config.selection_groups)
     print(f"device {device}: {args.rows} request(s), prompts {args.prompts}, {args.layers} layers "
