@@ -1,23 +1,70 @@
-"""Quickstart: two layers sharing one indexer, two requests, a prefill and a few decode steps.
+"""Quickstart: two layers sharing one indexer, a few requests, a prefill and a few decode steps.
 
 Every step follows the documented order (publish; resolve once per selection group; per layer
 fetch, write the new tokens, read the cells; flush; resize) and checks that every selected token
 read back from the cells holds the bytes written for it. Runs on CUDA when the extension has
 CUDA kernels and a GPU is visible, else on the CPU.
+
+    python examples/quickstart.py [--prompt-lengths 40,70] [--steps 6] [--device cpu] [--help]
 """
+import argparse
+import os
+import sys
+
 import torch
 
 import torch_kvcm2 as kv
 
-device = "cuda" if kv.has_cuda_kernels() and torch.cuda.is_available() else "cpu"
 P, U, K, S, I, B = 16, 1, 8, 16, 4, 64  # page, unit, width, slots, in-flight tokens, bytes/token
 LAYERS = ("layer0", "layer1")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def prompt_lengths(text: str) -> list:
+    """argparse type: comma-separated prompt lengths, each an int >= 1, one request each."""
+    try:
+        return [positive_int(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: every length must be an int >= 1 "
+                                         f"({error})") from None
+
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+parser.add_argument("--prompt-lengths", type=prompt_lengths, default="40,70",
+                    help="comma-separated prompt lengths, one request each")
+parser.add_argument("--steps", type=positive_int, default=6,
+                    help="steps: the prefill, then decode steps")
+parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: cuda when the extension has CUDA kernels and a GPU is visible")
+args = parser.parse_args()
+usable = kv.has_cuda_kernels() and torch.cuda.is_available()
+if args.device == "cuda" and not usable:
+    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: --device cuda needs a GPU (a visible "
+                     f"CUDA device and an extension built with CUDA kernels)\n")
+    sys.exit(2)
+device = "cuda" if args.device == "cuda" or (args.device == "auto" and usable) else "cpu"
+prompts = args.prompt_lengths
+ROWS = len(prompts)
+max_tokens = -(-(max(prompts) + args.steps) // P) * P  # whole pages for the longest request
+pool_bytes = ROWS * max_tokens * B * len(LAYERS)  # every page of every request
 latent = kv.BufferSpec("kv", bytes_per_token=B, sparse=True)
 sparse = kv.SparseSpec(tokens_per_unit=U, width=K, slots=S, max_inflight_tokens=I,
                        selection_id="indexer0")
 config = kv.CacheConfig(tokens_per_page=P, layers=[kv.LayerSpec(n, [latent], sparse=sparse) for n in LAYERS],
-                        max_rows=2, max_tokens_per_row=256, gpu_budget_bytes=1 << 20,
-                        host_budget_bytes=1 << 20, device=device)
+                        max_rows=ROWS, max_tokens_per_row=max_tokens,
+                        gpu_budget_bytes=(1 << 20) + ROWS * max_tokens * 64,
+                        host_budget_bytes=(1 << 20) + pool_bytes, device=device)
 manager = kv.KVCacheManager(config)
 batch = kv.Batch(manager)
 
@@ -41,7 +88,7 @@ def write_step():
         for row, cache in batch.members().items():
             h, s0 = cache.history_length, int(start[row])
             host = torch.arange(h, s0, dtype=torch.int32, device=device)
-            positions = torch.full((2, max(len(host), 1)), -1, dtype=torch.int32, device=device)
+            positions = torch.full((ROWS, max(len(host), 1)), -1, dtype=torch.int32, device=device)
             positions[row, :len(host)] = host
             index = batch.host_token_indices(layer, "kv", positions)[row]
             write(manager.storage.view(layer, "kv"), index, positions[row], i)
@@ -49,15 +96,14 @@ def write_step():
             write(batch.cells(layer, "kv"), table[row], inflight, i)
 
 
-prompts = (40, 70)
 caches = [manager.create_cache() for _ in prompts]
 for cache, length in zip(caches, prompts):
     assert cache.resize(capacity=length)  # prefill: the whole prompt is new this step
     batch.add(cache)
 generator = torch.Generator().manual_seed(0)
-for step in range(6):
+for step in range(args.steps):
     batch.publish()
-    selected = torch.full((2, K), -1, dtype=torch.int32)
+    selected = torch.full((ROWS, K), -1, dtype=torch.int32)
     for row, cache in batch.members().items():  # the 'indexer': K units of the history
         if cache.history_length:
             selected[row] = torch.randint(0, cache.history_length, (K,), generator=generator)
@@ -68,7 +114,7 @@ for step in range(6):
     write_step()
     for i, layer in enumerate(LAYERS):  # 'attention' reads the selected tokens from the cells
         cells = batch.cells(layer, "kv")
-        for row in range(2):
+        for row in range(ROWS):
             ok = index[row] >= 0
             entry = index[row][ok].long()  # U = 1: the token index of a unit's token is its entry
             got = cells[entry // P, 0, entry % P]
