@@ -8,35 +8,15 @@ CUDA kernels and a GPU is visible, else on the CPU.
     python examples/quickstart.py [--prompt-lengths 40,70] [--steps 6] [--device cpu] [--help]
 """
 import argparse
-import os
-import sys
 
 import torch
 
 import torch_kvcm2 as kv
 
+from flags import add_device_flag, pick_device, positive_int, prompt_lengths  # examples/flags.py
+
 P, U, K, S, I, B = 16, 1, 8, 16, 4, 64  # page, unit, width, slots, in-flight tokens, bytes/token
 LAYERS = ("layer0", "layer1")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
-
-
-def prompt_lengths(text: str) -> list:
-    """argparse type: comma-separated prompt lengths, each an int >= 1, one request each."""
-    try:
-        return [positive_int(part.strip()) for part in text.split(",")]
-    except argparse.ArgumentTypeError as error:
-        raise argparse.ArgumentTypeError(f"{text!r}: every length must be an int >= 1 "
-                                         f"({error})") from None
 
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -45,15 +25,9 @@ parser.add_argument("--prompt-lengths", type=prompt_lengths, default="40,70",
                     help="comma-separated prompt lengths, one request each")
 parser.add_argument("--steps", type=positive_int, default=6,
                     help="steps: the prefill, then decode steps")
-parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                    help="auto: cuda when the extension has CUDA kernels and a GPU is visible")
+add_device_flag(parser)
 args = parser.parse_args()
-usable = kv.has_cuda_kernels() and torch.cuda.is_available()
-if args.device == "cuda" and not usable:
-    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: --device cuda needs a GPU (a visible "
-                     f"CUDA device and an extension built with CUDA kernels)\n")
-    sys.exit(2)
-device = "cuda" if args.device == "cuda" or (args.device == "auto" and usable) else "cpu"
+device = pick_device(args.device).type
 prompts = args.prompt_lengths
 ROWS = len(prompts)
 max_tokens = -(-(max(prompts) + args.steps) // P) * P  # whole pages for the longest request

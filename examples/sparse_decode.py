@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -40,6 +39,9 @@ import torch
 
 import torch_kvcm2 as kv
 from torch_kvcm2 import BAD, ops
+
+from flags import (GPU, add_device_flag, cuda_usable, pick_device, positive_int, prompt_lengths,
+                   usage_error)  # examples/flags.py
 
 KV_DTYPE = torch.float16  # the latent as stored; attention math runs in float32
 KEY_DTYPE = torch.float32  # indexer keys as stored
@@ -52,26 +54,6 @@ class CheckFailed(Exception):
 def check(ok: bool, what: str) -> None:
     if not ok:  # not `assert`: the checks must survive python -O
         raise CheckFailed(what)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
-
-
-def prompt_lengths(text: str) -> list[int]:
-    """argparse type: comma-separated prompt lengths, each an int >= 1."""
-    try:
-        return [positive_int(part.strip()) for part in text.split(",")]
-    except argparse.ArgumentTypeError as error:
-        raise argparse.ArgumentTypeError(f"{text!r}: every length must be an int >= 1 "
-                                         f"({error})") from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,8 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="indexer key width (float32)")
     p.add_argument("--vocab", type=positive_int, default=512, help="vocabulary size")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampling")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda when the extension has CUDA kernels and a GPU is visible")
+    add_device_flag(p)
     p.add_argument("--compile", nargs="?", const="default", choices=("default", "reduce-overhead"),
                    help="run each decode layer's cache ops and attention under "
                         "torch.compile(fullgraph=True) (mode 'default', or 'reduce-overhead': CUDA "
@@ -145,23 +126,11 @@ def check_cache_flags(p: argparse.ArgumentParser, args) -> None:
         p.error(f"argument --slots/-S: {S} is above the cache's limit of 65535")
 
 
-def usage_error(message: str) -> None:
-    """One line on stderr and exit status 2, as argparse does for a bad flag (without the usage
-    text: the flags parse, the machine lacks what they ask for)."""
-    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {message}\n")
-    sys.exit(2)
-
-
-def pick_device(args) -> torch.device:
-    usable = kv.has_cuda_kernels() and torch.cuda.is_available()
-    gpu = "a visible CUDA device and an extension built with CUDA kernels"
-    if args.device == "cuda" and not usable:
-        usage_error(f"--device cuda needs a GPU ({gpu})")
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and usable)
-                          else "cpu")
+def pick_device_for(args) -> torch.device:
+    device = pick_device(args.device)
     if args.compile == "reduce-overhead" and device.type != "cuda":
         usage_error("--compile reduce-overhead (CUDA graphs) needs a GPU"
-                    + (": drop --device cpu" if usable else f" ({gpu})"))
+                    + (": drop --device cpu" if cuda_usable() else f" ({GPU})"))
     return device
 
 
@@ -610,7 +579,7 @@ def check_compiled(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = pick_device(args)
+    device = pick_device_for(args)
     run = SparseDecoder(args, device)
     groups = "; ".join(f"{g.name}: {', '.join(g.layers)}" for g in run.config.selection_groups)
     print(f"device {device}: {args.rows} request(s), prompts {args.prompts}, {args.layers} layers "
