@@ -830,6 +830,69 @@ def bench_scaling(timer, device, quick) -> list:
     return points
 
 
+def bench_start(device, quick) -> list:
+    """P-START: ``KVCacheManager(config)`` with a 4 GiB, 64 GiB and 1 TiB host budget (a
+    reservation: nothing is committed), then the first allocation's growth rate (bytes committed
+    [+ registered on CUDA] per second) against the thread count, and the old path (zero the whole
+    pool + one registration) on the same bytes in the same run."""
+    from torch_kvcm2.host_region import default_threads
+
+    GiB = 1 << 30
+    sp = kv.SparseSpec(tokens_per_unit=PAGE, width=4, slots=12, max_inflight_tokens=PAGE)
+
+    def config(host_bytes):
+        layers = [kv.LayerSpec("mla", [kv.BufferSpec("kv", MLA_ROW, sparse=True)], sparse=sp)]
+        return kv.CacheConfig(tokens_per_page=PAGE, layers=layers, max_rows=4,
+                              max_tokens_per_row=1 << 20, gpu_budget_bytes=1 << 26,
+                              host_budget_bytes=host_bytes, device=device)
+
+    results = []
+    for label, nbytes in (("4 GiB", 4 * GiB), ("64 GiB", 64 * GiB), ("1 TiB", 1 << 40)):
+        times, note = [], ""
+        for _ in range(1 if quick else 3):
+            try:
+                start = time.perf_counter()
+                manager = kv.KVCacheManager(config(nbytes))
+                times.append(time.perf_counter() - start)
+                manager.close()
+            except ValueError as exc:  # the host's address space or overcommit refuses it
+                note = f"{label} refused by this host: {exc}"
+                break
+        us = statistics.median(times) * 1e6 if times else 0.0
+        results.append(Result("P-START", f"start, host budget {label}", us, target="<= 1 s",
+                              passed=bool(times) and us <= 1e6, extra={"note": note} if note else {}))
+    grow = (512 << 20) if quick else (8 * GiB if device == "cuda" else 2 * GiB)
+    cores = default_threads()
+    counts = sorted({t for t in (1, 2, 4, 8, 16, 32, 64) if t <= cores} | {cores})
+    if quick:
+        counts = counts[:2]
+    for threads in counts:
+        manager = kv.KVCacheManager(config(grow + (64 << 20)), host_threads=threads)
+        group = manager.storage.groups[0]
+        slots = grow // group.slot_bytes
+        start = time.perf_counter()
+        assert group.allocate(slots) is not None, manager.storage.region.last_error
+        us = (time.perf_counter() - start) * 1e6
+        committed = manager.stats()["host_region"]["committed_bytes"]
+        manager.close()
+        what = "populate + register" if device == "cuda" else "populate"
+        results.append(Result("P-START", f"grow {grow / GiB:g} GiB, {what}, {threads} threads", us,
+                              nbytes=committed, target=">= 20 GB/s",
+                              passed=(committed / us / 1e3 >= 20) if device == "cuda" else None))
+        release(device)
+    start = time.perf_counter()
+    old = torch.zeros(grow, dtype=torch.uint8)
+    if device == "cuda":
+        view = ops.uva_view(old)  # registers the whole tensor, like the old host pool did
+    us = (time.perf_counter() - start) * 1e6
+    results.append(Result("P-START", f"old path: zeros{' + register' if device == 'cuda' else ''} "
+                                     f"{grow / GiB:g} GiB, 1 thread", us, nbytes=grow))
+    if device == "cuda":
+        del view
+    del old
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small CPU smoke run of the harness")
@@ -848,7 +911,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
-           "P-CAP"]
+           "P-CAP", "P-START"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
         parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
@@ -870,6 +933,7 @@ def main(argv=None) -> int:
         "P-TORCH": lambda: [bench_torch(timer, device, q)],
         "P-STEP": lambda: bench_step(timer, device, q, ceil, pres_us=results[0].median_us),
         "P-CAP": lambda: [bench_capacity(device, q)],
+        "P-START": lambda: bench_start(device, q),
     }
     results = []
     for rid in ids:
