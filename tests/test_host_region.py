@@ -354,11 +354,19 @@ def test_prefill_commits_that_much_at_start_in_parallel(monkeypatch):
     assert manager.stats()["host"]["committed_bytes"] == stats["host"]["committed_bytes"]
 
 
-def test_a_failed_prefill_raises_and_releases_the_reservation():
-    ops = CountingOps(available=0)
-    with pytest.raises(RuntimeError, match="prefill_host_bytes: committing"):
-        chunked_manager(ops=ops, prefill_host_bytes=PAGE_SIZE)
+def test_a_failed_prefill_raises_and_releases_the_reservation(monkeypatch):
+    made = []
+    init = HostRegion.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append((self.address, self.nbytes))
+
+    monkeypatch.setattr(HostRegion, "__init__", recording_init)
+    with pytest.raises(RuntimeError, match="prefill_host_bytes: committing .* out of host memory"):
+        chunked_manager(ops=CountingOps(available=0), prefill_host_bytes=PAGE_SIZE)
     gc.collect()
+    assert len(made) == 1 and mappings_overlapping(*made[0]) == []
 
 
 # ---- CUDA: the UVA view over a grown region ----

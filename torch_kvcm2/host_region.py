@@ -219,7 +219,10 @@ def device_numa_node(device: torch.device) -> Optional[int]:
         return None
     props = torch.cuda.get_device_properties(device.index if device.index is not None
                                              else torch.cuda.current_device())
-    bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    ids = [getattr(props, f"pci_{name}_id", None) for name in ("domain", "bus", "device")]
+    if None in ids:
+        return None
+    bus_id = f"{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0"
     try:
         with open(f"/sys/bus/pci/devices/{bus_id}/numa_node") as f:
             node = int(f.read().strip())
