@@ -209,7 +209,7 @@ def test_close_releases_the_region_and_everything_refuses_afterwards():
     manager.close()  # idempotent
     assert manager.closed and region.closed
     assert all(perms.startswith("---") for _, _, perms in mappings_overlapping(address, nbytes))
-    for call in (manager.create_cache, manager.create_batch, manager.stats,
+    for call in (manager.create_cache, manager.create_batch, lambda: kv.Batch(manager), manager.stats,
                  lambda: manager.can_fit(8), lambda: cache.resize(capacity=20), cache.close,
                  lambda: cache.pages(0), batch.publish, batch.close,
                  lambda: batch.fetch("shared0"), lambda: manager.storage.view("shared0", "kv")):

@@ -24,7 +24,8 @@ class KVCacheManager:
     populated and, on CUDA, registered on ``host_threads`` threads (default: the cores this
     process may use) and placed by ``numa`` ("auto": the GPU's NUMA node, preferred; None: no
     policy; an int: bound strictly to that node) (STO-7). ``prefill_host_bytes`` commits that
-    much of the host pools at start. ``close()`` releases it all (STO-9).
+    much of the host pools at start. ``close()`` releases it all (STO-9). ``_host_ops`` (tests
+    only) replaces the region's system calls, to inject faults.
     """
 
     def __init__(self, config: CacheConfig, *, host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -33,7 +34,7 @@ class KVCacheManager:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         refuse_during_capture(config.device, "KVCacheManager()")
-        self._closed = True  # until the storage exists: close() and the finalizer are no-ops
+        self._closed = True  # until the storage exists: close() is a no-op
         host_threads = default_threads() if host_threads is None else host_threads
         check_options(host_chunk_bytes, host_threads)
         numa_node, numa_strict = resolve_numa(numa, config.device)
@@ -77,6 +78,7 @@ class KVCacheManager:
         return stats
 
     def _charge(self, memory: dict) -> None:
+        self._check_open("Batch()")
         for medium, nbytes in memory.items():
             if self._charged[medium] + nbytes > self._reserve[medium]:
                 raise RuntimeError(
