@@ -830,6 +830,77 @@ def bench_scaling(timer, device, quick) -> list:
     return points
 
 
+def bench_start(device, quick) -> list:
+    """P-START: ``KVCacheManager(config)`` with a 4 GiB, 64 GiB and 1 TiB host budget (a
+    reservation: nothing is committed; the row's time is the slowest of the three), then
+    P-START-GROW: the first allocation's growth rate (bytes committed [+ registered on CUDA] per
+    second) against the thread count (the row: all threads; the note: every count), and
+    P-START-OLD: the old path (zero the whole pool + one registration) on the same bytes."""
+    from torch_kvcm2.host_region import default_threads
+
+    GiB = 1 << 30
+    cuda = device == "cuda"
+    sp = kv.SparseSpec(tokens_per_unit=PAGE, width=4, slots=12, max_inflight_tokens=PAGE)
+
+    def config(host_bytes):
+        layers = [kv.LayerSpec("mla", [kv.BufferSpec("kv", MLA_ROW, sparse=True)], sparse=sp)]
+        return kv.CacheConfig(tokens_per_page=PAGE, layers=layers, max_rows=4,
+                              max_tokens_per_row=1 << 20, gpu_budget_bytes=1 << 26,
+                              host_budget_bytes=host_bytes, device=device)
+
+    starts, refused = {}, []
+    for label, nbytes in (("4 GiB", 4 * GiB), ("64 GiB", 64 * GiB), ("1 TiB", 1 << 40)):
+        times = []
+        for _ in range(1 if quick else 3):
+            try:
+                begin = time.perf_counter()
+                manager = kv.KVCacheManager(config(nbytes))
+                times.append(time.perf_counter() - begin)
+                manager.close()
+            except ValueError as exc:  # the host's address space or overcommit refuses it
+                refused.append(f"{label} refused by this host: {exc}")
+                break
+        if times:
+            starts[label] = statistics.median(times) * 1e6
+    worst = max(starts.values())
+    note = "start-up " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in starts.items())
+    results = [Result("P-START", "start, host budget " + " / ".join(starts), worst,
+                      target="<= 1 s at every size",
+                      passed=(worst <= 1e6 and not refused) if cuda else None,
+                      extra={"note": "; ".join([note] + refused), "start_us": starts})]
+
+    grow = (512 << 20) if quick else (8 * GiB if cuda else 2 * GiB)
+    cores = default_threads()
+    counts = [1, cores] if quick else sorted({t for t in (1, 2, 4, 8, 16, 32, 64) if t <= cores} | {cores})
+    rates = {}
+    for threads in dict.fromkeys(counts):
+        manager = kv.KVCacheManager(config(grow + (64 << 20)), host_threads=threads)
+        group = manager.storage.groups[0]
+        begin = time.perf_counter()
+        assert group.allocate(grow // group.slot_bytes) is not None, manager.storage.region.last_error
+        us = (time.perf_counter() - begin) * 1e6
+        committed = manager.stats()["host_region"]["committed_bytes"]
+        manager.close()
+        rates[threads] = (us, committed)
+        release(device)
+    us, committed = rates[cores]
+    what = "populate + register" if cuda else "populate"
+    results.append(Result(
+        "P-START-GROW", f"first alloc {grow / GiB:g} GiB, {what}, {cores} thr", us, nbytes=committed,
+        target=">= 20 GB/s", passed=(committed / us / 1e3 >= 20) if cuda else None,
+        extra={"note": ", ".join(f"{t} threads {c / u / 1e3:.1f} GB/s" for t, (u, c) in rates.items()),
+               "rates_gbs": {t: c / u / 1e3 for t, (u, c) in rates.items()}}))
+
+    begin = time.perf_counter()
+    old = torch.zeros(grow, dtype=torch.uint8)
+    view = ops.uva_view(old) if cuda else None  # registers the whole tensor, as the old pool did
+    us = (time.perf_counter() - begin) * 1e6
+    results.append(Result("P-START-OLD", f"zeros{' + register' if cuda else ''} {grow / GiB:g} GiB, "
+                                         "1 thread", us, nbytes=grow, target="reference"))
+    del view, old
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small CPU smoke run of the harness")
@@ -848,7 +919,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
-           "P-CAP"]
+           "P-CAP", "P-START"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
         parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
@@ -870,6 +941,7 @@ def main(argv=None) -> int:
         "P-TORCH": lambda: [bench_torch(timer, device, q)],
         "P-STEP": lambda: bench_step(timer, device, q, ceil, pres_us=results[0].median_us),
         "P-CAP": lambda: [bench_capacity(device, q)],
+        "P-START": lambda: bench_start(device, q),
     }
     results = []
     for rid in ids:

@@ -575,11 +575,13 @@ class Batch:
 
     # ---- checks ----
     def _check_host_call(self, what: str) -> None:
+        self.manager._check_open(what)
         if self._closed:
             raise RuntimeError(f"{what}: the batch is closed")
         refuse_during_capture(self.config.device, what)
 
     def _check_step(self, what: str) -> None:
+        self.manager._check_open(what)
         if self._closed:
             raise RuntimeError(f"{what}: the batch is closed")
         if not self.published:

@@ -179,6 +179,7 @@ class KVCache:
 
     # ---- internals ----
     def _check_open(self) -> None:
+        self.manager._check_open(f"request {self.request_id}")
         if self.state == CLOSED:
             raise RuntimeError(f"request {self.request_id}: the cache is closed")
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import itertools
+from typing import Optional
 
-from ._util import refuse_during_capture
+from ._util import ceil_div, check_int, refuse_during_capture
 from .batch import Batch, batch_memory_bytes
 from .cache import KVCache
 from .config import CacheConfig
-from .storage import Storage
+from .host_region import DEFAULT_CHUNK_BYTES, check_options, default_threads, resolve_numa
+from .storage import HostOptions, Storage
 
 
 class KVCacheManager:
@@ -16,12 +18,28 @@ class KVCacheManager:
     The GPU and host budgets first reserve the memory of one batch of ``config.max_rows`` rows
     (device tables, residency, cells; pinned staging); the pools get the rest (docs/DESIGN.md).
     Raises ``ValueError`` when a budget cannot hold one slot of each of its pool groups.
+
+    Host memory (docs/HOST_MEMORY.md): every pool in CPU memory is reserved as address space at
+    start and committed ``host_chunk_bytes`` at a time as slots are first handed out (STO-6),
+    populated and, on CUDA, registered on ``host_threads`` threads (default: the cores this
+    process may use) and placed by ``numa`` ("auto": the GPU's NUMA node, preferred; None: no
+    policy; an int: bound strictly to that node) (STO-7). ``prefill_host_bytes`` commits that
+    much of the host pools at start. ``close()`` releases it all (STO-9). ``_host_ops`` (tests
+    only) replaces the region's system calls, to inject faults.
     """
 
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, *, host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 host_threads: Optional[int] = None, numa="auto", prefill_host_bytes: int = 0,
+                 _host_ops=None):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         refuse_during_capture(config.device, "KVCacheManager()")
+        self._closed = True  # until the storage exists: close() is a no-op
+        host_threads = default_threads() if host_threads is None else host_threads
+        check_options(host_chunk_bytes, host_threads)
+        numa_node, numa_strict = resolve_numa(numa, config.device)
+        host = HostOptions(host_chunk_bytes, host_threads, numa_node, numa_strict,
+                           prefill_host_bytes, _host_ops)
         self.config = config
         self.storage = Storage(config)
         # A batch's memory is linear in its rows plus a few bytes per selection group, so the
@@ -34,26 +52,33 @@ class KVCacheManager:
                 raise ValueError(
                     f"STO-4: the {medium} budget ({budget} bytes) is smaller than the memory of a "
                     f"batch of {config.max_rows} rows ({self._reserve[medium]} bytes)")
-        self.storage.allocate(self._reserve)
+        self.storage.allocate(self._reserve, host)
         self._charged = {"gpu": 0, "host": 0}
         self._ids = itertools.count()
+        self._closed = False
 
     def create_cache(self) -> KVCache:
         """A new, empty request cache (capacity 0, history 0)."""
+        self._check_open("KVCacheManager.create_cache")
         return KVCache(self, next(self._ids))
 
     def create_batch(self, max_rows=None) -> Batch:
         """Same as ``Batch(manager, max_rows)``."""
+        self._check_open("KVCacheManager.create_batch")
         return Batch(self, max_rows)
 
     def stats(self) -> dict:
-        """Pool usage per pool group and per medium, plus the batch reserve in use (STO-4)."""
+        """Pool usage per pool group and per medium, plus the batch reserve in use (STO-4);
+        ``stats()["host_region"]``: reserved, committed, registered and used bytes of the host
+        region (None without pools in CPU memory)."""
+        self._check_open("KVCacheManager.stats")
         stats = self.storage.stats()
         for medium in ("gpu", "host"):
             stats[medium]["batch_bytes_in_use"] = self._charged[medium]
         return stats
 
     def _charge(self, memory: dict) -> None:
+        self._check_open("Batch()")
         for medium, nbytes in memory.items():
             if self._charged[medium] + nbytes > self._reserve[medium]:
                 raise RuntimeError(
@@ -66,3 +91,50 @@ class KVCacheManager:
     def _uncharge(self, memory: dict) -> None:
         for medium, nbytes in memory.items():
             self._charged[medium] -= nbytes
+
+    # ---- admission and lifetime (STO-8, STO-9) ----
+    def can_fit(self, tokens: int, count: int = 1) -> bool:
+        """Whether ``count`` new requests of ``tokens`` tokens each fit the pools now, changing
+        nothing (STO-8). A request needs, in each pool group, the pages a fresh cache holds after
+        its first ``resize(capacity=tokens, history=h)`` with ``h`` as far as that call accepts
+        (``tokens`` without sparse layers, else where the in-flight range starts; a windowed
+        group holds only the pages its window still reaches). Free slots include those in
+        chunks not committed yet: a commit that then fails for lack of memory makes ``resize``
+        return False."""
+        self._check_open("KVCacheManager.can_fit")
+        tokens, count = check_int("tokens", tokens), check_int("count", count)
+        config = self.config
+        if tokens > config.max_tokens_per_row:
+            raise ValueError(f"can_fit: tokens ({tokens}) exceeds max_tokens_per_row "
+                             f"({config.max_tokens_per_row})")
+        history = min((g.sparse.inflight_start(0, tokens) for g in config.selection_groups),
+                      default=tokens)
+        P = config.tokens_per_page
+        for group in self.storage.groups:
+            keep = ceil_div(tokens, P)
+            first_live = 0
+            if group.window is not None and history > group.window:
+                first_live = min((history - group.window) // P, keep)
+            if (keep - first_live) * count > group.free_slots:
+                return False
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release every registration and mapping of the pools (STO-9; idempotent). Afterwards
+        the manager, its caches and its batches raise RuntimeError; tensors taken from them
+        before must not be used. Garbage collection of an unclosed manager releases the host
+        region too."""
+        if self._closed:
+            return
+        refuse_during_capture(self.config.device, "KVCacheManager.close")
+        self._closed = True
+        self.storage.close()
+
+    def _check_open(self, what: str) -> None:
+        """RuntimeError once the manager is closed; caches and batches call it too."""
+        if self._closed:
+            raise RuntimeError(f"{what}: the KVCacheManager is closed")

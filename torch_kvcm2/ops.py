@@ -14,7 +14,7 @@ from torch import Tensor
 _ops = torch.ops.torch_kvcm2
 
 #: Ops used only at setup, outside compiled or captured regions; not per-step state transitions.
-SETUP_OPS = frozenset({"uva_view"})
+SETUP_OPS = frozenset({"uva_view", "host_register"})
 
 MISS_FIELDS = 4  # (lease, slot, row, unit) per miss-list entry
 NUM_COUNTERS = 3  # hits, misses, invalid
@@ -182,11 +182,15 @@ def flush(
                page_table, new_history, history, capacity, lease, list(unit_params))
 
 
-def uva_view(host: Tensor) -> Tensor:
+def uva_view(host: Tensor, register: bool = True) -> Tensor:
     """A CUDA tensor aliasing the memory of the CPU tensor ``host`` through its device-mapped
-    address (registering it as pinned and mapped when needed). CUDA builds only; setup-time only.
+    address. ``register=True`` registers the storage as pinned and mapped when it is not yet;
+    ``register=False`` registers nothing and aliases the host address itself, for memory whose
+    ranges are registered as they commit (``host_region``; needs a device whose registered
+    memory's device pointer equals its host pointer, else RuntimeError). CUDA builds only;
+    setup-time only.
     """
-    return _ops.uva_view(host)
+    return _ops.uva_view(host, register)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -239,5 +243,5 @@ def _(host_pool, positions, cells, resident, inflight_slots, page_table, new_his
 
 
 @torch.library.register_fake("torch_kvcm2::uva_view")
-def _(host):
+def _(host, register=True):
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device="cuda")

@@ -1,9 +1,13 @@
-"""Storage (SPEC §4, STO-1..5): pool groups, their memory, budgets and slot allocation.
+"""Storage (SPEC §4, STO-1..9): pool groups, their memory, budgets and slot allocation.
 
 Buffers that share (life cycle, sparse, page bytes) are coalesced into one pool group whose slot
 holds one page of each (STO-1). Dense groups live in GPU memory; sparse groups in host memory
 that, on CUDA, is pinned and device-mapped and reaches ops only as a CUDA view (STO-2). On a CPU
 device everything is CPU memory and the same code paths run.
+
+Every pool in CPU memory (the sparse groups; on a CPU device every group) is a contiguous,
+page-aligned slice of one :class:`~torch_kvcm2.host_region.HostRegion`: reserved whole at start,
+committed chunk by chunk as slots are first handed out (STO-6, docs/HOST_MEMORY.md).
 """
 from __future__ import annotations
 
@@ -14,6 +18,25 @@ from typing import Optional
 import torch
 
 from .config import CacheConfig, INT32_MAX
+from .host_region import DEFAULT_CHUNK_BYTES, PAGE_SIZE, HostMemoryOps, HostRegion, round_up
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """How the host region is reserved, committed and placed (``KVCacheManager`` keywords).
+
+    ``chunk_bytes``: commit step (a positive page multiple); ``threads``: populate/register
+    threads (None: the cores this process may use); ``numa_node``/``numa_strict``: placement
+    (from ``numa``); ``prefill_bytes``: host-medium bytes committed at start; ``ops``: the
+    system-call object (tests inject faults through it).
+    """
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    threads: Optional[int] = None
+    numa_node: Optional[int] = None
+    numa_strict: bool = False
+    prefill_bytes: int = 0
+    ops: Optional[HostMemoryOps] = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +58,12 @@ class PoolGroup:
     ``data`` is ``uint8[num_slots, scale, page_bytes]`` in the group's medium (what the host
     writes through); ``device_data`` is what ops see (the UVA CUDA view of a host group on CUDA,
     else ``data`` itself). Both addresses are fixed for the manager's lifetime (STO-3).
+
+    A group in CPU memory is a slice of the host region starting at ``region_offset``; only its
+    first ``committed_bytes`` are real memory. Slots are handed out lowest-free-first (STO-5), so
+    the committed part is a prefix that grows one chunk (or more) at a time when an allocation
+    first reaches past it. Free slots are the released ones below ``_next`` (a heap) plus every
+    slot from ``_next`` on, so start-up never builds a list of all slots.
     """
 
     def __init__(self, index: int, window: Optional[int], sparse: bool, page_bytes: int):
@@ -46,7 +75,11 @@ class PoolGroup:
         self.num_slots = 0
         self.data: Optional[torch.Tensor] = None
         self.device_data: Optional[torch.Tensor] = None
-        self._free: list[int] = []
+        self.region: Optional[HostRegion] = None
+        self.region_offset = 0
+        self.committed_bytes = 0
+        self._free: list[int] = []  # released slots below _next, a heap
+        self._next = 0  # every slot from here on is free and was never handed out
 
     @property
     def scale(self) -> int:
@@ -62,30 +95,79 @@ class PoolGroup:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_slots - self._next
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def committed_slots(self) -> int:
+        """Slots wholly inside the committed prefix."""
+        return min(self.committed_bytes // self.slot_bytes, self.num_slots)
 
     def allocate_memory(self, num_slots: int, device: torch.device) -> None:
+        """Dense memory in ``device`` (GPU pools on CUDA), all committed at once."""
         self.num_slots = num_slots
-        shape = (num_slots, self.scale, self.page_bytes)
-        if self.sparse and device.type == "cuda":
-            from .ops import uva_view  # CUDA builds only
+        self.data = torch.zeros((num_slots, self.scale, self.page_bytes), dtype=torch.uint8,
+                                device=device)
+        self.device_data = self.data
+        self.committed_bytes = self.nbytes
+        self._free, self._next = [], 0
 
-            self.data = torch.zeros(shape, dtype=torch.uint8)
-            self.device_data = uva_view(self.data)
-        else:
-            self.data = torch.zeros(shape, dtype=torch.uint8, device=device)
-            self.device_data = self.data
-        self._free = list(range(num_slots))  # already a heap
+    def place_in_region(self, num_slots: int, region: HostRegion, offset: int,
+                        device_view: Optional[torch.Tensor]) -> None:
+        """Take the slice ``[offset, offset + num_slots * slot_bytes)`` of ``region`` (nothing
+        committed); ``device_view`` is the region's UVA view on CUDA (None: ops see ``data``)."""
+        self.num_slots, self.region, self.region_offset = num_slots, region, offset
+        shape = (num_slots, self.scale, self.page_bytes)
+        self.data = region.tensor[offset:offset + self.nbytes].view(shape)
+        self.device_data = (self.data if device_view is None
+                            else device_view[offset:offset + self.nbytes].view(shape))
+        self.committed_bytes = 0
+        self._free, self._next = [], 0
+
+    def commit_target(self, end_bytes: int) -> int:
+        """The committed prefix needed to cover ``end_bytes`` of the slice: whole chunks from
+        the slice start, capped at the slice (rounded up to a page)."""
+        chunk = self.region.chunk_bytes
+        return min(round_up(end_bytes, chunk), round_up(self.nbytes, PAGE_SIZE))
+
+    def grow_range(self, end_bytes: int) -> Optional[tuple[int, int]]:
+        """``(region offset, bytes)`` to commit so that ``end_bytes`` of the slice are
+        committed, or None when they already are."""
+        if self.region is None or end_bytes <= self.committed_bytes:
+            return None
+        target = self.commit_target(end_bytes)
+        return self.region_offset + self.committed_bytes, target - self.committed_bytes
 
     def allocate(self, n: int) -> Optional[list[int]]:
-        """``n`` slots, lowest free first (STO-5), or None with nothing taken."""
-        if n > len(self._free):
+        """``n`` slots, lowest free first (STO-5), or None with nothing taken: when too few are
+        free, or when committing the memory they need fails (the commit then rolls back)."""
+        if n > self.free_slots:
             return None
-        return [heapq.heappop(self._free) for _ in range(n)]
+        taken = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+        fresh = n - len(taken)  # every released slot is below _next: fresh ones come last
+        if fresh:
+            grow = self.grow_range((self._next + fresh) * self.slot_bytes)
+            if grow is not None:
+                if not self.region.commit([grow]):
+                    for slot in taken:
+                        heapq.heappush(self._free, slot)
+                    return None
+                self.committed_bytes += grow[1]
+            taken.extend(range(self._next, self._next + fresh))
+            self._next += fresh
+        return taken
 
     def release(self, slots) -> None:
-        for slot in slots:
-            heapq.heappush(self._free, slot)
+        """Give slots back. Slots just below ``_next`` lower it instead of entering the heap, so
+        an allocation undone at once (a failed resize) leaves the free list as it was."""
+        for slot in sorted(slots, reverse=True):
+            if slot == self._next - 1:
+                self._next = slot
+            else:
+                heapq.heappush(self._free, slot)
 
 
 class Storage:
@@ -116,14 +198,90 @@ class Storage:
                 )
         self.budget = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
         self.reserved = {"gpu": 0, "host": 0}
+        self.region: Optional[HostRegion] = None
+        self.closed = False
 
-    def allocate(self, reserved: dict) -> None:
+    def in_region(self, group: PoolGroup) -> bool:
+        """Whether the group lives in the host region: sparse groups, and on a CPU device all."""
+        return group.sparse or self.config.device.type != "cuda"
+
+    def allocate(self, reserved: dict, host: Optional[HostOptions] = None) -> None:
         """Size every pool group and take its memory; raises ValueError (nothing allocated) when
-        a medium's budget minus ``reserved[medium]`` cannot hold one slot of each of its groups."""
+        a medium's budget minus ``reserved[medium]`` cannot hold one slot of each of its groups,
+        when ``host.prefill_bytes`` exceeds the host pools, or when the host region cannot be
+        reserved. Groups in CPU memory get slices of one host region (reserved, not committed);
+        GPU pools on CUDA are allocated whole."""
+        host = HostOptions() if host is None else host
         self.reserved = dict(reserved)
         slots = {m: self._slots_for(m) for m in ("gpu", "host")}
-        for group in self.groups:  # every medium validated: allocate only now
-            group.allocate_memory(slots[group.medium], self.config.device)
+        device = self.config.device
+        layout, end = [], 0
+        for group in self.groups:  # every medium validated: lay out, then allocate
+            if self.in_region(group) and slots[group.medium]:
+                layout.append((group, end))
+                end = round_up(end + slots[group.medium] * group.slot_bytes, PAGE_SIZE)
+        host_pool_bytes = sum(slots["host"] * g.slot_bytes for g in self.groups if g.sparse)
+        prefill = host.prefill_bytes
+        if not isinstance(prefill, int) or isinstance(prefill, bool) or prefill < 0:
+            raise ValueError(f"prefill_host_bytes must be a non-negative int, got {prefill!r}")
+        if prefill > host_pool_bytes:
+            raise ValueError(f"prefill_host_bytes ({prefill}) exceeds the host pools "
+                             f"({host_pool_bytes} bytes of the host budget)")
+        if layout:
+            what = ("host_budget_bytes" if device.type == "cuda"
+                    else "host_budget_bytes + gpu_budget_bytes (CPU memory on a CPU device)")
+            self.region = HostRegion(
+                end, chunk_bytes=host.chunk_bytes, threads=host.threads,
+                numa_node=host.numa_node, numa_strict=host.numa_strict,
+                device=(device.index if device.index is not None else torch.cuda.current_device())
+                if device.type == "cuda" else None,
+                ops=host.ops, what=what)
+        try:
+            view = None
+            if self.region is not None and device.type == "cuda":
+                from .ops import uva_view  # CUDA builds only
+
+                with torch.cuda.device(device):
+                    view = uva_view(self.region.tensor, register=False)
+            for group, offset in layout:
+                group.place_in_region(slots[group.medium], self.region, offset, view)
+            for group in self.groups:
+                if not self.in_region(group):
+                    group.allocate_memory(slots[group.medium], device)
+            if prefill:
+                self._prefill(prefill, host_pool_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prefill(self, nbytes: int, host_pool_bytes: int) -> None:
+        """Commit about ``nbytes`` of the host pools at start, in one parallel commit: each
+        sparse group the same fraction of its slice, whole chunks."""
+        ranges, grown = [], []
+        for group in self.groups:
+            if group.sparse and group.region is not None:
+                grow = group.grow_range(-(-nbytes * group.nbytes // host_pool_bytes))
+                if grow is not None:
+                    ranges.append(grow)
+                    grown.append((group, grow[1]))
+        if not self.region.commit(ranges):
+            raise RuntimeError(f"prefill_host_bytes: committing {nbytes} bytes of host memory at "
+                               f"start failed: {self.region.last_error}")
+        for group, nbytes in grown:
+            group.committed_bytes += nbytes
+
+    def close(self) -> None:
+        """Release the host region (registrations and memory) and drop every pool tensor
+        (idempotent). Views taken before must not be used afterwards."""
+        self.closed = True
+        for group in self.groups:
+            group.data = group.device_data = None
+        if self.region is not None:
+            self.region.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("Storage: the manager is closed; its pools are released")
 
     def _slots_for(self, medium: str) -> int:
         groups = [g for g in self.groups if g.medium == medium]
@@ -156,6 +314,7 @@ class Storage:
         """The buffer's view ``[num_slots*scale, chunks, P, B/chunks]`` (uint8); page index of slot
         ``s`` is ``s*scale + pos`` (STO-3). ``device_side`` picks the tensor ops see (the UVA view
         for host groups on CUDA) over the host tensor."""
+        self._check_open()
         place = self.place(layer, role)
         if place.group is None:
             return torch.empty((0, *self._page_layout(place)), dtype=torch.uint8,
@@ -169,6 +328,7 @@ class Storage:
         and the buffer's position in a slot, as ``fetch`` and ``flush`` take them (the whole pool,
         never a per-buffer view: views of one pool would alias each other inside a compiled
         step). Page of slot ``s``: ``data[s, pos]``."""
+        self._check_open()
         place = self.place(layer, role)
         if place.group is None:
             raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
@@ -178,6 +338,7 @@ class Storage:
     def slot_pages(self, layer: str, role: str, device_side: bool = True) -> torch.Tensor:
         """The buffer's pages indexed by slot id: ``[num_slots, chunks, P, B/chunks]``, a strided
         view (slot stride = the group's slot bytes), for reading and writing pages by slot."""
+        self._check_open()
         place = self.place(layer, role)
         group = self.groups[place.group]
         data = group.device_data if device_side else group.data
@@ -185,18 +346,29 @@ class Storage:
 
     # ---- accounting ----
     def stats(self) -> dict:
-        """Used/free bytes and slots per pool group and per medium (STO-4)."""
+        """Used/free bytes and slots per pool group and per medium (STO-4), committed bytes per
+        group and medium, and the host region's reserved/committed/registered bytes (STO-9)."""
         groups = []
         media = {m: {"budget_bytes": self.budget[m], "reserved_bytes": self.reserved[m],
-                     "used_bytes": 0, "free_bytes": 0} for m in ("gpu", "host")}
+                     "used_bytes": 0, "free_bytes": 0, "committed_bytes": 0}
+                 for m in ("gpu", "host")}
         for g in self.groups:
             used = g.num_slots - g.free_slots
+            committed = min(g.committed_bytes, g.nbytes)
             groups.append({
                 "index": g.index, "medium": g.medium, "window": g.window, "sparse": g.sparse,
                 "page_bytes": g.page_bytes, "scale": g.scale, "buffers": list(g.buffers),
                 "slots": g.num_slots, "used_slots": used, "free_slots": g.free_slots,
                 "used_bytes": used * g.slot_bytes, "free_bytes": g.free_slots * g.slot_bytes,
+                "committed_bytes": committed, "in_host_region": g.region is not None,
             })
             media[g.medium]["used_bytes"] += used * g.slot_bytes
             media[g.medium]["free_bytes"] += g.free_slots * g.slot_bytes
-        return {"pool_groups": groups, **media}
+            media[g.medium]["committed_bytes"] += committed
+        region = None
+        if self.region is not None:
+            region = self.region.stats()
+            region["used_bytes"] = sum((g.num_slots - g.free_slots) * g.slot_bytes
+                                       for g in self.groups if g.region is not None)
+            region["closed"] = self.region.closed
+        return {"pool_groups": groups, **media, "host_region": region}

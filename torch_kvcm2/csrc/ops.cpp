@@ -50,6 +50,9 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "Tensor[] inflight_slots, Tensor page_table, Tensor new_history, Tensor history, "
       "Tensor capacity, Tensor lease, int[] unit_params) -> ()");
   // Setup only (CUDA builds): a CUDA tensor aliasing a CPU tensor's memory through the
-  // device-mapped (UVA) address, registering the memory as pinned+mapped when it is not yet.
-  m.def("uva_view(Tensor host) -> Tensor");
+  // device-mapped (UVA) address; register=True registers the memory as pinned+mapped when it is
+  // not yet, register=False aliases the host address of memory registered range by range.
+  m.def("uva_view(Tensor host, bool register=True) -> Tensor");
+  // Setup only: cudaHostRegister / cudaHostUnregister of one host range (the host region).
+  m.def("host_register(int address, int nbytes, int device, bool register) -> ()");
 }
