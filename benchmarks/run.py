@@ -224,10 +224,12 @@ def seat(manager, batch, rows, history, capacity=None):
     return caches
 
 
-def fill_random(host: torch.Tensor, device: str, seed: int) -> None:
-    """Random bytes in a (pinned) host pool, generated on ``device`` in 256 MiB chunks (on CUDA
-    the copy engine writes them: gigabytes in well under a second)."""
-    flat = host.view(-1)
+def fill_random(pool, device: str, seed: int) -> None:
+    """Random bytes in the committed slots of a (pinned) host pool group, generated on ``device``
+    in 256 MiB chunks (on CUDA the copy engine writes them: gigabytes in well under a second).
+    Only the committed prefix is real, registered memory: the rest of the reservation is left
+    alone."""
+    flat = pool.data[:pool.committed_slots].view(-1)
     gen = torch.Generator(device=device).manual_seed(seed)
     chunk = 1 << 28
     for i in range(0, flat.numel(), chunk):
@@ -345,8 +347,7 @@ def fetch_setup(device, quick, *, units, unit_tokens, page, row_bytes=MLA_ROW):
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     seat(manager, batch, rows, history)
-    host = manager.storage.groups[0].data
-    host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
+    fill_random(manager.storage.groups[0], "cpu", seed=0)
     g = torch.Generator().manual_seed(1)
     selected = torch.stack([torch.randperm(history // unit_tokens, generator=g)[:K] for _ in range(rows)])
     selected[:, per_row:] = -1
@@ -508,7 +509,7 @@ def bench_torch(timer, device, quick) -> Result:
     w = resolve_workload(device, quick, seed=3)
     batch, state, manager, rows, K, S, calls, new = (w.batch, w.state, w.manager, w.rows, w.K,
                                                      w.S, w.calls, w.new)
-    fill_random(manager.storage.groups[0].data, device, seed=4)
+    fill_random(manager.storage.groups[0], device, seed=4)
     assert batch.lease.tolist() == list(range(rows))
     batch.resolve(0, w.sels[0])
     batch.fetch("l0")  # steady state: the first selection resident and in its cells
@@ -596,7 +597,7 @@ def run_step(timer, device, quick, groups, seed) -> dict:
     seat(manager, batch, R, H, capacity=H + 1)  # token H is in flight
     pool = manager.storage.groups[0]
     assert len(manager.storage.groups) == 1 and len(batch._flush_args) == 1
-    fill_random(pool.data, device, seed)
+    fill_random(pool, device, seed)
     new = max(1, round(K * 0.02))
     gen = torch.Generator(device=device).manual_seed(seed)
     order = torch.rand((G, R, H), generator=gen, device=device).argsort(-1)
@@ -779,7 +780,7 @@ def scaling_point(timer, device, rows, K, S, miss, seed) -> dict:
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     seat(manager, batch, rows, H)
-    fill_random(manager.storage.groups[0].data, device, seed)
+    fill_random(manager.storage.groups[0], device, seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     order = torch.rand((rows, H), generator=gen, device=device).argsort(-1)
     pos = torch.rand((rows, K), generator=gen, device=device).argsort(-1)[:, :new]
