@@ -114,23 +114,24 @@ KVCM2_HD int64_t inflight_slot(const RowRange& range, int64_t u, const int32_t* 
 // page) share, on both backends. A buffer's page is `chunks` chunks of P tokens of token_bytes
 // each (chunk_bytes = P * token_bytes apart); a unit is U consecutive tokens of every chunk
 // (unit_bytes = U * token_bytes per chunk), E = P / U units per page. Both functions return the
-// byte offset of the unit's start in chunk 0 plus `offset` (a token's distance into the unit,
+// address of the unit's start in chunk 0 plus `offset` bytes (a token's distance into the unit,
 // k * chunk_bytes for chunk k, a vector's distance).
 
-// Cell entry `entry` = lease * S + slot is unit entry % E of cell page entry / E, in the buffer's
+// Cell entry `entry` = lease * S + slot is unit entry % E of cell page entry / E of the buffer's
 // cells.
-KVCM2_HD int64_t cell_offset(int64_t entry, int64_t E, int64_t page_bytes, int64_t unit_bytes,
-                             int64_t offset) {
-  return (entry / E) * page_bytes + (entry % E) * unit_bytes + offset;
+template <typename Byte, typename Int>
+KVCM2_HD Byte* cell_address(Byte* cells, int64_t entry, Int E, int64_t page_bytes,
+                            int64_t unit_bytes, int64_t offset) {
+  return cells + (entry / E) * page_bytes + (entry % E) * unit_bytes + offset;
 }
 
-// Unit `unit` of a row is unit unit % E of its host page, the page in host slot `host_slot`, from
-// the buffer's HostPages::data. Unit is int32_t where the unit and E fit (a 32-bit remainder on
-// the GPU), else int64_t.
-template <typename Unit>
-KVCM2_HD int64_t host_offset(int64_t host_slot, int64_t slot_stride, Unit unit, Unit E,
-                             int64_t unit_bytes, int64_t offset) {
-  return host_slot * slot_stride + static_cast<int64_t>(unit % E) * unit_bytes + offset;
+// Unit `unit` of a row is unit unit % E of its host page, the page in host slot `host_slot` of
+// the buffer's host pages (HostPages::data). Unit is int32_t where the unit and E fit (a 32-bit
+// remainder on the GPU), else int64_t.
+template <typename Byte, typename Unit>
+KVCM2_HD Byte* host_address(Byte* host, int64_t host_slot, int64_t slot_stride, Unit unit, Unit E,
+                            int64_t unit_bytes, int64_t offset) {
+  return host + host_slot * slot_stride + static_cast<int64_t>(unit % E) * unit_bytes + offset;
 }
 
 // OP-FETCH's source of miss entry (lease, slot, row, unit) in one buffer: the host slot of the

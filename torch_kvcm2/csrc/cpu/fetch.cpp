@@ -40,9 +40,9 @@ void fetch_cpu(const at::TensorList& cells, const at::TensorList& host_pools,
                           E, host.slots);
       if (host_slot < 0) continue;  // bad device data: skipped, never written out of bounds
       const int64_t entry = static_cast<int64_t>(e[kMissLease]) * slots + e[kMissSlot];
-      uint8_t* dst = cell_data + cell_offset(entry, E, page_bytes, unit_bytes, 0);
-      const uint8_t* src =
-          host.data + host_offset(host_slot, host.slot_stride, e[kMissUnit], E, unit_bytes, 0);
+      uint8_t* dst = cell_address(cell_data, entry, E, page_bytes, unit_bytes, 0);
+      const uint8_t* src = host_address<const uint8_t>(host.data, host_slot, host.slot_stride,
+                                                       e[kMissUnit], E, unit_bytes, 0);
       for (int64_t k = 0; k < chunks; ++k)
         std::memcpy(dst + k * chunk_bytes, src + k * chunk_bytes, unit_bytes);
     }

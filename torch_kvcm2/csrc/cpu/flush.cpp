@@ -48,10 +48,10 @@ void flush_cpu(const at::Tensor& host_pool, at::IntArrayRef positions, const at:
         // Only the unit's tokens inside [lo, hi): its other tokens are history or unwritten.
         const int64_t first = std::max(lo, u * U), last = std::min(hi, (u + 1) * U);
         const int64_t offset = (first - u * U) * token_bytes;
-        const uint8_t* src =
-            cell.data_ptr<uint8_t>() + cell_offset(l * S + slot, E, page_bytes, unit_bytes, offset);
+        const uint8_t* src = cell_address<const uint8_t>(cell.data_ptr<uint8_t>(), l * S + slot,
+                                                          E, page_bytes, unit_bytes, offset);
         uint8_t* dst =
-            host.data + host_offset(host_slot, host.slot_stride, u, E, unit_bytes, offset);
+            host_address(host.data, host_slot, host.slot_stride, u, E, unit_bytes, offset);
         for (int64_t k = 0; k < chunks; ++k)
           std::memcpy(dst + k * chunk_bytes, src + k * chunk_bytes, (last - first) * token_bytes);
       }

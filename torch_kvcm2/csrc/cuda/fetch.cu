@@ -118,12 +118,12 @@ __device__ __forceinline__ int64_t part_offset(const FetchBuffer& B, int w) {
 }
 __device__ __forceinline__ const uint8_t* part_src(const FetchBuffer& B, const int4& e,
                                                    int64_t host_slot, int64_t inner) {
-  return B.host + host_offset(host_slot, B.host_stride, e.w, B.E, B.piece, inner);
+  return host_address(B.host, host_slot, B.host_stride, e.w, B.E, B.piece, inner);
 }
 __device__ __forceinline__ uint8_t* part_dst(const FetchParams& p, const FetchBuffer& B,
                                              const int4& e, int64_t inner) {
   const int64_t entry = static_cast<int64_t>(e.x) * p.slots + e.y;
-  return B.cells + cell_offset(entry, B.E, B.page_bytes, B.piece, inner);
+  return cell_address(B.cells, entry, B.E, B.page_bytes, B.piece, inner);
 }
 
 // One vector per work item. A thread handles ILP items per round in stages (miss entries, then

@@ -76,10 +76,10 @@ __global__ __launch_bounds__(kFlushThreads, 5) void flush_kernel(const __grid_co
     const int64_t chunk_bytes = P * b.token_bytes, page_bytes = b.chunks * chunk_bytes;
     const int64_t unit_bytes = U * b.token_bytes, offset = (first - u * U) * b.token_bytes;
     const uint8_t* src =
-        b.cells + cell_offset(l * b.slots + slot, E, page_bytes, unit_bytes, offset);
+        cell_address(b.cells, l * b.slots + slot, E, page_bytes, unit_bytes, offset);
     // u and E fit int32 (capacity is int32; check_flush): a 32-bit remainder.
-    uint8_t* dst = b.host + host_offset(host_slot, b.host_slot_stride, static_cast<int32_t>(u),
-                                        static_cast<int32_t>(E), unit_bytes, offset);
+    uint8_t* dst = host_address(b.host, host_slot, b.host_slot_stride, static_cast<int32_t>(u),
+                                static_cast<int32_t>(E), unit_bytes, offset);
     const int64_t vecs = (last - first) * b.token_bytes / static_cast<int64_t>(sizeof(V));
     const int64_t n = vecs * b.chunks;
     for (int64_t v = lane; v < n; v += 32) {

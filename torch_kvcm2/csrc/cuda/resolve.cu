@@ -73,7 +73,6 @@ __device__ __noinline__ RowRange row_range(int32_t h, int32_t c, int64_t U, int6
   return RowRange(h, c, U, P, I, window);
 }
 
-
 __device__ __forceinline__ RowRange range_of(const ResolveParams& p, int32_t h, int32_t c) {
   return row_range(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens, p.window);
 }
@@ -789,12 +788,12 @@ __device__ __forceinline__ void resolve_row(const ResolveParams& p, const Arrays
 }
 
 // One CTA per row, 1 CTA per SM (K=2048, S=4096 takes ~158 KB of shared memory with the sparse
-// hash). Measured on an H200 (P-RES: 64 rows, K=2048, S=4096, 1% misses): 7.8-8.1 us per
-// graph-replayed launch, median 7.8 over twelve processes (~13.5K cycles per CTA after the PDL
-// wait in the last profile). Nsight Compute: ~35K warp instructions per CTA, each warp issuing
-// one every ~9 cycles, mostly waiting on the previous instruction's result (integer and
-// shared-memory dependency chains), not on shared-memory bandwidth: the time follows the
-// instructions per warp. docs/DEVELOPMENT.md says how to print the phase profile.
+// hash). Measured on an H200, 2026-11-30 (P-RES: 64 rows, K=2048, S=4096, 1% misses): 7.8-8.1 us
+// per graph-replayed launch (~13.5K cycles per CTA after the PDL wait). Nsight Compute: ~35K warp
+// instructions per CTA, each warp issuing one every ~9 cycles, mostly waiting on the previous
+// instruction's result (integer and shared-memory dependency chains), not on shared-memory
+// bandwidth: the time follows the instructions per warp. docs/DEVELOPMENT.md says how to print
+// the phase profile.
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   KVCM2_PROF_BEGIN();
@@ -816,8 +815,7 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     resolve_row<false>(p, A, row);
 }
 
-// ------------------------------------------------------------------------------------------------
-// host wrapper
+// ---- host wrapper
 
 int ceil_log2(int64_t n) {
   int bits = 0;
