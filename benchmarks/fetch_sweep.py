@@ -1,15 +1,17 @@
 """Fetch tuning sweep (CUDA): P-FETCH-ROW and P-FETCH-PAGE at several sizes, for each setting of
 the fetch kernel's development knobs, each in its own process (the knobs are read once per
 process), every result checked byte for byte by ``run.bench_fetch`` and reported against the
-copy-engine ceiling measured in the same process.
+copy-engine ceiling measured in the same process. Needs a GPU and a development build of
+torch_kvcm2 (``TORCH_KVCM2_DEV=1 pip install -e . --no-build-isolation``): a production build
+reads no knob, so every variant would measure the defaults.
 
     python benchmarks/fetch_sweep.py [--json out.json] [--variants 0,6] [--rounds 2]
 
-Knobs (see DeviceInfo in torch_kvcm2/csrc/cuda/residency.cu): KVCM2_FETCH_ILP (loads in flight
-per thread: 1, 2, 4, 8), KVCM2_FETCH_BLOCKS_PER_SM (grid size; default: every CTA that fits) and
-KVCM2_FETCH_TMA (0: vector loads for every piece; 1: bulk copies through shared memory for every
-16-byte aligned launch; default: bulk copies for pieces of >= 32 KiB), KVCM2_FETCH_TMA_STAGE
-(bytes per bulk-copy stage, default 8192).
+Knobs (docs/DEVELOPMENT.md; Tuning in torch_kvcm2/csrc/cuda/launch.cuh): KVCM2_FETCH_ILP (loads
+in flight per thread: 1, 2, 4, 8), KVCM2_FETCH_BLOCKS_PER_SM (grid size; default: every CTA that
+fits) and KVCM2_FETCH_TMA (0: vector loads for every piece; 1: bulk copies through shared memory
+for every 16-byte aligned launch; default: bulk copies for pieces of >= 32 KiB),
+KVCM2_FETCH_TMA_STAGE (bytes per bulk-copy stage, default 8192).
 A variant that fails (or fails its byte check) is reported as failed; the others still run.
 """
 from __future__ import annotations
@@ -55,6 +57,23 @@ def child() -> None:
     print(json.dumps({"h2d": ceil["h2d"], "results": out}))
 
 
+def unusable() -> str | None:
+    """Why this machine cannot run the sweep, or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU visible"
+    import torch_kvcm2
+
+    if not torch_kvcm2.has_cuda_kernels():
+        return "torch_kvcm2 was built without CUDA kernels"
+    # The knobs' names are in the library only when the development switch built their readers.
+    with open(torch_kvcm2._C.__file__, "rb") as f:
+        if b"KVCM2_FETCH_ILP" not in f.read():
+            return "torch_kvcm2 is a production build (it reads no knob)"
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,7 +86,20 @@ def main() -> int:
     if args.child:
         child()
         return 0
-    chosen = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
+    try:
+        picks = [int(i) for i in args.variants.split(",")] if args.variants else None
+    except ValueError:
+        parser.error(f"--variants: comma-separated integers expected, got {args.variants!r}")
+    if picks is not None and not all(0 <= i < len(VARIANTS) for i in picks):
+        parser.error(f"--variants: indices must lie in [0, {len(VARIANTS)}), got {args.variants!r}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    reason = unusable()
+    if reason is not None:
+        print(f"fetch_sweep.py needs a GPU and a development build of torch_kvcm2 "
+              f"(TORCH_KVCM2_DEV=1 pip install -e . --no-build-isolation): {reason}", file=sys.stderr)
+        return 2
+    chosen = [VARIANTS[i] for i in picks] if picks is not None else VARIANTS
     rows, failed = [], []
     for variant in chosen * args.rounds:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVCM2_FETCH_")} | variant

@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
 # The GPU round trip, run on the device machine from the repo root:
-#   build the CUDA extension against the machine's torch, run the CUDA tests, a long data-safety
-#   run and the benchmarks. Logs go to $OUT (the device tool brings them back).
-# Usage: [TESTS=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1] [PDL_AB=1] [PROFILE=1] [NCU=1] [AB_THREADS=N]
-#        [KVCM2_SAFETY_STEPS=N] bash scripts/gpu_check.sh [pytest args]
+#   build the production CUDA extension against the machine's torch, run the CUDA tests, a long
+#   data-safety run and the benchmarks; then, for the runs that need the development switch
+#   (docs/DEVELOPMENT.md), rebuild with TORCH_KVCM2_DEV and run those. Logs go to $OUT (the device
+#   tool brings them back). Every call starts with the production build again.
+# Usage: [TESTS=0] [STALE=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1]
+#        [PDL_AB=1] [PROFILE=1] [NCU=1] [AB_THREADS=N] [KVCM2_SAFETY_STEPS=N]
+#        bash scripts/gpu_check.sh [pytest args]
+# Production build:
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
 #   EXAMPLES=0 skips only the examples.
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only).
-#   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs; SWEEP_ARGS are its
-#   arguments).
-#   PDL_AB=1 adds P-RES, P-INDEX and P-STEP with KVCM2_PDL=0 (launches without PDL), then with
-#   PDL again, for an A/B.
-#   AB_THREADS=1024 rebuilds the resolve kernel with that many threads per CTA, runs the residency
-#   tests and P-RES on it, then rebuilds the default and runs P-RES again (bench_threads*.txt).
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
 #   set, clocks left alone): ncu_resolve.txt (details) and ncu_resolve_source.csv (per-SASS
 #   instruction stall samples). NCU_CACHE=none keeps the caches warm between the profiler's
 #   passes (its default flushes them, instruction cache included, before each pass).
-#   The CUDA tests run, then the residency tests again with KVCM2_RESOLVE_FORCE_STALE=1 (the
-#   resolve kernel alters the lease, history and capacity it reads before the PDL wait, so every
-#   row redoes its first attempt with the values read after the wait).
-#   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_PROFILE=1) and
-#   prints the phase cycles of CTA 0 over P-RES's launches (the load and hash phases also in
+# Development build (TORCH_KVCM2_DEV=1, rebuilt after the production runs, only when one of these
+# runs is asked for):
+#   with TESTS=1 (default) and STALE=1 (default), the residency tests again with
+#   KVCM2_RESOLVE_FORCE_STALE=1 (the resolve kernel alters the lease, history and capacity it
+#   reads before the PDL wait, so every row redoes its first attempt with the values read after
+#   the wait); STALE=0 skips them and, with no other development run, the rebuild.
+#   SWEEP=1 adds benchmarks/fetch_sweep.py (the fetch kernel's tuning knobs; SWEEP_ARGS are its
+#   arguments).
+#   PDL_AB=1 adds P-RES, P-INDEX and P-STEP with KVCM2_PDL=0 (launches without PDL), then with
+#   PDL again, for an A/B (both on the development build).
+#   AB_THREADS=1024 rebuilds the resolve kernel with that many threads per CTA
+#   (TORCH_KVCM2_RESOLVE_THREADS), runs the residency tests and P-RES on it, then P-RES on the
+#   development build of the default size (bench_threads*.txt).
+#   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_DEV=profile)
+#   and prints the phase cycles of CTA 0 over P-RES's launches (the load and hash phases also in
 #   parts), without PDL and with it.
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
@@ -36,17 +44,27 @@ if ls .whl/expecttest-*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
-start=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1
-rc=$?; echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
-if [ $rc -ne 0 ]; then tail -60 "$OUT/build.log"; exit $rc; fi
+# build NAME [VAR=VALUE ...]: pip install -e . with those variables set; the log is $OUT/build_NAME.log
+build() {
+  local name=$1; shift
+  local start=$(date +%s)
+  env -u TORCH_KVCM2_DEV -u TORCH_KVCM2_RESOLVE_THREADS "$@" \
+    python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build_$name.log" 2>&1
+  local rc=$?
+  echo "build $name rc=$rc in $(( $(date +%s) - start )) s: $(grep -m1 '^\[torch_kvcm2\]' "$OUT/build_$name.log")" \
+    | tee -a "$OUT/gpu.txt"
+  [ $rc -eq 0 ] || tail -60 "$OUT/build_$name.log"
+  return $rc
+}
+# The development knobs' names are in the library only when the development switch built them.
+knobs_in_library() { grep -c -a -E 'KVCM2_(PDL|FETCH_ILP|RESOLVE_FORCE_STALE)' torch_kvcm2/_C*.so; }
+build production || exit 1
 python3 -c "import torch_kvcm2 as k; assert k.has_cuda_kernels(), 'no CUDA kernels'; print('CUDA kernels OK')"
+[ "$(knobs_in_library)" = 0 ] && echo "production build: no development knob" | tee -a "$OUT/gpu.txt" \
+  || { echo "production build names development knobs"; exit 1; }
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda.log" | tail -25
   echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
-  KVCM2_RESOLVE_FORCE_STALE=1 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_residency_ops.py \
-    2>&1 | tee "$OUT/tests_cuda_stale.log" | tail -3
-  echo "cuda residency tests, every early read stale: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
   # the main example on the GPU: eager, compiled, and compiled into CUDA graphs
   [ "${EXAMPLES:-1}" = 1 ] && for mode in "" "--compile" "--compile reduce-overhead"; do
     echo "== examples/sparse_decode.py $mode" | tee -a "$OUT/examples.log"
@@ -60,22 +78,6 @@ if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/run.py --json "$OUT/bench.json" ${SCALING:+--scaling} \
     ${BENCH_ONLY:+--only "$BENCH_ONLY"} 2>&1 | tee "$OUT/bench.txt"
 fi
-if [ "${SWEEP:-0}" = 1 ]; then
-  python3 benchmarks/fetch_sweep.py --json "$OUT/fetch_sweep.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fetch_sweep.txt"
-fi
-if [ "${PDL_AB:-0}" = 1 ]; then
-  # without PDL, then with it again in a fresh process (processes differ by about +-0.4 us)
-  KVCM2_PDL=0 python3 benchmarks/run.py --only P-RES,P-INDEX,P-STEP 2>&1 | tee "$OUT/bench_nopdl.txt"
-  python3 benchmarks/run.py --only P-RES,P-INDEX,P-STEP 2>&1 | tee "$OUT/bench_pdl2.txt"
-fi
-if [ -n "${AB_THREADS:-}" ]; then
-  TORCH_KVCM2_RESOLVE_THREADS="$AB_THREADS" python3 -m pip install -q --no-build-isolation --no-deps -e . \
-    > "$OUT/build_threads.log" 2>&1 &&
-  python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_residency_ops.py 2>&1 | tail -2 | tee "$OUT/tests_threads.log" &&
-  python3 benchmarks/run.py --only P-RES 2>&1 | tee "$OUT/bench_threads_$AB_THREADS.txt"
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_default.log" 2>&1 &&
-  python3 benchmarks/run.py --only P-RES 2>&1 | tee "$OUT/bench_threads_default.txt"
-fi
 if [ "${NCU:-0}" = 1 ]; then
   # launch 1 is P-RES's cold first resolve (every unit a miss); launch 2 is the timer's warm-up
   # call of the steady state (1% misses)
@@ -87,10 +89,35 @@ if [ "${NCU:-0}" = 1 ]; then
   ncu -i "$OUT/ncu_resolve.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_resolve_source.csv" 2>&1
   grep -E "Duration|Elapsed Cycles|Stall|Warp Cycles|Issued|Bank|Occupancy" "$OUT/ncu_resolve.txt" | head -40
 fi
+# ---- development build: the runs below read the development knobs
+stale=$([ "${TESTS:-1}" = 1 ] && [ "${STALE:-1}" = 1 ] && echo 1 || echo 0)
+if [ "$stale" = 1 ] || [ "${SWEEP:-0}" = 1 ] || [ "${PDL_AB:-0}" = 1 ] || [ -n "${AB_THREADS:-}" ]; then
+  build dev TORCH_KVCM2_DEV=1 || exit 1
+  [ "$(knobs_in_library)" != 0 ] || { echo "development build without its knobs"; exit 1; }
+fi
+if [ "$stale" = 1 ]; then
+  KVCM2_RESOLVE_FORCE_STALE=1 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_residency_ops.py \
+    2>&1 | tee "$OUT/tests_cuda_stale.log" | tail -3
+  echo "cuda residency tests, every early read stale: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
+fi
+if [ "${SWEEP:-0}" = 1 ]; then
+  python3 benchmarks/fetch_sweep.py --json "$OUT/fetch_sweep.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fetch_sweep.txt"
+fi
+if [ "${PDL_AB:-0}" = 1 ]; then
+  # without PDL, then with it again in a fresh process (processes differ by about +-0.4 us)
+  KVCM2_PDL=0 python3 benchmarks/run.py --only P-RES,P-INDEX,P-STEP 2>&1 | tee "$OUT/bench_nopdl.txt"
+  python3 benchmarks/run.py --only P-RES,P-INDEX,P-STEP 2>&1 | tee "$OUT/bench_pdl2.txt"
+fi
+if [ -n "${AB_THREADS:-}" ]; then
+  python3 benchmarks/run.py --only P-RES 2>&1 | tee "$OUT/bench_threads_default.txt"
+  build threads TORCH_KVCM2_DEV=1 TORCH_KVCM2_RESOLVE_THREADS="$AB_THREADS" &&
+  python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_residency_ops.py 2>&1 | tail -2 | tee "$OUT/tests_threads.log" &&
+  python3 benchmarks/run.py --only P-RES 2>&1 | tee "$OUT/bench_threads_$AB_THREADS.txt"
+fi
 if [ "${PROFILE:-0}" = 1 ]; then
   # Without PDL (the critical path of one launch) and with it (as P-RES runs: "wait" is the time
   # a CTA that started early spends waiting for the previous launch).
-  TORCH_KVCM2_PROFILE=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build_profile.log" 2>&1
+  build profile TORCH_KVCM2_DEV=profile || exit 1
   for pdl in 0 1; do
     KVCM2_PDL=$pdl python3 benchmarks/run.py --only P-RES 2>&1 | grep "^resolve " > "$OUT/profile_raw_pdl$pdl.txt"
     python3 - "$OUT/profile_raw_pdl$pdl.txt" "$pdl" <<'PY' | tee -a "$OUT/profile.txt"

@@ -11,6 +11,22 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+__all__ = [
+    "MISS_COUNT_WORDS",
+    "MISS_FIELDS",
+    "NUM_COUNTERS",
+    "SETUP_OPS",
+    "convert_page_indices",
+    "convert_token_indices",
+    "fetch",
+    "flush",
+    "locate_inflight",
+    "max_inflight_units",
+    "resolve",
+    "uva_view",
+    "write_indices",
+]
+
 _ops = torch.ops.torch_kvcm2
 
 #: Ops used only at setup, outside compiled or captured regions; not per-step state transitions.

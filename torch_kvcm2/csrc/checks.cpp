@@ -182,6 +182,8 @@ void check_fetch(const at::TensorList& cells, const at::TensorList& host_pools,
                 ": tokens_per_unit must divide tokens_per_page");
     TORCH_CHECK(slots % (tokens_per_page / tokens_per_unit) == 0, op,
                 ": slots must be a multiple of units per page");
+    TORCH_CHECK(tokens_per_page / tokens_per_unit <= INT32_MAX, op, ": buffer ", b,
+                ": too many units per page");
   }
 }
 
@@ -247,6 +249,7 @@ void check_flush(const at::Tensor& host_pool, at::IntArrayRef positions,
                     cell.size(2) % unit == 0 && slots % (cell.size(2) / unit) == 0,
                 op, ": buffer ", b, ": bad unit_params (slots ", slots, ", tokens_per_unit ", unit,
                 ", max_inflight_tokens ", inflight, ")");
+    TORCH_CHECK(cell.size(2) / unit <= INT32_MAX, op, ": buffer ", b, ": too many units per page");
     check_inflight_slots(inflight_slots[b], rows, unit, inflight, op);
     TORCH_CHECK(cell.size(0) * (cell.size(2) / unit) >= resident[b].size(0) * slots, op,
                 ": buffer ", b, ": fewer cells than leases x slots");

@@ -69,6 +69,7 @@ struct RowRange {
   // Kept as fields: kernels test thousands of units per row against them.
   int64_t first_inflight, end_inflight;
 
+  RowRange() = default;
   // Lengths are device data: a negative history or a capacity below it (bad data) is read as
   // h = max(h, 0), c = max(c, h), so no negative unit is ever in flight or selectable.
   KVCM2_HD RowRange(int64_t h, int64_t c, int64_t U, int64_t P, int64_t I, int64_t window)
@@ -107,6 +108,57 @@ KVCM2_HD int64_t inflight_slot(const RowRange& range, int64_t u, const int32_t* 
   if (k < 0 || k >= miu) return BAD;
   const int64_t slot = slots_row[k];
   return (slot >= 0 && slot < S && resident_row[slot] == u) ? slot : BAD;
+}
+
+// ---- where a unit's bytes live: the addressing fetch (host page -> cell) and flush (cell -> host
+// page) share, on both backends. A buffer's page is `chunks` chunks of P tokens of token_bytes
+// each (chunk_bytes = P * token_bytes apart); a unit is U consecutive tokens of every chunk
+// (unit_bytes = U * token_bytes per chunk), E = P / U units per page. Both functions return the
+// address of the unit's start in chunk 0 plus `offset` bytes (a token's distance into the unit,
+// k * chunk_bytes for chunk k, a vector's distance).
+
+// Cell entry `entry` = lease * S + slot is unit entry % E of cell page entry / E of the buffer's
+// cells.
+template <typename Byte, typename Int>
+KVCM2_HD Byte* cell_address(Byte* cells, int64_t entry, Int E, int64_t page_bytes,
+                            int64_t unit_bytes, int64_t offset) {
+  return cells + (entry / E) * page_bytes + (entry % E) * unit_bytes + offset;
+}
+
+// Unit `unit` of a row is unit unit % E of its host page, the page in host slot `host_slot` of
+// the buffer's host pages (HostPages::data). Unit is int32_t where the unit and E fit (a 32-bit
+// remainder on the GPU), else int64_t.
+template <typename Byte, typename Unit>
+KVCM2_HD Byte* host_address(Byte* host, int64_t host_slot, int64_t slot_stride, Unit unit, Unit E,
+                            int64_t unit_bytes, int64_t offset) {
+  return host + host_slot * slot_stride + static_cast<int64_t>(unit % E) * unit_bytes + offset;
+}
+
+// OP-FETCH's source of miss entry (lease, slot, row, unit) in one buffer: the host slot of the
+// unit's page in the page table (int32[table_rows, table_pages] of the buffer's pool group), or -1
+// when any field or the page table's entry is out of range (bad device data is skipped, never
+// followed). num_entries = cell pages * E; E fits int32 (check_fetch), so the page of a unit is a
+// 32-bit division.
+KVCM2_HD int64_t fetch_host_slot(int32_t lease, int32_t slot, int32_t row, int32_t unit,
+                                 int64_t slots, int64_t num_entries, const int32_t* table,
+                                 int64_t table_rows, int64_t table_pages, int32_t E,
+                                 int64_t host_slots) {
+  const int64_t entry = static_cast<int64_t>(lease) * slots + slot;
+  if (lease < 0 || slot < 0 || slot >= slots || entry >= num_entries || row < 0 ||
+      row >= table_rows || unit < 0 || unit / E >= table_pages)
+    return -1;
+  const int64_t h = table[row * table_pages + unit / E];
+  return h < host_slots ? h : -1;
+}
+
+// OP-FLUSH's destination: the host slot of page `page` of row `row` in a page table
+// int32[rows, pages], or -1 when the page lies past the table or its entry is no host slot (BAD,
+// or >= host_slots: bad device data).
+KVCM2_HD int64_t table_host_slot(const int32_t* table, int64_t row, int64_t pages, int64_t page,
+                                 int64_t host_slots) {
+  if (page >= pages) return -1;
+  const int64_t h = table[row * pages + page];
+  return (h >= 0 && h < host_slots) ? h : -1;
 }
 
 // A sparse buffer's host pages inside its pool group's memory. Ops take the group's whole pool,

@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include "../kvcm2.h"
-#include "pdl.cuh"
+#include "launch.cuh"
 
 namespace torch_kvcm2 {
 namespace {

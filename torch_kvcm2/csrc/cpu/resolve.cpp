@@ -1,5 +1,5 @@
-// CPU kernels of OP-RESOLVE and OP-FETCH: the executable semantics of SPEC §7-8, simple loops
-// over rows, columns and slots. The CUDA kernels must reproduce this state bit for bit.
+// CPU kernel of OP-RESOLVE: the executable semantics of SPEC §7-8, simple loops over rows,
+// columns and slots. The CUDA kernel (cuda/resolve.cu) must reproduce this state bit for bit.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "../kvcm2.h"
-#include "inflight.h"
+#include "locate_inflight.h"
 
 namespace torch_kvcm2 {
 namespace {
@@ -158,50 +158,8 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
   total[kInvalid] += c.invalid;
 }
 
-void fetch_cpu(const at::TensorList& cells, const at::TensorList& host_pools,
-               at::IntArrayRef positions, const at::TensorList& page_tables,
-               const at::Tensor& miss_list, const at::Tensor& miss_count, int64_t slots,
-               int64_t tokens_per_unit) {
-  check_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count, slots,
-              tokens_per_unit);
-  const int64_t n = std::min<int64_t>(std::max(miss_count.data_ptr<int32_t>()[0], 0),
-                                      miss_list.size(0));
-  const int32_t* misses = miss_list.data_ptr<int32_t>();
-  for (size_t b = 0; b < cells.size(); ++b) {
-    const at::Tensor& cell = cells[b];
-    const int64_t chunks = cell.size(1), P = cell.size(2);
-    const int64_t chunk_bytes = P * cell.size(3);
-    const int64_t page_bytes = chunks * chunk_bytes;
-    const int64_t piece = tokens_per_unit * cell.size(3);  // one unit's bytes in one chunk
-    if (page_bytes == 0) continue;                          // zero-size buffer (CFG-6)
-    const int64_t E = P / tokens_per_unit;
-    const int64_t num_entries = cell.size(0) * E;
-    const int32_t* table = page_tables[b].data_ptr<int32_t>();
-    const int64_t table_rows = page_tables[b].size(0), table_pages = page_tables[b].size(1);
-    uint8_t* dst_base = cell.data_ptr<uint8_t>();
-    const HostPages host = host_pages_of(host_pools[b], positions[b]);
-    for (int64_t m = 0; m < n; ++m) {
-      const int32_t* e = misses + m * kMissFields;
-      const int64_t entry = static_cast<int64_t>(e[kMissLease]) * slots + e[kMissSlot];
-      const int64_t row = e[kMissRow], unit = e[kMissUnit];
-      if (e[kMissLease] < 0 || e[kMissSlot] < 0 || e[kMissSlot] >= slots || entry >= num_entries ||
-          row < 0 || row >= table_rows || unit < 0 || unit / E >= table_pages)
-        continue;  // bad device data: skip, never write out of bounds
-      const int64_t host_slot = table[row * table_pages + unit / E];
-      if (host_slot < 0 || host_slot >= host.slots) continue;
-      uint8_t* dst = dst_base + (entry / E) * page_bytes + (entry % E) * piece;
-      const uint8_t* src = host.data + host_slot * host.slot_stride + (unit % E) * piece;
-      for (int64_t k = 0; k < chunks; ++k)
-        std::memcpy(dst + k * chunk_bytes, src + k * chunk_bytes, piece);
-    }
-  }
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) {
-  m.impl("resolve", &resolve_cpu);
-  m.impl("fetch", &fetch_cpu);
-}
+TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) { m.impl("resolve", &resolve_cpu); }
 
 }  // namespace torch_kvcm2

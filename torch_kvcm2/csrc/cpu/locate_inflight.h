@@ -1,4 +1,6 @@
-// The CPU's in-flight slot records (shared by resolve and locate_inflight in cpu/*.cpp).
+// The in-flight slot records of one row, CPU side: written by resolve (cpu/resolve.cpp) after each
+// row and by locate_inflight (cpu/locate_inflight.cpp) from residency alone; write_indices and
+// flush read them through inflight_slot (kvcm2.h).
 #pragma once
 
 #include <algorithm>

@@ -1,0 +1,385 @@
+// CUDA kernels of OP-FETCH. They reproduce cpu/fetch.cpp bit for bit.
+//
+// A fixed grid sweeps (miss, buffer, chunk, vector) work items, several vector loads in flight
+// per thread before any store, loads through the device-mapped view of pinned host memory;
+// pieces of >= 32 KiB go by bulk copies (TMA) through shared memory instead (fetch_tma_kernel).
+// The defaults were measured on an H200 (docs/DEVELOPMENT.md has the sweep): ILP 2 was at or
+// above ILP 4 on every shape; bulk copies gained 3-4% on 42-KB pages and lost on 656-B rows
+// (-40%), 5-KB units (1.6-1.9x slower) and 21-KB units.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../kvcm2.h"
+#include "launch.cuh"
+
+namespace torch_kvcm2 {
+namespace {
+
+constexpr int kFetchThreads = 256;
+constexpr int kFetchIlp = 2;  // vector loads in flight per thread (Tuning::fetch_ilp)
+// fetch_tma_kernel: used for pieces of >= kTmaMinPiece bytes, stages of up to
+// Tuning::fetch_tma_stage bytes (8192; measured on an H200), one CTA per SM with up to
+// kTmaSmemBudget bytes of stages and kTmaMaxThreads threads.
+constexpr int64_t kTmaMinPiece = 32768;
+constexpr int kTmaSmemBudget = 200 * 1024;
+constexpr int kTmaMaxThreads = 256;
+constexpr int kMaxFetchBuffers = 8;  // buffers per launch; more are split over several launches
+
+struct FetchBuffer {
+  uint8_t* cells;        // [num_cells, chunks, P, B/chunks]
+  const uint8_t* host;   // device-mapped view of [host_slots, chunks, P, B/chunks]
+  const int32_t* table;  // page table of the buffer's pool group [table_rows, table_pages]
+  int64_t num_entries;   // num_cells * E
+  int64_t table_rows, table_pages, host_slots, host_stride;
+  int64_t page_bytes, chunk_bytes, piece;  // piece = U * B/chunks: one unit in one chunk
+  int32_t E;             // units per page
+  int32_t vec;           // bytes per part: a vector (16, 8, 4, 2 or 1), or a stage (TMA)
+  int32_t vpp;           // parts per piece (the last stage of a piece may be shorter)
+  int32_t begin;         // first part of this buffer within one miss's parts
+};
+
+struct FetchParams {
+  FetchBuffer buf[kMaxFetchBuffers];
+  int32_t nb;
+  int32_t per_miss;  // parts per miss over all buffers of this launch
+  const int32_t* miss_list;
+  const int32_t* miss_count;
+  int64_t list_rows;
+  bool list_aligned;  // miss_list rows are 16-byte aligned: one int4 load per entry
+  int64_t slots;
+  int32_t stage_bytes;  // fetch_tma_kernel: bytes per shared-memory stage
+};
+
+__device__ __forceinline__ uint4 load_vec(const uint8_t* src, int vec) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  switch (vec) {  // uniform within a buffer's span of work
+    case 16: v = __ldg(reinterpret_cast<const uint4*>(src)); break;
+    case 8: {
+      const uint2 t = __ldg(reinterpret_cast<const uint2*>(src));
+      v.x = t.x, v.y = t.y;
+      break;
+    }
+    case 4: v.x = __ldg(reinterpret_cast<const unsigned int*>(src)); break;
+    case 2: v.x = __ldg(reinterpret_cast<const unsigned short*>(src)); break;
+    default: v.x = __ldg(reinterpret_cast<const unsigned char*>(src)); break;
+  }
+  return v;
+}
+
+__device__ __forceinline__ void store_vec(uint8_t* dst, const uint4& v, int vec) {
+  switch (vec) {  // .cg: the cells are read by the attention kernel, not by this SM's L1
+    case 16: __stcg(reinterpret_cast<uint4*>(dst), v); break;
+    case 8: __stcg(reinterpret_cast<uint2*>(dst), make_uint2(v.x, v.y)); break;
+    case 4: __stcg(reinterpret_cast<unsigned int*>(dst), v.x); break;
+    case 2: __stcg(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(v.x)); break;
+    default: __stcg(reinterpret_cast<unsigned char*>(dst), static_cast<unsigned char>(v.x)); break;
+  }
+}
+
+// Work item v = (miss m, buffer b, w = chunk * vpp + part), m-major so that consecutive items are
+// consecutive parts of one piece. A part is one vector (fetch_kernel) or one stage of a
+// shared-memory staged copy (fetch_tma_kernel).
+__device__ __forceinline__ void split_item(const FetchParams& p, int64_t v, int64_t& m, int& b,
+                                           int& w) {
+  m = v / p.per_miss;
+  int ww = static_cast<int>(v - m * p.per_miss);
+  int bb = 0;
+  while (bb + 1 < p.nb && ww >= p.buf[bb + 1].begin) ++bb;
+  b = bb;
+  w = ww - p.buf[bb].begin;
+}
+
+__device__ __forceinline__ int4 load_entry(const FetchParams& p, int64_t m) {
+  const int32_t* const entry = p.miss_list + m * kMissFields;
+  return p.list_aligned ? __ldg(reinterpret_cast<const int4*>(entry))
+                        : make_int4(__ldg(entry), __ldg(entry + 1), __ldg(entry + 2),
+                                    __ldg(entry + 3));
+}
+
+// The host page slot of miss entry e = (lease, slot, row, unit) in buffer B, or -1: bad device
+// data is skipped exactly like the CPU, never written out of bounds.
+__device__ __forceinline__ int64_t host_slot_of(const FetchParams& p, const FetchBuffer& B,
+                                                const int4& e) {
+  return fetch_host_slot(e.x, e.y, e.z, e.w, p.slots, B.num_entries, B.table, B.table_rows,
+                         B.table_pages, B.E, B.host_slots);
+}
+
+// Part w of entry e's piece in chunk w / vpp: where it is read from (host page host_slot) and
+// written to (its cell); `inner` is its offset within the page.
+__device__ __forceinline__ int64_t part_offset(const FetchBuffer& B, int w) {
+  const int k = w / B.vpp;  // chunk
+  return k * B.chunk_bytes + static_cast<int64_t>(w - k * B.vpp) * B.vec;
+}
+__device__ __forceinline__ const uint8_t* part_src(const FetchBuffer& B, const int4& e,
+                                                   int64_t host_slot, int64_t inner) {
+  return host_address(B.host, host_slot, B.host_stride, e.w, B.E, B.piece, inner);
+}
+__device__ __forceinline__ uint8_t* part_dst(const FetchParams& p, const FetchBuffer& B,
+                                             const int4& e, int64_t inner) {
+  const int64_t entry = static_cast<int64_t>(e.x) * p.slots + e.y;
+  return cell_address(B.cells, entry, B.E, B.page_bytes, B.piece, inner);
+}
+
+// One vector per work item. A thread handles ILP items per round in stages (miss entries, then
+// page-table entries, then host loads, then stores), so the dependent loads of its items overlap
+// instead of forming ILP chains.
+template <int ILP>
+__global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_constant__ FetchParams p) {
+  pdl_enter();
+  // The count (written by resolve earlier on this stream) is loaded together with the first
+  // miss entries rather than before them: entries are read up to the list's size, and only
+  // items below count * per_miss are copied. One dependent load less on the critical path.
+  const int32_t count = *p.miss_count;
+  const int64_t bound = p.list_rows * p.per_miss;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFetchThreads;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kFetchThreads + threadIdx.x; base < bound;
+       base += ILP * stride) {
+    int4 e[ILP];   // miss entries (lease, slot, row, unit)
+    int b[ILP];    // buffer
+    int w[ILP];    // vector within the buffer's part of the miss: chunk * vpp + vector
+#pragma unroll
+    for (int i = 0; i < ILP; ++i) {
+      int64_t v = base + i * stride;
+      if (v >= bound) v = base;  // a readable item; its copy is dropped in stage 2
+      int64_t m;
+      split_item(p, v, m, b[i], w[i]);
+      e[i] = load_entry(p, m);
+    }
+    const int64_t total = min(max(static_cast<int64_t>(count), int64_t{0}), p.list_rows) * p.per_miss;
+    if (base >= total) break;
+    int64_t host_slot[ILP];
+#pragma unroll
+    for (int i = 0; i < ILP; ++i)
+      host_slot[i] = base + i * stride < total ? host_slot_of(p, p.buf[b[i]], e[i]) : -1;
+    uint4 val[ILP];
+    uint8_t* dst[ILP];
+    int vec[ILP];
+#pragma unroll
+    for (int i = 0; i < ILP; ++i) {
+      const FetchBuffer& B = p.buf[b[i]];
+      dst[i] = nullptr;
+      vec[i] = B.vec;
+      if (host_slot[i] < 0) continue;
+      const int64_t inner = part_offset(B, w[i]);
+      val[i] = load_vec(part_src(B, e[i], host_slot[i], inner), vec[i]);
+      dst[i] = part_dst(p, B, e[i], inner);
+    }
+#pragma unroll
+    for (int i = 0; i < ILP; ++i)
+      if (dst[i] != nullptr) store_vec(dst[i], val[i], vec[i]);
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// Bulk asynchronous copies (TMA, compute capability >= 9.0) through shared memory: each work item
+// is one stage of up to B.vec bytes of a piece (16-byte aligned on both sides), loaded from the
+// device-mapped host page into shared memory (cp.async.bulk, completion on an mbarrier) and
+// stored from there to its cell (cp.async.bulk, bulk group). Each thread owns two stages: the
+// load of its next item is in flight while the current one is stored. Used for pieces of
+// >= kTmaMinPiece bytes only: on an H200 it moved 42-KB pages 3-4% faster than fetch_kernel, but
+// 656-B rows 40% slower and 5-KB units 1.6-1.9x slower (each bulk copy of a randomly placed unit
+// pays its own round trip; one SM's copies do not overlap like the loads of its 64 warps).
+__global__ void fetch_tma_kernel(const __grid_constant__ FetchParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int T = blockDim.x, tid = threadIdx.x, SB = p.stage_bytes;
+  const uint32_t bar0 = smem_u32(smem) + 16 * tid;  // two 8-byte mbarriers per thread
+  const uint32_t stage0 = smem_u32(smem) + 16 * T + 2 * SB * tid;
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  pdl_enter();
+  const int32_t count = *p.miss_count;
+  const int64_t total = min(max(static_cast<int64_t>(count), int64_t{0}), p.list_rows) * p.per_miss;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * T;
+  // Item v's source, destination and size (0: nothing to copy).
+  auto locate = [&](int64_t v, const uint8_t*& src, uint8_t*& dst) -> int {
+    if (v >= total) return 0;
+    int64_t m;
+    int b, w;
+    split_item(p, v, m, b, w);
+    const FetchBuffer& B = p.buf[b];
+    const int4 e = load_entry(p, m);
+    const int64_t host_slot = host_slot_of(p, B, e);
+    if (host_slot < 0) return 0;
+    const int64_t inner = part_offset(B, w);
+    src = part_src(B, e, host_slot, inner);
+    dst = part_dst(p, B, e, inner);
+    const int64_t left = B.piece - (inner - (w / B.vpp) * B.chunk_bytes);
+    return static_cast<int>(left < B.vec ? left : B.vec);
+  };
+  auto load = [&](int s, const uint8_t* src, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar0 + 8 * s),
+                 "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(stage0 + s * SB), "l"(src), "r"(bytes), "r"(bar0 + 8 * s) : "memory");
+  };
+  int64_t v = static_cast<int64_t>(blockIdx.x) * T + tid;
+  const uint8_t* src = nullptr;
+  uint8_t* dst = nullptr;
+  int bytes = locate(v, src, dst);
+  if (bytes > 0) load(0, src, bytes);
+  uint32_t parity = 0;  // bit s: the phase of stage s's barrier to wait for
+  for (int s = 0; v < total; v += stride, s ^= 1) {
+    const uint8_t* nsrc = nullptr;
+    uint8_t* ndst = nullptr;
+    const int nbytes = locate(v + stride, nsrc, ndst);
+    if (nbytes > 0) {
+      // stage s ^ 1 held the previous item: its store must have read it
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      load(s ^ 1, nsrc, nbytes);
+    }
+    if (bytes > 0) {
+      uint32_t done = 0;
+      do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done) : "r"(bar0 + 8 * s), "r"((parity >> s) & 1u) : "memory");
+      } while (!done);
+      parity ^= 1u << s;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                   ::"l"(dst), "r"(stage0 + s * SB), "r"(bytes) : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    src = nsrc, dst = ndst, bytes = nbytes;
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// host wrapper
+
+using FetchKernel = void (*)(FetchParams);
+
+// fetch_kernel with `ilp` loads in flight per thread; production builds instantiate kFetchIlp
+// only (Tuning::fetch_ilp is a development knob).
+FetchKernel fetch_kernel_for(int ilp) {
+#ifdef KVCM2_DEV
+  switch (ilp) {
+    case 1: return fetch_kernel<1>;
+    case 4: return fetch_kernel<4>;
+    case 8: return fetch_kernel<8>;
+    default: break;
+  }
+#endif
+  (void)ilp;
+  return fetch_kernel<kFetchIlp>;
+}
+
+void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
+                at::IntArrayRef positions, const at::TensorList& page_tables,
+                const at::Tensor& miss_list, const at::Tensor& miss_count, int64_t slots,
+                int64_t tokens_per_unit) {
+  check_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count, slots,
+              tokens_per_unit);
+  const c10::cuda::CUDAGuard guard(miss_list.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (miss_list.size(0) == 0) return;
+  const int device = miss_list.get_device();
+  const DeviceInfo& info = device_info(device);
+  const FetchKernel vector_kernel = fetch_kernel_for(tuning().fetch_ilp);
+  // The fixed grid: every CTA that fits on each SM (or the development knob's number, at most).
+  const int fit = std::max(1, blocks_per_sm(kernel_id(vector_kernel), device, kFetchThreads, 0));
+  const int per_sm = tuning().fetch_blocks_per_sm > 0 ? std::min(tuning().fetch_blocks_per_sm, fit)
+                                                      : fit;
+  const unsigned grid = static_cast<unsigned>(info.sms * per_sm);
+  // Bulk copies for launches whose every piece has at least tma_min_piece bytes (INT64_MAX:
+  // never), through stages of up to tuning().fetch_tma_stage bytes.
+  const int tma = tuning().fetch_tma;
+  const int64_t tma_min_piece =
+      (info.cc_major < 9 || tma == 0) ? INT64_MAX : tma == 1 ? 0 : kTmaMinPiece;
+  const int smem_budget = std::min(info.smem_optin, kTmaSmemBudget);
+  FetchParams p{};
+  p.miss_list = miss_list.data_ptr<int32_t>();
+  p.miss_count = miss_count.data_ptr<int32_t>();
+  p.list_rows = miss_list.size(0);
+  p.list_aligned = reinterpret_cast<uintptr_t>(p.miss_list) % 16 == 0;
+  p.slots = slots;
+  // Bulk copies when every buffer of the launch is 16-byte aligned throughout and its pieces are
+  // large enough (its parts become stages: the widest piece, at most the stage size; one CTA
+  // per SM with as many threads as two stages each fit).
+  auto launch_tma = [&]() -> bool {
+    int64_t widest = 0;
+    for (int b = 0; b < p.nb; ++b) {
+      if (p.buf[b].vec != 16 || p.buf[b].piece < tma_min_piece) return false;
+      widest = std::max(widest, p.buf[b].piece);
+    }
+    const int64_t SB = std::min<int64_t>(tuning().fetch_tma_stage, widest);
+    int threads = static_cast<int>(std::min<int64_t>(kTmaMaxThreads, smem_budget / (2 * SB + 16)));
+    if (threads >= 32) threads = threads / 32 * 32;
+    int64_t per_miss = 0;
+    for (int b = 0; b < p.nb; ++b) {
+      FetchBuffer& B = p.buf[b];
+      const int64_t chunks = B.page_bytes / B.chunk_bytes;
+      B.vec = static_cast<int32_t>(SB);
+      B.vpp = static_cast<int32_t>((B.piece + SB - 1) / SB);
+      B.begin = static_cast<int32_t>(per_miss);
+      per_miss += chunks * B.vpp;
+    }
+    p.per_miss = static_cast<int32_t>(per_miss);  // < the 16-byte vector count, an int32
+    p.stage_bytes = static_cast<int32_t>(SB);
+    const size_t smem = static_cast<size_t>(threads) * (2 * SB + 16);
+    allow_dynamic_smem(kernel_id(fetch_tma_kernel), device, smem);
+    launch_kernel(fetch_tma_kernel, dim3(static_cast<unsigned>(info.sms)), dim3(threads), smem,
+                  stream, p);
+    return true;
+  };
+  auto launch = [&]() {
+    if (p.nb == 0) return;
+    if (!launch_tma()) launch_kernel(vector_kernel, dim3(grid), dim3(kFetchThreads), 0, stream, p);
+    p.nb = 0;
+    p.per_miss = 0;
+  };
+  for (size_t b = 0; b < cells.size(); ++b) {
+    const at::Tensor& cell = cells[b];
+    const HostPages host = host_pages_of(host_pools[b], positions[b]);
+    const int64_t chunks = cell.size(1), P = cell.size(2);
+    const int64_t chunk_bytes = P * cell.size(3);
+    const int64_t page_bytes = chunks * chunk_bytes;
+    if (page_bytes == 0) continue;  // zero-size buffer (CFG-6)
+    const int64_t piece = tokens_per_unit * cell.size(3);
+    const int64_t E = P / tokens_per_unit;  // fits int32 (check_fetch)
+    FetchBuffer& B = p.buf[p.nb];
+    B.cells = cell.data_ptr<uint8_t>();
+    B.host = host.data;
+    B.table = page_tables[b].data_ptr<int32_t>();
+    B.num_entries = cell.size(0) * E;
+    B.table_rows = page_tables[b].size(0);
+    B.table_pages = page_tables[b].size(1);
+    B.host_slots = host.slots;
+    B.host_stride = host.slot_stride;
+    B.page_bytes = page_bytes;
+    B.chunk_bytes = chunk_bytes;
+    B.piece = piece;
+    B.E = static_cast<int32_t>(E);
+    B.vec = vector_bytes({static_cast<uint64_t>(piece), static_cast<uint64_t>(chunk_bytes),
+                          static_cast<uint64_t>(page_bytes), static_cast<uint64_t>(B.host_stride),
+                          reinterpret_cast<uintptr_t>(B.cells), reinterpret_cast<uintptr_t>(B.host)});
+    const int64_t vpp = piece / B.vec;
+    const int64_t per_miss = p.per_miss + chunks * vpp;
+    TORCH_CHECK(per_miss <= INT32_MAX, "fetch: too many bytes per unit");
+    B.vpp = static_cast<int32_t>(vpp);
+    B.begin = p.per_miss;
+    p.per_miss = static_cast<int32_t>(per_miss);
+    if (++p.nb == kMaxFetchBuffers) launch();
+  }
+  launch();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_kvcm2, CUDA, m) { m.impl("fetch", &fetch_cuda); }
+
+}  // namespace torch_kvcm2
