@@ -1,6 +1,6 @@
 """A slow, plain-Python reference model of torch_kvcm2's per-step ops.
 
-Written from SPEC.md (§2, §7, §8 OP-RESOLVE / OP-FETCH / OP-INDEX) and docs/DESIGN.md ("Residency:
+Written from docs/REQUIREMENTS.md (§2, §7, §8 OP-RESOLVE / OP-FETCH / OP-INDEX) and docs/DESIGN.md ("Residency:
 the exact semantics of resolve", "Index conversion"), not from the C++ kernels. Everything here
 works on Python ints, lists and bytearrays; tensors only appear in the small conversion helpers at
 the bottom. Integers are unbounded, so every overflow rule ("results above INT32_MAX are BAD") is
@@ -116,7 +116,7 @@ class ResidencyState:
 
 @dataclass(frozen=True)
 class RowRange:
-    """What one row may select, from its published history h and capacity c (SPEC §2, §8)."""
+    """What one row may select, from its published history h and capacity c (REQUIREMENTS §2, §8)."""
 
     h: int
     c: int
@@ -410,7 +410,7 @@ def state_from_tensors(resident, recency, counters) -> ResidencyState:
 # OP-WRITE / OP-FLUSH: in-flight slots, write indices, write-back
 # --------------------------------------------------------------------------------------------
 #
-# Written from SPEC.md §2 (in-flight range s0, BAD), §8 OP-WRITE / OP-FLUSH, §9 SAFE and
+# Written from docs/REQUIREMENTS.md §2 (in-flight range s0, BAD), §8 OP-WRITE / OP-FLUSH, §9 SAFE and
 # docs/DESIGN.md "Writes, write-back and the prefill path". In-flight unit k of a row is unit
 # floor(s0/U) + k; its slot is recorded by `locate_inflight` in column k of `inflight_slots`
 # (int32[R, ceil(I/U) + 1]) and confirmed against `resident` by write_indices and flush.

@@ -1,4 +1,4 @@
-"""Configuration (SPEC §3): a valid config, the derived selection groups, one test per CFG rule.
+"""Configuration (REQUIREMENTS §3): a valid config, the derived selection groups, one test per CFG rule.
 
 User-facing error messages are pinned with expecttest; refresh them with
 ``EXPECTTEST_ACCEPT=1 pytest tests/test_config.py`` and read the diff: every message must name

@@ -1,4 +1,4 @@
-"""Configuration (SPEC §3, CFG-1..7): frozen dataclasses validated at construction.
+"""Configuration (REQUIREMENTS §3, CFG-1..7): frozen dataclasses validated at construction.
 
 Every violation raises ``ValueError`` naming the layer, the buffer and the rule before anything
 is allocated. Sequences given as lists are stored as tuples so configs are hashable.
@@ -12,6 +12,12 @@ import torch
 
 BAD = -1  #: "no page / no entry"; never scaled, never folded to 0
 INT32_MAX = 2**31 - 1
+
+
+def max_inflight_units(max_inflight_tokens: int, tokens_per_unit: int) -> int:
+    """Most units an in-flight range of ``max_inflight_tokens`` can overlap (CFG-3): the range
+    may start inside a unit, hence the +1. The C++ kernels use the same rule (``kvcm2.h``)."""
+    return -(-max_inflight_tokens // tokens_per_unit) + 1
 
 
 def _fail(rule: str, detail: str, layer: Optional[str] = None, buffer: Optional[str] = None):
@@ -58,10 +64,10 @@ class SparseSpec:
 
     @property
     def max_inflight_units(self) -> int:
-        return -(-self.max_inflight_tokens // self.tokens_per_unit) + 1
+        return max_inflight_units(self.max_inflight_tokens, self.tokens_per_unit)
 
     def inflight_start(self, history: int, capacity: int) -> int:
-        """s0 = max(h, floor((c - I) / U) * U): where a row's in-flight range starts (SPEC §2);
+        """s0 = max(h, floor((c - I) / U) * U): where a row's in-flight range starts (REQUIREMENTS §2);
         tokens in [h, s0) are written straight to host pages, [s0, c) into cells."""
         U = self.tokens_per_unit
         return max(history, (capacity - self.max_inflight_tokens) // U * U)

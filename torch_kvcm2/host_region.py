@@ -1,4 +1,4 @@
-"""The host region (SPEC §4, STO-6, STO-7, STO-9): reserved address space, committed in chunks.
+"""The host region (REQUIREMENTS §4, STO-6, STO-7, STO-9): reserved address space, committed in chunks.
 
 One anonymous mapping of the whole budget is reserved at start (``MAP_NORESERVE``: no commit,
 no touch) and wrapped as one CPU ``uint8`` tensor, so every view into it keeps its address for

@@ -11,6 +11,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .config import max_inflight_units  # noqa: F401  (re-exported: the one home of the rule)
+
 __all__ = [
     "MISS_COUNT_WORDS",
     "MISS_FIELDS",
@@ -37,11 +39,6 @@ NUM_COUNTERS = 3  # hits, misses, invalid
 #: A selection group's miss count, int32[4]: [0] the last resolve's entries; [2:4] the CUDA
 #: resolve's reservation word, zero between resolves (allocate it zeroed); [1] padding.
 MISS_COUNT_WORDS = 4
-
-
-def max_inflight_units(max_inflight_tokens: int, tokens_per_unit: int) -> int:
-    """Most units an in-flight range of ``max_inflight_tokens`` can overlap (CFG-3)."""
-    return -(-max_inflight_tokens // tokens_per_unit) + 1
 
 
 def convert_page_indices(
@@ -97,7 +94,7 @@ def resolve(
     max_inflight_tokens: int,
     window: int = 0,
 ) -> None:
-    """OP-RESOLVE for one selection group over every row (SPEC §8; docs/DESIGN.md).
+    """OP-RESOLVE for one selection group over every row (REQUIREMENTS §8; docs/DESIGN.md).
 
     State ``resident``/``recency`` int32[num_leases, S]; ``selected`` and ``index_table``
     int32[R, K]; ``miss_list`` int32[>= R*(K + max_inflight_units), 4] is overwritten with this

@@ -1,4 +1,4 @@
-"""Storage (SPEC §4, STO-1..9): pool groups, their memory, budgets and slot allocation.
+"""Storage (REQUIREMENTS §4, STO-1..9): pool groups, their memory, budgets and slot allocation.
 
 Buffers that share (life cycle, sparse, page bytes) are coalesced into one pool group whose slot
 holds one page of each (STO-1). Dense groups live in GPU memory; sparse groups in host memory

@@ -1,5 +1,5 @@
 // Shared definitions of torch_kvcm2's native code: the BAD sentinel, the residency rules of
-// SPEC §7-8 as host/device inline functions (so the CPU and CUDA kernels cannot drift apart),
+// REQUIREMENTS §7-8 as host/device inline functions (so the CPU and CUDA kernels cannot drift apart),
 // and the argument checks every backend's wrapper runs before touching memory.
 #pragma once
 
@@ -58,7 +58,7 @@ KVCM2_HD int64_t max_inflight_units(int64_t max_inflight_tokens, int64_t tokens_
   return ceil_div(max_inflight_tokens, tokens_per_unit) + 1;
 }
 
-// What one row's published lengths make of its units (SPEC §2, OP-RESOLVE).
+// What one row's published lengths make of its units (REQUIREMENTS §2, OP-RESOLVE).
 struct RowRange {
   int64_t history;         // h
   int64_t capacity;        // c

@@ -1,4 +1,4 @@
-// CPU kernel of OP-RESOLVE: the executable semantics of SPEC §7-8, simple loops over rows,
+// CPU kernel of OP-RESOLVE: the executable semantics of REQUIREMENTS §7-8, simple loops over rows,
 // columns and slots. The CUDA kernel (cuda/resolve.cu) must reproduce this state bit for bit.
 #include <ATen/ATen.h>
 #include <torch/library.h>
