@@ -37,7 +37,7 @@ import torch
 
 import torch_kvcm2 as kv
 from torch_kvcm2 import ops
-from torch_kvcm2.batch import batch_memory_bytes
+from torch_kvcm2.memory import batch_memory_bytes
 from torch_kvcm2.storage import Storage
 
 MLA_ROW = 656  # bytes per token of DeepSeek's FP8 MLA latent row
@@ -216,7 +216,9 @@ def seat(manager, batch, rows, history, capacity=None):
     slack = max(g.sparse.max_inflight_tokens + g.sparse.tokens_per_unit for g in manager.config.selection_groups)
     for _ in range(rows):
         cache = manager.create_cache()
-        assert cache.resize(capacity=history + slack) and cache.resize(history=history)
+        assert cache.resize(capacity=history + slack)
+        cache.record_host_write(history)  # the host pages are filled by the benchmark
+        assert cache.resize(history=history)
         assert cache.resize(capacity=history if capacity is None else capacity)
         batch.add(cache)
         caches.append(cache)

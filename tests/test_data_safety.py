@@ -220,6 +220,7 @@ class Model:
                 self.batch.fetch(layer)
             self.write(group.index)
             self.check_cells(group, selected, index)
+        self.batch.record_host_writes()  # the write path wrote every row's [h, s0) to host pages
         reject = self.rng.random() < 0.1
         new_history = self.batch.capacity.tolist()
         members = self.batch.members()
@@ -259,6 +260,7 @@ def test_history_cannot_advance_past_an_unflushed_in_flight_token():
     model.batch.add(cache)
     assert cache.resize(capacity=10)  # group a: s0 = 6 (I = 3, U = 2); group b: s0 = 8
     model.batch.publish()
+    cache.record_host_write(8)  # the prefill wrote [0, s0) of each group to host pages
     with pytest.raises(ValueError, match="SAFE-2"):
         cache.resize(history=7)
     assert cache.resize(history=6)
@@ -276,6 +278,7 @@ def test_flush_writes_back_only_the_published_in_flight_range():
     batch.add(cache)
     assert cache.resize(capacity=9)  # group b (U=1, I=2): s0 = 7, in flight 7, 8
     batch.publish()
+    cache.record_host_write(7)  # the prefill wrote [0, s0) of each group to host pages
     for group in model.config.selection_groups:
         batch.resolve(group.index, torch.full((MAX_ROWS, group.sparse.width), -1, dtype=torch.int32))
     cells = batch.cells("b", "kv")
@@ -315,7 +318,9 @@ def test_prefilled_and_resumed_requests_flush_nothing_below_the_in_flight_range(
     prefilled, resumed = model.manager.create_cache(), model.manager.create_cache()
     batch.add(prefilled)
     batch.add(resumed)
-    assert resumed.resize(capacity=12) and resumed.resize(history=8)  # s0 >= 8 in both groups
+    assert resumed.resize(capacity=12)
+    resumed.record_host_write(8)
+    assert resumed.resize(history=8)  # s0 >= 8 in both groups
     resumed.resize(capacity=8)
     resumed.suspend()
     resumed.resume()

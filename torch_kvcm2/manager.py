@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from ._util import refuse_during_capture
-from .batch import Batch, batch_memory_bytes
+from .batch import Batch
 from .cache import KVCache
 from .config import CacheConfig
+from .memory import BatchReserve, batch_memory_bytes
 from .storage import Storage
 
 
@@ -14,8 +17,9 @@ class KVCacheManager:
     """Owns the storage of one config and creates the caches and batches that use it.
 
     The GPU and host budgets first reserve the memory of one batch of ``config.max_rows`` rows
-    (device tables, residency, cells; pinned staging); the pools get the rest (docs/DESIGN.md).
-    Raises ``ValueError`` when a budget cannot hold one slot of each of its pool groups.
+    (``memory.batch_tensor_specs``: device tables, residency, cells; pinned staging); the pools
+    get the rest (docs/DESIGN.md). Raises ``ValueError`` when a budget cannot hold one slot of
+    each of its pool groups.
     """
 
     def __init__(self, config: CacheConfig):
@@ -35,7 +39,7 @@ class KVCacheManager:
                     f"STO-4: the {medium} budget ({budget} bytes) is smaller than the memory of a "
                     f"batch of {config.max_rows} rows ({self._reserve[medium]} bytes)")
         self.storage.allocate(self._reserve)
-        self._charged = {"gpu": 0, "host": 0}
+        self.reserve = BatchReserve(self._reserve)
         self._ids = itertools.count()
 
     def create_cache(self) -> KVCache:
@@ -46,23 +50,17 @@ class KVCacheManager:
         """Same as ``Batch(manager, max_rows)``."""
         return Batch(self, max_rows)
 
+    def buffer_view(self, layer: str, role: str, device_side: bool = True) -> torch.Tensor:
+        """The pages of one buffer, ``uint8[num_slots*scale, chunks, P, B/chunks]``: page
+        ``KVCache.host_pages(layer, role)[p]`` holds a request's tokens ``[p*P, (p+1)*P)``, token
+        ``t`` at ``[.., :, t % P]`` (the same layout as a cell). ``device_side`` picks the tensor
+        ops see (on CUDA, for a sparse buffer, the device-mapped view of the host pages) over the
+        host tensor itself. The address never changes."""
+        return self.storage.view(layer, role, device_side)
+
     def stats(self) -> dict:
         """Pool usage per pool group and per medium, plus the batch reserve in use (STO-4)."""
         stats = self.storage.stats()
         for medium in ("gpu", "host"):
-            stats[medium]["batch_bytes_in_use"] = self._charged[medium]
+            stats[medium]["batch_bytes_in_use"] = self.reserve.in_use[medium]
         return stats
-
-    def _charge(self, memory: dict) -> None:
-        for medium, nbytes in memory.items():
-            if self._charged[medium] + nbytes > self._reserve[medium]:
-                raise RuntimeError(
-                    f"Batch: {nbytes} {medium} bytes needed but only "
-                    f"{self._reserve[medium] - self._charged[medium]} left of the batch reserve; "
-                    f"close another batch first")
-        for medium, nbytes in memory.items():
-            self._charged[medium] += nbytes
-
-    def _uncharge(self, memory: dict) -> None:
-        for medium, nbytes in memory.items():
-            self._charged[medium] -= nbytes
