@@ -99,6 +99,7 @@ class Batch:
         self._declared_rows: set[int] = set()  # rows with new declared host writes only
         self._fetch_events: dict[int, torch.cuda.Event] = {}
         self._pending_snapshot = None  # the event of a length read-back after advance()
+        self._settle: set[int] = set()  # rows advanced on the device, page work pending
         self._closed = False
         for tensor in self.state_tensors():
             # Fixed addresses: guarded static addresses are installed in the compiled graph as
@@ -245,6 +246,12 @@ class Batch:
         """Seated caches by row."""
         return {r: c for r, c in enumerate(self._rows) if c is not None}
 
+    def lease_of(self, row: int) -> Optional[int]:
+        """The lease of the member at ``row`` (None for a hole or a suspended member), as the
+        next publish uploads it."""
+        lease = self._row_lease[row]
+        return None if lease == BAD else lease
+
     def _check_row(self, row, what: str) -> None:
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.max_rows:
             raise ValueError(f"{what}: row must be an int in [0, {self.max_rows}), got {row!r}")
@@ -297,9 +304,14 @@ class Batch:
         the GPU; clear the residency of newly granted leases. Raises ValueError, publishing
         nothing, when the in-flight tokens over all rows exceed ``max_total_input_tokens``."""
         self._check_host_call("Batch.publish")
+        self.catch_up(wait=False)
+        for row in sorted(self._settle):  # after advance: release windowed pages, re-reserve
+            cache = self._rows[row]
+            if cache is not None and not cache.suspended:
+                cache.resize()
+        self._settle.clear()
         if not self._dirty and not self._granted and not self._declared_rows:
             return
-        self.catch_up()
         rows = sorted(self._dirty | self._declared_rows)
         owners, values = [], []
         for row in rows:
@@ -490,7 +502,11 @@ class Batch:
         when its tokens below the in-flight range were (the capacity when ``new_history`` is
         None). ``flush`` calls it; call it yourself after replaying a captured graph that
         contains a flush."""
-        self.catch_up()
+        if self._pending_snapshot is not None:
+            # the device lengths are ahead of the host (advance): its watermark, computed by
+            # the flush itself, comes back with a fresh read-back of the lengths
+            self.record_advance()
+            return
         L = self._mirror.host_lengths
         if new_history is None:
             target = L[CAPACITY]
@@ -626,17 +642,21 @@ class Batch:
             event.record()
         self._pending_snapshot = (event,)
 
-    def catch_up(self) -> None:
+    def catch_up(self, wait: bool = True) -> None:
         """Apply a pending length read-back of ``advance`` to the host mirror and the member
-        caches (waits for it only if the GPU has not finished it yet). Cheap when none is
-        pending; every host-side call runs it first."""
+        caches. ``wait`` False applies it only if the GPU has finished it (``publish`` does
+        that, never blocking); True waits for it (every host call that needs a length). Cheap
+        when none is pending. Page work the new lengths need (windowed pages to release, the
+        reserve to take again) happens at the next ``publish``."""
         pending = self._pending_snapshot
         if pending is None:
             return
-        self._pending_snapshot = None
         event = pending[0]
         if event is not None:
+            if not wait and not event.query():
+                return
             event.synchronize()
+        self._pending_snapshot = None
         snapshot = self._snapshot.numpy()
         L = self._mirror.host_lengths
         moved = np.flatnonzero((snapshot[HISTORY] != L[HISTORY]) |
@@ -649,7 +669,7 @@ class Batch:
                 continue
             cache.take_lengths(int(snapshot[HISTORY, row]), int(snapshot[CAPACITY, row]),
                                int(snapshot[WRITTEN, row]))
-            cache.resize()  # REQ-3: release pages behind a window; re-take the reserve
+            self._settle.add(row)
 
     def host_token_indices(self, layer: str, role: str, positions: torch.Tensor,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -777,7 +797,7 @@ class Batch:
             raise TypeError(f"{name} must be an int32[{self.max_rows}] tensor, got "
                             f"{type(t).__name__}")
         self._check_not_meta(name, t)
-        if t.dim() != 1:
+        if tuple(t.shape) != (self.max_rows,):
             raise ValueError(f"{name} must have shape ({self.max_rows},), got {tuple(t.shape)}")
         self._check_index_tensor(name, t.view(-1, 1), 1)
 

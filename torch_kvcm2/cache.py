@@ -183,9 +183,11 @@ class KVCache:
                 taken.append((group, slots))
             else:
                 taken.append((group, None))
+        changed = (h, c) != (self._h, self._c)
         for (group, slots), (first, keep) in zip(taken, plans):
             row, live = self._pages[group.index], self._live[group.index]
             old_first, old_keep = live
+            changed = changed or (first, keep) != (old_first, old_keep)
             front_end = min(first, old_keep)
             if front_end > old_first:  # REQ-3: wholly before h - window
                 group.release(row[old_first:front_end].tolist())
@@ -202,7 +204,7 @@ class KVCache:
         self._lowest_capacity = min(self._lowest_capacity, c)
         self._flushed = min(self._flushed, c)  # tokens cut off by a shrink are gone
         self._declared = min(self._declared, c)
-        if self._batch is not None:
+        if changed and self._batch is not None:
             self._batch.seat_changed(self._row)
         return True
 

@@ -1,0 +1,284 @@
+"""The host path (HOST-1..4): the delta publish against a full restage, the batched resize, and
+the device-side length advance against the eager host path.
+"""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import torch_kvcm2 as kv
+from torch_kvcm2 import BAD
+from torch_kvcm2.memory import ALLOCATED, LENGTH_ROWS
+from configs import dsa_config
+
+
+def full_restage(batch) -> tuple:
+    """What the device tables must hold, built from scratch from the members (BAT-3)."""
+    R, P = batch.max_rows, batch.config.max_pages_per_row
+    G = len(batch.page_tables)
+    pages = np.full((G, R, P), BAD, dtype=np.int32)
+    lengths = np.zeros((3, R), dtype=np.int32)
+    lengths[2] = BAD
+    for row, cache in batch.members().items():
+        lease = batch.lease_of(row)
+        if lease is None:
+            continue
+        for g in range(G):
+            row_pages = cache.pages(g)
+            pages[g, row, :len(row_pages)] = row_pages
+        lengths[:, row] = (cache.history_length, cache.capacity, lease)
+    return pages, lengths
+
+
+def assert_tables_match(batch):
+    pages, lengths = full_restage(batch)
+    device_pages = np.stack([t.cpu().numpy() for t in batch.page_tables])
+    assert np.array_equal(device_pages, pages)
+    device_lengths = np.stack([t.cpu().numpy() for t in (batch.history, batch.capacity, batch.lease)])
+    assert np.array_equal(device_lengths, lengths)
+    mirror = batch.host_tables()
+    assert np.array_equal(mirror["page_tables"], pages)
+    assert np.array_equal(mirror["lengths"][:3], lengths)
+    store = np.concatenate([t.cpu().numpy().ravel() for t in batch.page_tables] +
+                           [batch.history.cpu().numpy(), batch.capacity.cpu().numpy(),
+                            batch.lease.cpu().numpy(), batch.written.cpu().numpy()])
+    host = np.concatenate([mirror["page_tables"].ravel(), mirror["lengths"][:4].ravel()])
+    assert np.array_equal(store, host)  # the host mirror is what the device holds
+
+
+def lengths_snapshot(cache):
+    return (cache.capacity, cache.history_length, cache.written, [cache.pages(g) for g in range(3)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_delta_publish_equals_a_full_restage(device, seed):
+    """HOST-1: random membership, resize (growth, shrink, windows), suspend and resume; after
+    every publish the device tables are bit-identical to a full restage, and a refused resize
+    changes nothing."""
+    rng = random.Random(seed)
+    manager = kv.KVCacheManager(dsa_config(device, max_rows=4, max_tokens_per_row=96,
+                                           host_budget_bytes=4 << 20, gpu_budget_bytes=4 << 20))
+    batch = kv.Batch(manager)
+    caches = []
+    for step in range(300):
+        roll = rng.random()
+        members = batch.members()
+        if roll < 0.15 and len(members) < 4:
+            cache = manager.create_cache()
+            caches.append(cache)
+            free = [r for r in range(4) if r not in members]
+            batch.add(cache, row=rng.choice(free))
+        elif roll < 0.22 and members:
+            cache = rng.choice(list(members.values()))
+            cache.close()
+            caches.remove(cache)
+        elif roll < 0.30 and members and len(members) < 4:
+            cache = rng.choice(list(members.values()))
+            batch.move(cache, rng.choice([r for r in range(4) if r not in members]))
+        elif roll < 0.36 and members:
+            cache = rng.choice(list(members.values()))
+            if cache.suspended:
+                cache.resume()
+            elif cache.history_length == cache.capacity:
+                cache.suspend()
+        for cache in list(batch.members().values()):
+            if cache.suspended or rng.random() < 0.3:
+                continue
+            h, c = cache.history_length, cache.capacity
+            capacity = max(0, min(96, c + rng.randint(-6, 12)))
+            before = lengths_snapshot(cache)
+            try:
+                if not cache.resize(capacity=capacity):
+                    assert lengths_snapshot(cache) == before
+                    continue
+            except ValueError:
+                assert lengths_snapshot(cache) == before
+                continue
+            cache.record_host_write(min(cache.written + rng.randint(0, 8),
+                                        _host_direct_end(cache)))
+            history = min(cache.capacity, max(cache.history_length, cache.written))
+            assert cache.resize(history=history)
+        if rng.random() < 0.8:
+            batch.publish()
+            assert_tables_match(batch)
+
+
+def _host_direct_end(cache):
+    groups = cache.manager.config.selection_groups
+    return max(g.sparse.inflight_start(cache.history_length, cache.capacity) for g in groups)
+
+
+def test_a_decode_step_publishes_only_what_changed():
+    """HOST-1: one token per row per step: the delta is the rows' lengths, plus one page entry
+    per pool group when a row crosses a page."""
+    manager = kv.KVCacheManager(dsa_config(window_layer=False))
+    batch = kv.Batch(manager)
+    caches = [manager.create_cache() for _ in range(4)]
+    for cache in caches:
+        batch.add(cache)
+        assert cache.resize(capacity=1)
+    batch.publish()
+    sizes = []
+    original = batch._mirror._upload
+    batch._mirror._upload = lambda index, value, leases, clear: (
+        sizes.append(len(index)), original(index, value, leases, clear))[1]
+    for step in range(8):
+        batch.flush()
+        for cache in caches:
+            assert cache.resize(history=cache.capacity, capacity=cache.capacity + 1)
+        batch.publish()
+        assert_tables_match(batch)
+    groups = len(manager.storage.groups)
+    crossing = [4 * groups if (step + 2) % 4 == 1 else 0 for step in range(8)]  # P = 4
+    assert sizes == [4 * LENGTH_ROWS + extra for extra in crossing]
+
+
+def test_publish_does_not_wait_on_busy_staging():
+    """HOST-2: a staging buffer still in use is never waited for; another one is taken."""
+    manager = kv.KVCacheManager(dsa_config())
+    batch = kv.Batch(manager)
+    cache = manager.create_cache()
+    batch.add(cache)
+
+    class Busy:
+        def query(self):
+            return False
+
+        def record(self):
+            pass
+
+    for staging in batch._mirror.ring:
+        staging.event = Busy()
+    for capacity in (1, 2, 1):
+        assert cache.resize(capacity=capacity)
+        batch.publish()
+        assert_tables_match(batch)
+    assert batch._mirror.extra_staging == 1  # one new buffer, reused (CPU copies finish at once)
+
+
+def test_resize_rows_is_resize_per_row_all_or_nothing():
+    """HOST-4: the batched call applies resize's rules per row and returns the rows refused."""
+    manager = kv.KVCacheManager(dsa_config())
+    batch = kv.Batch(manager)
+    caches = [manager.create_cache() for _ in range(4)]
+    for cache in caches:
+        batch.add(cache)
+    assert batch.resize_rows([0, 1, 2, 3], capacity=[4, 8, 12, 70]) == [3]  # 70 > max 64
+    assert [c.capacity for c in caches] == [4, 8, 12, 0]
+    for cache in caches[:3]:
+        cache.record_host_write(cache.capacity - 2)
+    assert batch.resize_rows([0, 1, 2], history=np.array([2, 7, 10])) == [1]  # 7 > written 6
+    assert [c.history_length for c in caches] == [2, 0, 10, 0]
+    assert batch.resize_rows([2], capacity=torch.tensor([12]), history=[10]) == []
+    with pytest.raises(ValueError, match="not a seated row"):
+        batch.resize_rows([5], capacity=[1])
+    with pytest.raises(ValueError, match="capacity must have 2 values"):
+        batch.resize_rows([0, 1], capacity=[1])
+    with pytest.raises(ValueError, match="named twice"):
+        batch.resize_rows([0, 0], capacity=[1, 1])
+    batch.publish()
+    assert_tables_match(batch)
+
+
+# ---- the device-side advance (HOST-3) ----
+T = 3  # tokens proposed per row per step (speculative decoding)
+
+
+def advance_setup(device, reserve_tokens):
+    config = dsa_config(device, window_layer=False, max_inflight_tokens=T, slots=16,
+                        max_tokens_per_row=256, host_budget_bytes=8 << 20)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    caches = []
+    for i in range(4):
+        cache = manager.create_cache()
+        if reserve_tokens:
+            cache.set_reserve(reserve_tokens)
+        batch.add(cache)
+        assert cache.resize(capacity=T)
+        caches.append(cache)
+    batch.publish()
+    return manager, batch, caches
+
+
+def test_advance_equals_the_host_rule(device):
+    """HOST-3: many steps of speculative decoding (0..T of the proposed tokens accepted, page
+    crossings every few steps) advanced on the device equal the host rule's lengths; a row whose
+    reserve runs out stops there (counted) until the host, which runs only every few steps,
+    tops it up; SAFE-2 holds throughout."""
+    rng = random.Random(7)
+    _, batch, caches = advance_setup(device, 1)  # keep pages for one token beyond capacity
+    model = [[0, T, 0] for c in caches]  # history, capacity, allocated tokens
+    shorts = 0
+    for step in range(60):
+        batch.publish()  # re-takes the reserve of rows the device advanced, when it knows them
+        for m, allocated in zip(model, batch.host_tables()["lengths"][ALLOCATED]):
+            m[2] = int(allocated)
+        width = (batch.capacity - batch.history).tolist()
+        accepted = [min(rng.randint(0, T), w) for w in width]
+        for m, a in zip(model, accepted):
+            wanted = m[0] + a + (m[1] - m[0])
+            m[0], m[1] = m[0] + a, min(wanted, m[2])
+            shorts += m[1] < wanted
+        accepted_t = torch.tensor(accepted, dtype=torch.int32, device=device)
+        batch.flush(batch.history + accepted_t)
+        batch.advance(accepted_t)
+        if step % 4 == 3:  # the host: catch up, top up rows that ran short
+            assert batch.advance_counters.tolist() == [0, shorts]
+            assert [c.history_length for c in caches] == [m[0] for m in model]
+            assert [c.capacity for c in caches] == [m[1] for m in model]
+            for cache, m in zip(caches, model):
+                assert cache.history_length <= cache.written  # SAFE-2
+                if cache.capacity < cache.history_length + T:
+                    assert cache.resize(capacity=cache.history_length + T)
+                    m[1] = cache.capacity
+    assert shorts > 0 and min(m[0] for m in model) > 30
+
+
+def test_advance_refuses_bad_rows_and_never_passes_the_flush(device):
+    """HOST-3 bad inputs: a negative or oversize count, or one past what was flushed, refuses
+    the row (counted, unchanged); other rows advance. Wrong dtype, device or shape raises before
+    anything changes."""
+    _, batch, caches = advance_setup(device, 8)
+    batch.flush([2, 3, 3, 1])
+    before = (batch.history.clone(), batch.capacity.clone())
+    bad = [torch.zeros(4, dtype=torch.int64, device=device),
+           torch.zeros(5, dtype=torch.int32, device=device),
+           torch.zeros((4, 1), dtype=torch.int32, device=device),
+           torch.zeros(4, dtype=torch.int32, device="meta"), [1, 1, 1, 1]]
+    for accepted in bad:
+        with pytest.raises((TypeError, ValueError), match="accepted"):
+            batch.advance(accepted)
+    assert torch.equal(batch.history, before[0]) and torch.equal(batch.capacity, before[1])
+    batch.advance(torch.tensor([2, -1, 4, 2], dtype=torch.int32, device=device))
+    # row 0: ok; row 1: negative; row 2: oversize (width 3); row 3: past the flush (1)
+    assert [c.history_length for c in caches] == [2, 0, 0, 0]
+    assert [c.capacity for c in caches] == [5, 3, 3, 3]
+    assert batch.advance_counters.tolist() == [3, 0]
+    holes = kv.Batch(kv.KVCacheManager(dsa_config(device)))
+    holes.advance(torch.full((4,), 5, dtype=torch.int32, device=device))  # no seated rows
+    assert holes.history.tolist() == [0] * 4 and holes.advance_counters.tolist() == [0, 0]
+
+
+def test_advance_compiles_fullgraph():
+    """HOST-3: flush + advance trace with fullgraph=True; record_advance afterwards brings the
+    host up to date, equal to eager."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        _, batch, caches = advance_setup("cpu", 8)
+
+        def step(accepted):
+            batch.flush(batch.history + accepted)
+            batch.advance(accepted)
+
+        run = torch.compile(step, fullgraph=True) if compiled else step
+        for a in ([1, 2, 3, 1], [3, 3, 1, 2], [2, 1, 1, 3]):
+            run(torch.tensor(a, dtype=torch.int32))
+            if compiled:
+                batch.record_advance()
+        results.append(([c.history_length for c in caches], [c.capacity for c in caches],
+                        [c.written for c in caches], batch.advance_counters.tolist()))
+    assert results[0] == results[1]
+    assert results[0][0] == [6, 6, 5, 6]
