@@ -7,7 +7,7 @@ import sys
 import pytest
 
 IDS = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-INDEX-L", "P-TORCH", "P-STEP",
-       "P-STEP-HS", "P-CAP"]
+       "P-STEP-HS", "P-CAP", "P-HOST", "P-HOST", "P-STEP-WALL"]
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,9 @@ class Batch:
         self._fetch_events: dict[int, torch.cuda.Event] = {}
         self._pending_snapshot = None  # the event of a length read-back after advance()
         self._settle: set[int] = set()  # rows advanced on the device, page work pending
+        self._stale: set[int] = set()  # rows whose cache has not taken the advanced lengths
+        self._reserve_tokens = np.zeros(max_rows, dtype=np.int64)  # as published, per row
+        self._windowed = any(g.window is not None for g in storage.groups)
         self._closed = False
         for tensor in self.state_tensors():
             # Fixed addresses: guarded static addresses are installed in the compiled graph as
@@ -233,6 +236,10 @@ class Batch:
         self._check_host_call("Batch.move")
         old = self._member_row(cache, "Batch.move")
         self._check_row(row, "Batch.move")
+        self.sync_member(old)
+        if old in self._settle:
+            self._settle.discard(old)
+            self._settle.add(row)
         self._rows[old], self._rows[row] = None, cache
         self._row_lease[old], self._row_lease[row] = BAD, self._row_lease[old]
         cache.seat(self, row)
@@ -308,6 +315,7 @@ class Batch:
         for row in sorted(self._settle):  # after advance: release windowed pages, re-reserve
             cache = self._rows[row]
             if cache is not None and not cache.suspended:
+                self.sync_member(row)
                 cache.resize()
         self._settle.clear()
         if not self._dirty and not self._granted and not self._declared_rows:
@@ -321,6 +329,7 @@ class Batch:
                 values.append((0, 0, BAD, 0, 0, 0))
             else:
                 owners.append(cache)
+                self._reserve_tokens[row] = cache.reserve_tokens
                 h, c, written, declared, allocated = cache.lengths_row()
                 values.append((h, c, lease, written, declared, allocated))
         lengths = self._mirror.lengths_after(rows, values)
@@ -663,13 +672,24 @@ class Batch:
                                (snapshot[CAPACITY] != L[CAPACITY]) |
                                (snapshot[WRITTEN] != L[WRITTEN]))
         self._mirror.take_lengths(moved, snapshot[:, moved])
-        for row in moved.tolist():
-            cache = self._rows[row]
-            if cache is None or self._row_lease[row] == BAD:
-                continue
-            cache.take_lengths(int(snapshot[HISTORY, row]), int(snapshot[CAPACITY, row]),
-                               int(snapshot[WRITTEN, row]))
-            self._settle.add(row)
+        seated = moved[L[LEASE, moved] >= 0]
+        self._stale.update(seated.tolist())
+        if self._windowed:
+            self._settle.update(seated.tolist())
+        else:  # rows whose capacity moved into their reserve: take it again
+            limit = self.config.max_tokens_per_row
+            wanted = np.minimum(L[CAPACITY, seated] + self._reserve_tokens[seated], limit)
+            self._settle.update(seated[wanted > L[ALLOCATED, seated]].tolist())
+
+    def sync_member(self, row: int) -> None:
+        """Bring the member at ``row`` up to date with lengths ``advance`` moved (catch_up, then
+        the cache takes its row of the host mirror)."""
+        self.catch_up()
+        if row in self._stale:
+            self._stale.discard(row)
+            L = self._mirror.host_lengths
+            self._rows[row].take_lengths(int(L[HISTORY, row]), int(L[CAPACITY, row]),
+                                         int(L[WRITTEN, row]))
 
     def host_token_indices(self, layer: str, role: str, positions: torch.Tensor,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:

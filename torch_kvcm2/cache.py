@@ -7,8 +7,10 @@ write contract, docs/HOST_PATH.md). Every call validates before it changes anyth
 resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
 
 A seated cache talks to its batch through a few named methods (``seat_changed``,
-``grant_lease``, ``release_lease``, ``catch_up``, ``unseat``); the batch reads the cache through
-``page_row``, ``live_range`` and ``lengths_row`` and records flushes with ``record_flush``.
+``grant_lease``, ``release_lease``, ``cell_lengths``, ``sync_member``); the batch reads the
+cache through ``page_row``, ``live_range``, ``lengths_row`` and ``reserve_tokens``, and writes
+it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``mark_published``
+and ``discard_in_flight``.
 """
 from __future__ import annotations
 
@@ -57,22 +59,19 @@ class KVCache:
     # ---- inspection ----
     @property
     def capacity(self) -> int:
-        if self._batch is not None:
-            self._batch.catch_up()
+        self._sync()
         return self._c
 
     @property
     def history_length(self) -> int:
-        if self._batch is not None:
-            self._batch.catch_up()
+        self._sync()
         return self._h
 
     @property
     def written(self) -> int:
         """Tokens ``[0, written)`` are on the host pages of every sparse buffer (flushed, or
         declared written straight to host pages): how far history may advance (SAFE-2)."""
-        if self._batch is not None:
-            self._batch.catch_up()
+        self._sync()
         return self._written()
 
     @property
@@ -119,8 +118,7 @@ class KVCache:
         refuse_during_capture(self.manager.config.device, "KVCache.resize")
         if self.suspended:
             raise RuntimeError("KVCache.resize: the cache is suspended; resume() it first")
-        if self._batch is not None:
-            self._batch.catch_up()
+        self._sync()
         c = self._c if capacity is None else check_int("capacity", capacity)
         h = self._h if history is None else check_int("history", history)
         self._check_lengths(h, c)
@@ -234,8 +232,7 @@ class KVCache:
         at most the largest in-flight start (tokens beyond it are in cells: flush them).
         History may then advance over them (SAFE-2). Raises ValueError for a bad ``end``."""
         self._check_open()
-        if self._batch is not None:
-            self._batch.catch_up()
+        self._sync()
         end = check_int("end", end)
         bound = rules.host_direct_end(self._h, self._c, self._shapes, max)
         if end > bound:
@@ -347,7 +344,17 @@ class KVCache:
         """(batch, row) of the batch this cache is seated in, or (None, None)."""
         return self._batch, self._row
 
+    @property
+    def reserve_tokens(self) -> int:
+        """Tokens of pages kept allocated beyond capacity (``set_reserve``)."""
+        return self._reserve
+
     # ---- internals ----
+    def _sync(self) -> None:
+        """Take lengths the device advanced (Batch.advance) before using them."""
+        if self._batch is not None:
+            self._batch.sync_member(self._row)
+
     def _check_open(self) -> None:
         if self.state == CLOSED:
             raise RuntimeError(f"request {self.request_id}: the cache is closed")
