@@ -58,6 +58,17 @@ def write_tokens(manager, batch, cache, positions):
         view[(index // P).to(dev), 0, (index % P).to(dev)] = token_bytes(cache.request_id, cells).to(dev)
 
 
+def prefill(manager, batch, cache, n):
+    """One step that writes tokens 0..n-1 by the contract, declares, flushes and makes them
+    history."""
+    assert cache.resize(capacity=n)
+    start_step(batch)
+    write_tokens(manager, batch, cache, range(n))
+    batch.record_host_writes()
+    batch.flush()
+    assert cache.resize(history=n)
+
+
 def host_tokens(manager, cache, positions) -> torch.Tensor:
     """The bytes of tokens at ``positions`` on ``cache``'s host pages (through the public API)."""
     pages = cache.host_pages("x", "kv")
@@ -160,12 +171,7 @@ def test_history_over_recycled_pages_needs_a_declaration(device):
     manager, batch = make(device)
     first = manager.create_cache()
     batch.add(first)
-    assert first.resize(capacity=12)
-    start_step(batch)
-    write_tokens(manager, batch, first, range(12))
-    batch.record_host_writes()
-    batch.flush()
-    assert first.resize(history=12)
+    prefill(manager, batch, first, 12)
     pages = first.pages(0)
     first.close()
     fresh = manager.create_cache()
@@ -202,12 +208,7 @@ def test_host_pages_of_a_suspended_request_are_reachable(device):
     manager, batch = make(device)
     cache = manager.create_cache()
     batch.add(cache)
-    assert cache.resize(capacity=6)
-    start_step(batch)
-    write_tokens(manager, batch, cache, range(6))
-    batch.record_host_writes()
-    batch.flush()
-    assert cache.resize(history=6)
+    prefill(manager, batch, cache, 6)
     batch.publish()
     cache.suspend()
     batch.publish()

@@ -22,7 +22,7 @@ from . import ops
 from ._util import ceil_div, refuse_during_capture
 from .cache import KVCache
 from .config import BAD, INT32_MAX, SelectionGroup
-from .memory import (ADVANCE_COUNTERS, ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN,
+from .memory import (ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN,
                      batch_memory_bytes, batch_tensor_specs, sparse_buffers)
 from .tables import TableMirror
 

@@ -232,6 +232,7 @@ class KVCache:
         at most the largest in-flight start (tokens beyond it are in cells: flush them).
         History may then advance over them (SAFE-2). Raises ValueError for a bad ``end``."""
         self._check_open()
+        refuse_during_capture(self.manager.config.device, "KVCache.record_host_write")
         self._sync()
         end = check_int("end", end)
         bound = rules.host_direct_end(self._h, self._c, self._shapes, max)
