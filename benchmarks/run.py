@@ -865,9 +865,10 @@ def host_run(device, quick, max_tokens, path) -> dict:
     (rows start at staggered lengths, so page crossings are spread over the steps). ``path``:
     "per-row" (the flush's host record, then every row's resize(history=c, capacity=c+1), then
     publish), "batched" (record, one resize_rows, publish) or "advance" (the device advances
-    the lengths inside a reserve; the host per step: record_advance and publish, which catches
-    up and re-takes reserves when the read-back is ready). The device ops (flush, advance) run
-    untimed; the tables are checked against a full restage afterwards."""
+    the lengths inside a reserve; the host per step: publish, which takes the finished
+    read-back and re-takes the reserves of rows that reached them, and record_advance). The
+    device ops (flush, advance) run untimed, and finish before the timed part; the tables are
+    checked against a full restage afterwards."""
     sz = host_sizes(quick)
     R, H, steps = sz["rows"], sz["history"], sz["steps"]
     config = host_config(device, R, sz["layers"], sz["groups"], max_tokens, H + steps + 2 * PAGE)
@@ -890,9 +891,9 @@ def host_run(device, quick, max_tokens, path) -> dict:
             batch.advance(ones)
             if device == "cuda":
                 torch.cuda.synchronize()
-            start = time.perf_counter()
-            batch.record_advance()
-            batch.publish()
+            start = time.perf_counter()  # the host's part of a graph loop's step, the GPU done
+            batch.publish()  # takes the read-back of the last advance, re-takes reserves
+            batch.record_advance()  # what follows the next replay
         else:
             batch.flush()  # untimed; its host record (idempotent) is timed again below
             if device == "cuda":

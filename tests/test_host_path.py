@@ -287,7 +287,7 @@ def test_advance_compiles_fullgraph():
 @pytest.mark.cuda
 def test_advance_replays_in_a_cuda_graph():
     """HOST-3 on CUDA: flush + advance captured once and replayed many times (record_advance
-    after each replay) equal the eager calls; publish between replays never waits."""
+    after each replay) equal the eager calls."""
     results = []
     for captured in (False, True):
         _, batch, caches = advance_setup("cuda", 2 * 4)
@@ -307,6 +307,7 @@ def test_advance_replays_in_a_cuda_graph():
             # capture does not run the ops: the lengths are as before
             assert torch.equal(batch.history, saved[0]) and torch.equal(batch.written, saved[2])
         for _ in range(12):
+            batch.catch_up()  # wait for the read-back, so both runs re-take reserves alike
             batch.publish()
             if captured:
                 graph.replay()
@@ -318,3 +319,19 @@ def test_advance_replays_in_a_cuda_graph():
                         [c.written for c in caches], batch.advance_counters.tolist()))
     assert results[0] == results[1]
     assert results[0][3][0] == 0
+
+
+def test_batch_memory_is_what_the_batch_allocates():
+    """STO-4: the reserve's sizing and the batch's tensors come from one table of specs; the
+    bytes a batch holds (tables, residency, outputs, cells, staging, read-back) are its sum."""
+    from torch_kvcm2.memory import batch_memory_bytes
+    manager = kv.KVCacheManager(dsa_config())
+    batch = kv.Batch(manager, max_rows=3)
+    pools = {g.device_data.untyped_storage().data_ptr() for g in manager.storage.groups}
+    tensors = batch.state_tensors() + [batch._mirror.delta, batch._snapshot]
+    tensors += [staging.tensor for staging in batch._mirror.ring]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if t.untyped_storage().data_ptr() not in pools}
+    expected = batch_memory_bytes(manager.config, len(manager.storage.groups), 3)
+    assert sum(storages.values()) == expected["gpu"] + expected["host"]
+    assert manager.stats()["gpu"]["batch_bytes_in_use"] == expected["gpu"]
