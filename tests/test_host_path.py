@@ -48,7 +48,8 @@ def assert_tables_match(batch):
 
 
 def lengths_snapshot(cache):
-    return (cache.capacity, cache.history_length, cache.written, [cache.pages(g) for g in range(3)])
+    groups = len(cache.manager.storage.groups)
+    return (cache.capacity, cache.history_length, cache.written, [cache.pages(g) for g in range(groups)])
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -179,6 +180,52 @@ def test_resize_rows_is_resize_per_row_all_or_nothing():
         batch.resize_rows([0, 0], capacity=[1, 1])
     batch.publish()
     assert_tables_match(batch)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_resize_rows_equals_resize_per_row(seed):
+    """HOST-4: random lengths (many breaking a rule) through resize_rows on one batch and
+    through per-row resize on a twin: the same rows refused, the same lengths, pages and
+    published tables, step after step (flushes and declarations in between)."""
+    rng = random.Random(seed)
+    twins = []
+    for _ in range(2):
+        manager = kv.KVCacheManager(dsa_config(window_layer=False, max_tokens_per_row=96,
+                                               host_budget_bytes=4 << 20))
+        batch = kv.Batch(manager)
+        caches = [manager.create_cache() for _ in range(4)]
+        for cache in caches:
+            batch.add(cache)
+        twins.append((batch, caches))
+    for step in range(120):
+        rows = rng.sample(range(4), rng.randint(1, 4))
+        h0 = [twins[0][1][r].history_length for r in rows]
+        c0 = [twins[0][1][r].capacity for r in rows]
+        caps = [max(0, c + rng.randint(-3, 6)) for c in c0]
+        hists = [max(0, min(96, h + rng.randint(-1, 4))) for h in h0]
+        use_h = rng.random() < 0.5
+        (a, a_caches), (b, b_caches) = twins
+        failed_a = a.resize_rows(rows, capacity=caps, history=hists if use_h else None)
+        failed_b = []
+        for i, r in enumerate(rows):
+            try:
+                ok = b_caches[r].resize(caps[i], hists[i] if use_h else None)
+            except ValueError:
+                ok = False
+            if not ok:
+                failed_b.append(r)
+        assert sorted(failed_a) == sorted(failed_b)
+        for x, y in zip(a_caches, b_caches):
+            assert lengths_snapshot(x) == lengths_snapshot(y)
+        flush = rng.random() < 0.5
+        for batch, caches in twins:
+            batch.publish()
+            if flush:
+                batch.record_host_writes()
+                batch.flush()
+        assert_tables_match(a)
+        assert [t.tolist() for t in a.page_tables] == [t.tolist() for t in b.page_tables]
+        assert a.host_tables()["lengths"].tolist() == b.host_tables()["lengths"].tolist()
 
 
 # ---- the device-side advance (HOST-3) ----

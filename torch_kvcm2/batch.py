@@ -589,8 +589,10 @@ class Batch:
         n = len(rows)
         caps = None if capacity is None else self._int_sequence("capacity", capacity, length=n)
         hists = None if history is None else self._int_sequence("history", history, length=n)
-        failed = []
+        done, failed = self._resize_clean_rows(rows, caches, caps, hists)
         for i, cache in enumerate(caches):
+            if i in done:
+                continue
             try:
                 ok = cache.resize(None if caps is None else caps[i],
                                   None if hists is None else hists[i])
@@ -599,6 +601,42 @@ class Batch:
             if not ok:
                 failed.append(rows[i])
         return failed
+
+    def _resize_clean_rows(self, rows: list, caches: list, caps, hists) -> tuple[set, list]:
+        """The vectorised part of ``resize_rows``: rows published as they are (the host mirror
+        holds their lengths and watermarks) are checked by ``lengths.resize_violations`` over
+        numpy arrays; the refused ones fail and those whose pages stay as they are take their
+        new lengths here. Returns (positions handled, rows failed); the rest take the per-row
+        path (page work, or a row changed since the last publish)."""
+        if self._windowed or not rows:
+            return set(), []
+        owner, reserve = self._mirror.published_owner, self._reserve_tokens
+        unclean = self._dirty | self._declared_rows | self._stale | self._settle
+        clean = np.fromiter(
+            (owner[r] is cache and r not in unclean and cache.reserve_tokens == reserve[r]
+             for r, cache in zip(rows, caches)), dtype=bool, count=len(rows))
+        if not clean.any():
+            return set(), []
+        index = np.asarray(rows, dtype=np.int64)
+        L = self._mirror.host_lengths.astype(np.int64)[:, index]
+        h, c = L[HISTORY], L[CAPACITY]
+        h2 = h if hists is None else np.asarray(hists, dtype=np.int64)
+        c2 = c if caps is None else np.asarray(caps, dtype=np.int64)
+        config, P = self.config, self.config.tokens_per_page
+        bad = np.zeros(len(rows), dtype=bool)
+        for _, violated, _ in rules.resize_violations(
+                h, c, h2, c2, L[WRITTEN], L[DECLARED], (h, c), self._shapes,
+                config.max_tokens_per_row, config.max_total_input_tokens, np.maximum, np.minimum):
+            bad |= violated
+        keep = -(-L[ALLOCATED] // P)
+        keep2 = np.where(c2 > 0, -(-np.minimum(c2 + reserve[index], config.max_tokens_per_row) // P), 0)
+        fast = clean & ~bad & (keep2 == keep)
+        moved = fast & ((h2 != h) | (c2 != c))
+        for i in np.flatnonzero(moved).tolist():
+            caches[i].take_resize(int(h2[i]), int(c2[i]))
+            self._dirty.add(rows[i])
+        done = np.flatnonzero(fast | (clean & bad))
+        return set(done.tolist()), [rows[i] for i in np.flatnonzero(clean & bad).tolist()]
 
     # ---- the device-side length advance (HOST-3) ----
     def advance(self, accepted: torch.Tensor) -> None:

@@ -125,44 +125,41 @@ class KVCache:
         return self._apply(h, c)
 
     def _check_lengths(self, h: int, c: int) -> None:
-        """Every rule of a resize to (h, c), raising ValueError; changes nothing."""
-        limit = self.manager.config.max_tokens_per_row
-        if h < self._h:
-            raise ValueError(f"REQ-2: history cannot decrease ({self._h} -> {h})")
-        if h > c:
-            raise ValueError(f"REQ-2: history ({h}) cannot exceed capacity ({c})")
-        if c > limit:
-            raise ValueError(f"REQ-2: capacity ({c}) exceeds max_tokens_per_row ({limit})")
-        safe = min(self._written(), c)
-        if h > self._h and h > safe:
-            raise ValueError(
-                f"SAFE-2: history ({h}) cannot pass what was flushed or declared written to host "
-                f"pages ({safe}); flush the in-flight tokens, or declare tokens written straight "
-                f"to host pages with record_host_write(), first")
-        inflight = rules.inflight_width(h, c, self._shapes, max)
-        if inflight > self.manager.config.max_total_input_tokens:
-            raise ValueError(
-                f"CFG-3: an in-flight range of {inflight} tokens exceeds max_total_input_tokens "
-                f"({self.manager.config.max_total_input_tokens})")
+        """Every rule of a resize to (h, c) (``lengths.resize_violations``), raising ValueError
+        for the first one broken; changes nothing."""
+        config = self.manager.config
         cells = (0, 0) if self._batch is None else self._batch.cell_lengths(self._row)
         cells = (cells[0], min(cells[1], self._lowest_capacity))  # a shrink cut the rest off
-        faults = rules.transition_faults(self._h, self._c, h, c, self._flushed, self._declared,
-                                         cells, self._shapes, max, min)
-        for (U, I), lost, stale in faults:
-            lost_lo, lost_hi = lost[0]
-            stale_lo, stale_hi = next(((lo, hi) for lo, hi in stale if lo < hi), (0, 0))
-            if lost_lo < lost_hi:
-                raise ValueError(
-                    f"SAFE-1: capacity {c} moves the in-flight start (tokens_per_unit {U}, "
-                    f"max_inflight_tokens {I}) past tokens [{lost_lo}, {lost_hi}), which are in "
-                    f"cells and not flushed; flush them (Batch.flush) before growing this far")
-            if stale_lo < stale_hi:
-                raise ValueError(
-                    f"SAFE-1: lengths (history {h}, capacity {c}) bring tokens "
-                    f"[{stale_lo}, {stale_hi}), already on host pages, back into the in-flight "
-                    f"range (tokens_per_unit {U}, max_inflight_tokens {I}), whose cells do not "
-                    f"hold them; advance history over them first, or shrink capacity to at most "
-                    f"{stale_lo}")
+        for rule, violated, d in rules.resize_violations(
+                self._h, self._c, h, c, self._flushed, self._declared, cells, self._shapes,
+                config.max_tokens_per_row, config.max_total_input_tokens, max, min):
+            if violated:
+                raise ValueError(self._message(rule, h, c, d))
+
+    def _message(self, rule: str, h: int, c: int, d: dict) -> str:
+        config = self.manager.config
+        if rule == "decrease":
+            return f"REQ-2: history cannot decrease ({self._h} -> {h})"
+        if rule == "above":
+            return f"REQ-2: history ({h}) cannot exceed capacity ({c})"
+        if rule == "limit":
+            return f"REQ-2: capacity ({c}) exceeds max_tokens_per_row ({config.max_tokens_per_row})"
+        if rule == "safe":
+            return (f"SAFE-2: history ({h}) cannot pass what was flushed or declared written to "
+                    f"host pages ({d['safe']}); flush the in-flight tokens, or declare tokens "
+                    f"written straight to host pages with record_host_write(), first")
+        if rule == "width":
+            return (f"CFG-3: an in-flight range of {d['width']} tokens exceeds "
+                    f"max_total_input_tokens ({config.max_total_input_tokens})")
+        (U, I), (lo, hi) = d["shape"], d["range"]
+        if rule == "lost":
+            return (f"SAFE-1: capacity {c} moves the in-flight start (tokens_per_unit {U}, "
+                    f"max_inflight_tokens {I}) past tokens [{lo}, {hi}), which are in cells and "
+                    f"not flushed; flush them (Batch.flush) before growing this far")
+        return (f"SAFE-1: lengths (history {h}, capacity {c}) bring tokens [{lo}, {hi}), already "
+                f"on host pages, back into the in-flight range (tokens_per_unit {U}, "
+                f"max_inflight_tokens {I}), whose cells do not hold them; advance history over "
+                f"them first, or shrink capacity to at most {lo}")
 
     def _apply(self, h: int, c: int) -> bool:
         """Allocate and free pages for lengths (h, c) and take them; False (nothing changed) when
@@ -217,11 +214,8 @@ class KVCache:
         return first, keep
 
     def _written(self) -> int:
-        if not self._shapes:
-            return self._c  # no sparse layers: nothing to write back
-        return max(self._flushed, min(self._declared,
-                                      min(rules.inflight_start(self._h, self._c, s, max)
-                                          for s in self._shapes)))
+        return rules.written_prefix(self._h, self._c, self._flushed, self._declared,
+                                    self._shapes, max, min)
 
     # ---- the write contract (docs/HOST_PATH.md) ----
     def record_host_write(self, end: int) -> None:
@@ -331,6 +325,14 @@ class KVCache:
         self._h, self._c = h, c
         self._lowest_capacity = c
         self._flushed = max(self._flushed, written)
+
+    def take_resize(self, h: int, c: int) -> None:
+        """Lengths (h, c) that ``Batch.resize_rows`` checked by resize's rules and that keep
+        every page where it is (no page enters or leaves the live range)."""
+        self._h, self._c = h, c
+        self._lowest_capacity = min(self._lowest_capacity, c)
+        self._flushed = min(self._flushed, c)
+        self._declared = min(self._declared, c)
 
     def discard_in_flight(self) -> None:
         """Drop the tokens in flight: capacity shrinks back to history (the abort path)."""

@@ -83,3 +83,32 @@ def transition_faults(h, c, h2, c2, written, declared, cells, shapes, mx, mn):
         stale = [(lo, mn(hi, p0)), (mx(lo, p1), hi)]
         faults.append((shape, lost, stale))
     return faults
+
+
+def written_prefix(h, c, flushed, declared, shapes, mx, mn):
+    """How far history may advance (SAFE-2): through what was flushed, and through the declared
+    host writes below every shape's in-flight start; through capacity without sparse layers."""
+    if not shapes:
+        return c
+    start = inflight_start(h, c, shapes[0], mx)
+    for shape in shapes[1:]:
+        start = mn(start, inflight_start(h, c, shape, mx))
+    return mx(flushed, mn(declared, start))
+
+
+def resize_violations(h, c, h2, c2, flushed, declared, cells, shapes, limit, max_inflight, mx, mn):
+    """Every rule of a resize from (h, c) to (h2, c2), in the order ``KVCache.resize`` reports
+    them: a list of ``(rule, violated, details)``; ``violated`` is a bool (ints) or a bool array
+    (arrays, one entry per row). ``details`` are what the messages print."""
+    safe = mn(written_prefix(h, c, flushed, declared, shapes, mx, mn), c2)
+    width = inflight_width(h2, c2, shapes, mx)
+    out = [("decrease", h2 < h, {}), ("above", h2 > c2, {}), ("limit", c2 > limit, {}),
+           ("safe", (h2 > h) & (h2 > safe), {"safe": safe}),
+           ("width", width > max_inflight, {"width": width})]
+    for shape, lost, stale in transition_faults(h, c, h2, c2, flushed, declared, cells, shapes,
+                                                mx, mn):
+        (lo, hi), = lost
+        out.append(("lost", lo < hi, {"shape": shape, "range": (lo, hi)}))
+        for lo, hi in stale:
+            out.append(("stale", lo < hi, {"shape": shape, "range": (lo, hi)}))
+    return out
