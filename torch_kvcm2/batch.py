@@ -571,7 +571,8 @@ class Batch:
     def resize_rows(self, rows, capacity=None, history=None) -> list[int]:
         """``KVCache.resize`` for many rows in one call: ``rows`` a sequence of seated rows,
         ``capacity`` / ``history`` None or one int per row (a sequence, numpy array or CPU
-        tensor). Each row is checked by resize's rules and changed all or nothing; rows whose
+        tensor). Each row is checked by resize's rules (over numpy arrays for rows published as
+        they are) and changed all or nothing; rows whose
         lengths break a rule (ValueError), whose cache is suspended, or whose pages the pools
         cannot supply are left unchanged. Returns the rows that failed (empty when all
         succeeded). Bad arguments (not a member, wrong lengths of the sequences, capture in
