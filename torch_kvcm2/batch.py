@@ -329,7 +329,6 @@ class Batch:
                 values.append((0, 0, BAD, 0, 0, 0))
             else:
                 owners.append(cache)
-                self._reserve_tokens[row] = cache.reserve_tokens
                 h, c, written, declared, allocated = cache.lengths_row()
                 values.append((h, c, lease, written, declared, allocated))
         lengths = self._mirror.lengths_after(rows, values)
@@ -341,6 +340,8 @@ class Batch:
                 f"the flush work list; nothing was published")
         leases = sorted(self._granted)
         self._mirror.publish(rows, owners, values, leases, self._clear_leases)
+        for row, owner in zip(rows, owners):
+            self._reserve_tokens[row] = owner.reserve_tokens if owner is not None else 0
         self._dirty.clear()
         self._granted.clear()
         self._declared_rows.clear()
@@ -733,9 +734,10 @@ class Batch:
     def host_token_indices(self, layer: str, role: str, positions: torch.Tensor,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The prefill path: token indices of ``positions`` (int32[max_rows, N] token positions,
-        negative = padding) in the buffer's view ``manager.storage.view(layer, role)`` (token
+        negative = padding) in the buffer's view ``manager.buffer_view(layer, role)`` (token
         ``i`` is ``view[i // P, :, i % P]``), BAD for padding and positions beyond capacity.
-        Write tokens ``[history, inflight_start)`` of a row straight to host pages with it."""
+        Write tokens ``[history, inflight_start)`` of a row straight to host pages with it, then
+        declare them (``record_host_writes``) before the step's flush (docs/HOST_PATH.md)."""
         storage = self.manager.storage
         place = storage.place(layer, role)
         self._check_step("Batch.host_token_indices")
