@@ -201,7 +201,17 @@ def test_declarations_are_checked(device):
         cache.record_host_write(2.0)
     assert cache.written == 0
     cache.record_host_write(8)
-    assert cache.written == 8
+    assert cache.written == 8 and cache.host_direct_end == 8
+    other = manager.create_cache()
+    assert other.resize(capacity=6)  # host-direct range ends at 4
+    batch.add(cache)
+    batch.add(other)
+    batch.publish()
+    with pytest.raises(ValueError, match=r"row 1's end \(5\) is past its host-direct range"):
+        batch.record_host_writes([3, 5])
+    assert (cache.written, other.written) == (8, 0)  # nothing declared
+    batch.record_host_writes()
+    assert other.written == 4
 
 
 def test_host_pages_of_a_suspended_request_are_reachable(device):

@@ -546,19 +546,27 @@ class Batch(LengthsPath):
         straight to host pages (``KVCache.record_host_write``): ``ends`` None (each row's whole
         host-direct range of the published lengths) or a sequence of ``max_rows`` ints (a row's
         end; 0 declares nothing). Call it after writing through ``host_token_indices`` and
-        before the step's ``flush``."""
+        before the step's ``flush``. Raises ValueError, declaring nothing, when an end is past
+        its row's host-direct range."""
         self._check_host_call("Batch.record_host_writes")
         self.catch_up()
         if ends is not None:
             ends = self._int_sequence("ends", ends)
         L = self._mirror.host_lengths
+        declarations = []
         for row, cache in enumerate(self._rows):
             if cache is None or self._row_lease[row] == BAD:
                 continue
             end = (rules.host_direct_end(int(L[HISTORY, row]), int(L[CAPACITY, row]),
                                          self._shapes, max) if ends is None else ends[row])
+            if end > cache.host_direct_end:
+                raise ValueError(
+                    f"Batch.record_host_writes: row {row}'s end ({end}) is past its host-direct "
+                    f"range, which ends at {cache.host_direct_end}; nothing was declared")
             if end:
-                cache.record_host_write(end)
+                declarations.append((cache, end))
+        for cache, end in declarations:  # all checked: none can raise
+            cache.record_host_write(end)
 
     def _flush_width(self, lengths: np.ndarray) -> int:
         """The most in-flight tokens a flush can write back over all rows with these host length

@@ -75,6 +75,13 @@ class KVCache:
         return self._written()
 
     @property
+    def host_direct_end(self) -> int:
+        """The end of the host-direct range: the largest in-flight start over the selection
+        groups (history without sparse layers); ``record_host_write`` may declare up to it."""
+        self._sync()
+        return rules.host_direct_end(self._h, self._c, self._shapes, max)
+
+    @property
     def closed(self) -> bool:
         return self.state == CLOSED
 
@@ -229,7 +236,7 @@ class KVCache:
         refuse_during_capture(self.manager.config.device, "KVCache.record_host_write")
         self._sync()
         end = check_int("end", end)
-        bound = rules.host_direct_end(self._h, self._c, self._shapes, max)
+        bound = self.host_direct_end
         if end > bound:
             raise ValueError(
                 f"record_host_write: end ({end}) is past the host-direct range, which ends at "
