@@ -382,3 +382,37 @@ def test_batch_memory_is_what_the_batch_allocates():
     expected = batch_memory_bytes(manager.config, len(manager.storage.groups), 3)
     assert sum(storages.values()) == expected["gpu"] + expected["host"]
     assert manager.stats()["gpu"]["batch_bytes_in_use"] == expected["gpu"]
+
+
+class _LateEvent:
+    """A read-back event the GPU has not finished: query() is False until synchronize()."""
+
+    def __init__(self):
+        self.done, self.waited = False, 0
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done, self.waited = True, self.waited + 1
+
+
+def test_a_late_read_back_is_not_waited_for_unless_the_host_publishes_changes():
+    """HOST-2/HOST-3: with advance's read-back still in flight, a publish with nothing to upload
+    neither waits nor does page work; a publish of a membership change waits for it first, so
+    the mirror never takes older lengths after a newer delta; tables stay equal to a restage."""
+    manager, batch, caches = advance_setup("cpu", 4)
+    batch.remove(caches.pop(), discard=True)  # row 3 is free
+    batch.publish()
+    accepted = torch.tensor([1, 2, 3, 0], dtype=torch.int32)
+    batch.flush(batch.history + accepted)
+    batch.advance(accepted)
+    late = _LateEvent()
+    batch._pending_snapshot = (late,)  # as on CUDA before the copy has run
+    batch.publish()
+    assert late.waited == 0 and batch._pending_snapshot is not None
+    assert batch.add(manager.create_cache()) == 3  # membership: not a length read
+    batch.publish()
+    assert late.waited == 1
+    assert [c.history_length for c in caches] == [1, 2, 3]
+    assert_tables_match(batch)

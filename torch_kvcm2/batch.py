@@ -314,13 +314,16 @@ class Batch(LengthsPath):
         the GPU; clear the residency of newly granted leases. Raises ValueError, publishing
         nothing, when the in-flight tokens over all rows exceed ``max_total_input_tokens``."""
         self._check_host_call("Batch.publish")
-        self.catch_up(wait=False)
-        for row in sorted(self._settle):  # after advance: release windowed pages, re-reserve
-            cache = self._rows[row]
-            if cache is not None and not cache.suspended:
-                self.sync_member(row)
-                cache.resize()
-        self._settle.clear()
+        # a read-back of advance() is applied first; waited for only when there is something to
+        # publish (the mirror must not take an older read-back after this publish's delta)
+        self.catch_up(wait=bool(self._dirty or self._granted or self._declared_rows))
+        if self._pending_snapshot is None:  # else later: page work needs the latest lengths
+            for row in sorted(self._settle):  # after advance: windowed pages, the reserve
+                cache = self._rows[row]
+                if cache is not None and not cache.suspended:
+                    self.sync_member(row)
+                    cache.resize()
+            self._settle.clear()
         if not self._dirty and not self._granted and not self._declared_rows:
             return
         rows = sorted(self._dirty | self._declared_rows)

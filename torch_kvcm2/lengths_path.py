@@ -142,7 +142,8 @@ class LengthsPath:
     def catch_up(self, wait: bool = True) -> None:
         """Apply a pending length read-back of ``advance`` to the host mirror and the member
         caches. ``wait`` False applies it only if the GPU has finished it (``publish`` does
-        that, never blocking); True waits for it (every host call that needs a length). Cheap
+        that when it has nothing else to publish, never blocking); True waits for it (every host
+        call that needs a length, and a publish of changes). Cheap
         when none is pending. Page work the new lengths need (windowed pages to release, the
         reserve to take again) happens at the next ``publish``."""
         pending = self._pending_snapshot
