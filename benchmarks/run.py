@@ -37,7 +37,7 @@ import torch
 
 import torch_kvcm2 as kv
 from torch_kvcm2 import ops
-from torch_kvcm2.batch import batch_memory_bytes
+from torch_kvcm2.memory import batch_memory_bytes
 from torch_kvcm2.storage import Storage
 
 MLA_ROW = 656  # bytes per token of DeepSeek's FP8 MLA latent row
@@ -216,7 +216,9 @@ def seat(manager, batch, rows, history, capacity=None):
     slack = max(g.sparse.max_inflight_tokens + g.sparse.tokens_per_unit for g in manager.config.selection_groups)
     for _ in range(rows):
         cache = manager.create_cache()
-        assert cache.resize(capacity=history + slack) and cache.resize(history=history)
+        assert cache.resize(capacity=history + slack)
+        cache.record_host_write(history)  # the host pages are filled by the benchmark
+        assert cache.resize(history=history)
         assert cache.resize(capacity=history if capacity is None else capacity)
         batch.add(cache)
         caches.append(cache)
@@ -224,17 +226,16 @@ def seat(manager, batch, rows, history, capacity=None):
     return caches
 
 
-def fill_random(pool, device: str, seed: int) -> None:
-    """Random bytes in the committed slots of a (pinned) host pool group, generated on ``device``
-    in 256 MiB chunks (on CUDA the copy engine writes them: gigabytes in well under a second).
-    Only the committed prefix is real, registered memory: the rest of the reservation is left
-    alone."""
-    flat = pool.data[:pool.committed_slots].view(-1)
-    gen = torch.Generator(device=device).manual_seed(seed)
+def fill_random(pool, seed: int) -> None:
+    """Random bytes in the committed slots of a host pool group, written in place by a kernel
+    through the view ops see (the UVA view on CUDA: it reaches every registered range, where
+    one copy-engine transfer may not span two registrations). Only the committed prefix is
+    real memory; the rest of the reservation is left alone."""
+    flat = pool.device_data[:pool.committed_slots].view(-1)
+    gen = torch.Generator(device=flat.device).manual_seed(seed)
     chunk = 1 << 28
     for i in range(0, flat.numel(), chunk):
-        n = min(chunk, flat.numel() - i)
-        flat[i:i + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=gen))
+        flat[i:i + chunk].random_(0, 256, generator=gen)
 
 
 def snapshot(states) -> list:
@@ -347,7 +348,7 @@ def fetch_setup(device, quick, *, units, unit_tokens, page, row_bytes=MLA_ROW):
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     seat(manager, batch, rows, history)
-    fill_random(manager.storage.groups[0], "cpu", seed=0)
+    fill_random(manager.storage.groups[0], 0)
     g = torch.Generator().manual_seed(1)
     selected = torch.stack([torch.randperm(history // unit_tokens, generator=g)[:K] for _ in range(rows)])
     selected[:, per_row:] = -1
@@ -509,7 +510,7 @@ def bench_torch(timer, device, quick) -> Result:
     w = resolve_workload(device, quick, seed=3)
     batch, state, manager, rows, K, S, calls, new = (w.batch, w.state, w.manager, w.rows, w.K,
                                                      w.S, w.calls, w.new)
-    fill_random(manager.storage.groups[0], device, seed=4)
+    fill_random(manager.storage.groups[0], 4)
     assert batch.lease.tolist() == list(range(rows))
     batch.resolve(0, w.sels[0])
     batch.fetch("l0")  # steady state: the first selection resident and in its cells
@@ -597,7 +598,7 @@ def run_step(timer, device, quick, groups, seed) -> dict:
     seat(manager, batch, R, H, capacity=H + 1)  # token H is in flight
     pool = manager.storage.groups[0]
     assert len(manager.storage.groups) == 1 and len(batch._flush_args) == 1
-    fill_random(pool, device, seed)
+    fill_random(pool, seed)
     new = max(1, round(K * 0.02))
     gen = torch.Generator(device=device).manual_seed(seed)
     order = torch.rand((G, R, H), generator=gen, device=device).argsort(-1)
@@ -780,7 +781,7 @@ def scaling_point(timer, device, rows, K, S, miss, seed) -> dict:
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     seat(manager, batch, rows, H)
-    fill_random(manager.storage.groups[0], device, seed)
+    fill_random(manager.storage.groups[0], seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     order = torch.rand((rows, H), generator=gen, device=device).argsort(-1)
     pos = torch.rand((rows, K), generator=gen, device=device).argsort(-1)[:, :new]
@@ -806,6 +807,268 @@ def scaling_point(timer, device, rows, K, S, miss, seed) -> dict:
                     state.index_table, fresh)
     return {"rows": rows, "K": K, "S": S, "miss_pct": 100 * new / K, "misses": rows * new,
             "bytes": rows * new * MLA_ROW, "us": us}
+
+
+def host_config(device, rows, layers, groups, tokens_per_row, history):
+    """P-HOST's model: ``layers`` layers in selection groups of ``groups`` sizes, each with a
+    656-B sparse latent and a 132-B dense indexer key, ``tokens_per_row`` per row. K = 64 and
+    S = 128: the host path does not depend on them (they size cells and residency only), and
+    small cells keep the run within the CPU machine's memory."""
+    specs = []
+    for gi, size in enumerate(groups):
+        sparse = kv.SparseSpec(1, 64, 128, 16, selection_id=f"g{gi}" if size > 1 else None)
+        for _ in range(size):
+            specs.append(kv.LayerSpec(f"l{len(specs)}", [kv.BufferSpec("kv", MLA_ROW, sparse=True),
+                                                         kv.BufferSpec("indexer_k", 132)],
+                                      sparse=sparse))
+    assert len(specs) == layers
+
+    def make(gpu, host):
+        return kv.CacheConfig(tokens_per_page=PAGE, layers=specs, max_rows=rows,
+                              max_tokens_per_row=tokens_per_row, gpu_budget_bytes=gpu,
+                              host_budget_bytes=host, device=device)
+
+    probe = make(0, 0)
+    reserve = batch_memory_bytes(probe, len(Storage(probe).groups), 1)
+    pages = rows * (-(-(history + 4 * PAGE) // PAGE))  # every row's pages, with room to decode
+    return make(rows * reserve["gpu"] + pages * layers * PAGE * 132 + (16 << 20),
+                rows * reserve["host"] + pages * layers * PAGE * MLA_ROW + (16 << 20))
+
+
+def host_sizes(quick: bool) -> dict:
+    if quick:
+        return {"rows": 8, "layers": 9, "groups": [4, 4, 1], "history": 64, "steps": 40,
+                "max_tokens": [2048, 8192]}
+    return {"rows": 64, "layers": 61, "groups": [4] * 15 + [1], "history": 256, "steps": 128,
+            "max_tokens": [32768, 131072]}
+
+
+def tables_match(batch) -> bool:
+    """The device tables equal a full restage from the members (what a publish must leave)."""
+    R, P = batch.max_rows, batch.config.max_pages_per_row
+    for g, table in enumerate(batch.page_tables):
+        expected = torch.full((R, P), -1, dtype=torch.int32)
+        for row, cache in batch.members().items():
+            pages = cache.pages(g)
+            expected[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        if not torch.equal(table.cpu(), expected):
+            return False
+    lengths = [[0] * R, [0] * R, [-1] * R]
+    for row, cache in batch.members().items():
+        lengths[0][row], lengths[1][row] = cache.history_length, cache.capacity
+        lengths[2][row] = batch.lease_of(row)
+    return [batch.history.tolist(), batch.capacity.tolist(), batch.lease.tolist()] == lengths
+
+
+def host_run(device, quick, max_tokens, path) -> dict:
+    """Host wall time per decode step of the bookkeeping, each row decoding one token per step
+    (rows start at staggered lengths, so page crossings are spread over the steps). ``path``:
+    "per-row" (the flush's host record, then every row's resize(history=c, capacity=c+1), then
+    publish), "batched" (record, one resize_rows, publish) or "advance" (the device advances
+    the lengths inside a reserve; the host per step: publish, which takes the finished
+    read-back and re-takes the reserves of rows that reached them, and record_advance). The
+    device ops (flush, advance) run untimed, and finish before the timed part; the tables are
+    checked against a full restage afterwards."""
+    sz = host_sizes(quick)
+    R, H, steps = sz["rows"], sz["history"], sz["steps"]
+    config = host_config(device, R, sz["layers"], sz["groups"], max_tokens, H + steps + 2 * PAGE)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    caches = []
+    for row in range(R):  # staggered: row r at history H + r % PAGE, one token in flight
+        caches += seat(manager, batch, 1, H + row % PAGE, capacity=H + row % PAGE + 1)
+    if path == "advance":
+        for cache in caches:
+            cache.set_reserve(PAGE)
+            assert cache.resize()
+    batch.publish()
+    rows = list(range(R))
+    ones = torch.ones(R, dtype=torch.int32, device=device)
+    times, publish_times = [], []
+    for _ in range(steps):
+        if path == "advance":
+            batch.flush(batch.history + ones)  # the device work a replayed graph does
+            batch.advance(ones)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()  # the host's part of a graph loop's step, the GPU done
+            batch.publish()  # takes the read-back of the last advance, re-takes reserves
+            batch.record_advance()  # what follows the next replay
+        else:
+            batch.flush()  # untimed; its host record (idempotent) is timed again below
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            batch.record_flush()
+            if path == "per-row":
+                for cache in caches:
+                    assert cache.resize(history=cache.capacity, capacity=cache.capacity + 1)
+            else:
+                c = [cache.capacity for cache in caches]
+                assert batch.resize_rows(rows, capacity=[x + 1 for x in c], history=c) == []
+            middle = time.perf_counter()
+            batch.publish()
+            publish_times.append((time.perf_counter() - middle) * 1e6)
+        times.append((time.perf_counter() - start) * 1e6)
+    lengths = [cache.history_length for cache in caches]
+    assert lengths == [H + r % PAGE + steps for r in range(R)], "every row decoded every step"
+    assert tables_match(batch), "the published tables differ from a full restage"
+    return {"us": statistics.median(times), "mean_us": statistics.fmean(times),
+            "publish_us": statistics.median(publish_times) if publish_times else None,
+            "max_us": max(times), "rows": R, "layers": sz["layers"], "steps": steps,
+            "max_tokens": max_tokens, "path": path}
+
+
+def bench_host(device, quick) -> list:
+    """P-HOST at two max_tokens_per_row: per-row resize + publish, and the batched / advance
+    paths; (a) must not depend on max_tokens_per_row."""
+    out = []
+    for max_tokens in host_sizes(quick)["max_tokens"]:
+        runs = {path: host_run(device, quick, max_tokens, path)
+                for path in ("per-row", "batched", "advance")}
+        release(device)
+        fast = min(runs["batched"]["us"], runs["advance"]["us"])
+        r = runs["per-row"]
+        out.append(Result(
+            "P-HOST", f"{r['rows']}r {r['layers']}L max {max_tokens // 1024}K: per-row", r["us"],
+            target="(b) <= 100us, (a) flat", passed=None if device == "cpu" else fast <= 100,
+            extra={**{f"{p}_us": v["us"] for p, v in runs.items()},
+                   **{f"{p}_max_us": v["max_us"] for p, v in runs.items()},
+                   "max_tokens": max_tokens, "per_row_publish_us": r["publish_us"],
+                   "note": f"max_tokens_per_row {max_tokens}: host wall time per decode step, "
+                           f"median of {r['steps']} steps: (a) per-row resize + publish "
+                           f"{runs['per-row']['us']:.0f} us (publish {r['publish_us']:.0f}), "
+                           f"(b) resize_rows + publish "
+                           f"{runs['batched']['us']:.0f} us, (b) advance on the device + "
+                           f"record_advance + publish {runs['advance']['us']:.0f} us; tables checked "
+                           f"against a full restage"}))
+    if device != "cpu":  # (a) within 1.5x across max_tokens_per_row, (b) <= 100 us at each
+        spread = max(r.median_us for r in out) / min(r.median_us for r in out)
+        for r in out:
+            r.passed = r.passed and spread <= 1.5
+            r.extra["per_row_spread"] = spread
+    return out
+
+
+def bench_step_wall(timer, device, quick) -> list:
+    """P-STEP-WALL: P-STEP's step as a user runs it (publish; per group resolve and one fetch of
+    its layers; write_indices; flush; advance by one token per row), host work included:
+    eagerly, and as one captured graph per step replayed with the host's record_advance and
+    publish around it; both as wall time per step over many steps (synchronised once at the
+    end), against the GPU time of the same ops (graph replays timed with CUDA events). On the
+    CPU there is no graph and no GPU: the rows compare the eager step with its ops alone."""
+    sz = step_sizes(quick)
+    R, K, S, H = sz["rows"], sz["K"], sz["S"], sz["history"]
+    groups = sz["groups"]
+    L = sum(groups)
+    config = sparse_config(device, rows=R, width=K, slots=S, unit=1, page=PAGE,
+                           bytes_per_token=MLA_ROW, layers=L, inflight=16,
+                           tokens_per_row=H + 8 * PAGE, groups=groups)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    caches = seat(manager, batch, R, H, capacity=H + 1)
+    for cache in caches:
+        cache.set_reserve(4 * PAGE)
+        assert cache.resize()
+    batch.publish()
+    fill_random(manager.storage.groups[0], 11)
+    gen = torch.Generator(device=device).manual_seed(11)
+    new = max(1, round(K * 0.02))
+    base = torch.rand((len(groups), R, H), generator=gen, device=device).argsort(-1)
+    sets = []  # four selections, each 2% apart from the last
+    for i in range(4):
+        picked = torch.cat([base[..., :K - new], base[..., K + i * new:K + (i + 1) * new]], -1)
+        sets.append([picked[g].to(torch.int32).contiguous() for g in range(len(groups))])
+    group_layers = [spec.layers for spec in config.selection_groups]
+    ones = torch.ones(R, dtype=torch.int32, device=device)
+
+    def ops_of(selection):
+        def body():
+            for g, layers in enumerate(group_layers):
+                batch.resolve(g, selection[g])
+                batch.fetch(*layers)
+            for g in range(len(group_layers)):
+                batch.write_indices(g)
+            batch.flush(batch.history + ones)
+            batch.advance(ones)
+        return body
+
+    bodies = [ops_of(sel) for sel in sets]
+    for body in bodies:  # warm-up: every selection resident once
+        batch.publish()
+        body()
+    steps = 8 if quick else 40
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def wall(run) -> float:
+        sync()
+        start = time.perf_counter()
+        for i in range(steps):
+            run(i)
+        sync()
+        return (time.perf_counter() - start) * 1e6 / steps
+
+    def eager(i):
+        batch.publish()
+        bodies[i % 4]()
+
+    wall(eager)  # warm-up of the timed loop itself
+    eager_us = wall(eager)
+    if device == "cuda":
+        graphs = []
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        batch.publish()
+        for body in bodies:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                body()
+            graphs.append(graph)
+        batch.record_advance()
+
+        def replayed(i):
+            batch.publish()
+            graphs[i % 4].replay()
+            batch.record_advance()
+
+        graph_us = wall(replayed)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for i in range(steps):
+            batch.publish()
+            sync()
+            start.record()
+            graphs[i % 4].replay()
+            end.record()
+            end.synchronize()
+            batch.record_advance()
+            times.append(start.elapsed_time(end) * 1e3)
+        gpu_us = statistics.median(times)
+        del graphs
+    else:
+        graph_us = None
+        gpu_us = wall(lambda i: bodies[i % 4]())
+    batch.catch_up()
+    assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran out of pages"
+    assert [c.history_length for c in caches] == [caches[0].history_length] * R
+    assert caches[0].history_length > H + steps, "every step advanced every row"
+    for g, st in enumerate(batch.groups):
+        assert bool((st.index_table >= 0).all()), f"group {g}: a selected unit has no entry"
+    shape = f"{L}L/{len(groups)}G x {R}r K={K} S={S}"
+    out = [Result("P-STEP-WALL", f"{shape}: eager", eager_us, target="<= 1.1x GPU time",
+                  passed=None if device == "cpu" else eager_us <= 1.1 * gpu_us,
+                  extra={"gpu_us": gpu_us, "ratio": eager_us / gpu_us})]
+    note = (f"wall time per step over {steps} steps: eager {eager_us:.0f} us"
+            + (f", graph replay + record_advance + publish {graph_us:.0f} us" if graph_us else "")
+            + f", against {'the GPU time of its ops' if graph_us else 'its ops alone'} "
+              f"{gpu_us:.0f} us (eager {eager_us / gpu_us:.2f}x"
+            + (f", graph {graph_us / gpu_us:.2f}x)" if graph_us else ")"))
+    if graph_us is not None:
+        out.append(Result("P-STEP-WALL", f"{shape}: graph", graph_us, target="<= 1.02x GPU time",
+                          passed=graph_us <= 1.02 * gpu_us,
+                          extra={"gpu_us": gpu_us, "ratio": graph_us / gpu_us}))
+    out[-1].extra["note"] = note
+    return out
 
 
 def bench_scaling(timer, device, quick) -> list:
@@ -920,7 +1183,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
-           "P-CAP", "P-START"]
+           "P-CAP", "P-HOST", "P-STEP-WALL", "P-START"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
         parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
@@ -942,6 +1205,8 @@ def main(argv=None) -> int:
         "P-TORCH": lambda: [bench_torch(timer, device, q)],
         "P-STEP": lambda: bench_step(timer, device, q, ceil, pres_us=results[0].median_us),
         "P-CAP": lambda: [bench_capacity(device, q)],
+        "P-HOST": lambda: bench_host(device, q),
+        "P-STEP-WALL": lambda: bench_step_wall(timer, device, q),
         "P-START": lambda: bench_start(device, q),
     }
     results = []

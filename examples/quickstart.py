@@ -86,6 +86,7 @@ for step in range(args.steps):
     for layer in LAYERS:
         batch.fetch(layer)
     write_step()
+    batch.record_host_writes()  # declare the tokens written straight to host pages
     for i, layer in enumerate(LAYERS):  # 'attention' reads the selected tokens from the cells
         cells = batch.cells(layer, "kv")
         for row in range(ROWS):

@@ -418,6 +418,8 @@ class SparseDecoder:
                     self.write_kv(layer, positions, latent, table, start)
                     out = attend_dense(q, latent, selected, qpos, U)
                 x = self.model.residual(layer, x, out)
+        if not decode:
+            batch.record_host_writes()  # the prefill wrote [history, start) to host pages
         batch.flush()
         for cache in self.caches:  # flushed: history advances; room for the next token
             check(cache.resize(history=cache.capacity, capacity=cache.capacity + 1),

@@ -25,10 +25,11 @@ def dsa_config(device="cpu", *, layers=3, max_rows=4, tokens_per_page=4, tokens_
 def import_history(cache, history, capacity=None):
     """Give ``cache`` ``history`` tokens written straight to host pages (the prefill path), then
     set its capacity (default: ``history``). Capacity first grows far enough that the tokens lie
-    before every in-flight range, so SAFE-2 lets history advance over them."""
+    before every in-flight range; declaring them written lets history advance over them (SAFE-2)."""
     groups = cache.manager.config.selection_groups
     slack = max((g.sparse.max_inflight_tokens + g.sparse.tokens_per_unit for g in groups), default=0)
     assert cache.resize(capacity=max(cache.capacity, history + slack))
+    cache.record_host_write(history)
     assert cache.resize(history=history)
     assert cache.resize(capacity=history if capacity is None else capacity)
     return cache

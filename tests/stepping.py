@@ -82,7 +82,9 @@ class Driver:
     def join(self):
         cache = self.manager.create_cache()
         length = self.rng.randint(6, 20)  # imported history (DESIGN.md), one new token
-        assert cache.resize(capacity=length + 8) and cache.resize(history=length)
+        assert cache.resize(capacity=length + 8)
+        cache.record_host_write(length)
+        assert cache.resize(history=length)
         assert cache.resize(capacity=length + 1)
         self.batch.add(cache)
         self.caches.append(cache)

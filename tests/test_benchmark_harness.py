@@ -7,7 +7,8 @@ import sys
 import pytest
 
 IDS = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-INDEX-L", "P-TORCH", "P-STEP",
-       "P-STEP-HS", "P-CAP", "P-START", "P-START-GROW", "P-START-OLD"]
+       "P-STEP-HS", "P-CAP", "P-HOST", "P-HOST", "P-STEP-WALL", "P-START", "P-START-GROW",
+       "P-START-OLD"]
 
 
 @pytest.fixture(scope="module")

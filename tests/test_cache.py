@@ -20,7 +20,9 @@ def manager():
 def test_resize_allocates_one_page_per_ordinal_in_every_group(manager):
     """REQ-1."""
     cache = manager.create_cache()
-    assert cache.resize(capacity=10, history=3)
+    assert cache.resize(capacity=10)
+    cache.record_host_write(3)  # the prefill wrote tokens 0..2 straight to host pages
+    assert cache.resize(history=3)
     assert (cache.capacity, cache.history_length) == (10, 3)
     assert [cache.pages(g) for g in range(3)] == [[0, 1, 2]] * 3
     assert cache.resize(capacity=5)  # shrink: the third page goes back
@@ -33,7 +35,9 @@ def test_failed_resize_returns_false_and_changes_nothing(manager):
     dense = manager.storage.groups[1]
     dense.allocate(dense.free_slots - 5)  # the dense indexer group is now nearly full
     cache = manager.create_cache()
-    assert cache.resize(capacity=6, history=2)
+    assert cache.resize(capacity=6)
+    cache.record_host_write(4)
+    assert cache.resize(history=2)
     before = snapshot(manager, cache)
     assert cache.resize(capacity=6 + 4 * 4, history=4) is False
     assert snapshot(manager, cache) == before
@@ -47,7 +51,9 @@ def test_failed_resize_returns_false_and_changes_nothing(manager):
 ])
 def test_impossible_lengths_raise_and_change_nothing(manager, kwargs, message):
     cache = manager.create_cache()
-    assert cache.resize(capacity=8, history=4)
+    assert cache.resize(capacity=8)
+    cache.record_host_write(4)
+    assert cache.resize(history=4)
     before = snapshot(manager, cache)
     with pytest.raises(ValueError) as err:
         cache.resize(**kwargs)
@@ -67,6 +73,7 @@ def test_windowed_life_cycle_releases_pages_behind_the_window(manager):
     """REQ-3: pages wholly before h - window are released and read back as BAD."""
     cache = manager.create_cache()
     swa = manager.storage.groups[2]  # window 8, 4 tokens per page
+    cache._flushed = 18  # as if tokens 0..17 were on host pages already (SAFE-2 lets h reach 18)
     assert cache.resize(capacity=20, history=12)  # h - w = 4: page 0 is wholly before it
     assert cache.pages(2) == [BAD, 0, 1, 2, 3]  # page 0 never allocated
     assert cache.pages(0) == [0, 1, 2, 3, 4]  # full-attention groups keep everything
@@ -80,6 +87,7 @@ def test_history_cannot_pass_what_was_flushed_or_written_to_host(manager):
     need a flush first. A shrink forgets flushed tokens beyond the new capacity."""
     cache = manager.create_cache()
     assert cache.resize(capacity=10)  # I = 2, U = 1: s0 = 8
+    cache.record_host_write(8)  # the prefill wrote [0, 8) straight to host pages
     before = snapshot(manager, cache)
     with pytest.raises(ValueError, match=r"SAFE-2: history \(9\) cannot pass .* \(8\)"):
         cache.resize(history=9)
@@ -109,7 +117,9 @@ def test_in_flight_range_beyond_the_budget_is_refused():
 def test_suspend_is_refused_while_tokens_are_in_flight(manager):
     """REQ-4."""
     cache = manager.create_cache()
-    assert cache.resize(capacity=6, history=4)
+    assert cache.resize(capacity=6)
+    cache.record_host_write(4)
+    assert cache.resize(history=4)
     with pytest.raises(RuntimeError, match="tokens are in flight"):
         cache.suspend()
     assert cache.state == "active"

@@ -209,6 +209,45 @@ class Model:
             got = host[pages[t // P], :, t % P].reshape(len(t), nbytes)
             assert torch.equal(got, token_bytes(key, t, nbytes)), (cache, layer, role)
 
+    # ---- the write contract's edges (docs/HOST_PATH.md), tried mid-step ----
+    def edges(self):
+        """With tokens written but not flushed: growth, removal and a fresh cache's history over
+        recycled pages are tried at the contract's edges; a refusal must change nothing, and
+        what is allowed keeps every byte (checked by the reads that follow)."""
+        rng, batch = self.rng, self.batch
+        members = {r: c for r, c in batch.members().items() if not c.suspended}
+        if not members:
+            return
+        row, cache = rng.choice(sorted(members.items(), key=lambda rc: rc[0]))
+        h, c = cache.history_length, cache.capacity
+        roll = rng.random()
+        if roll < 0.08 and h < c:  # grow with unflushed tokens in cells
+            grown = min(c + rng.randint(1, 24), self.config.max_tokens_per_row)
+            before = (cache.capacity, cache.history_length, cache.pages(0))
+            try:
+                assert cache.resize(capacity=grown)
+            except ValueError as error:
+                assert "moves the in-flight start" in str(error)
+                assert (cache.capacity, cache.history_length, cache.pages(0)) == before
+                return
+            assert cache.resize(capacity=c)  # back: the step writes the published range
+            batch.publish()
+        elif roll < 0.12 and h < c:  # remove with tokens in flight is refused
+            with pytest.raises(RuntimeError, match="tokens are in flight"):
+                batch.remove(cache)
+            assert batch.row_of(cache) == row and cache.capacity == c
+        elif roll < 0.14 and h < c:  # abort: discard the in-flight tokens and sit down again
+            batch.remove(cache, discard=True)
+            assert cache.capacity == cache.history_length == h
+            batch.add(cache, row=row)
+            batch.publish()
+        elif roll < 0.16:  # a fresh cache over recycled pages cannot make them history
+            fresh = self.manager.create_cache()
+            if fresh.resize(capacity=12):
+                with pytest.raises(ValueError, match="SAFE-2"):
+                    fresh.resize(history=8)
+            fresh.close()
+
     def step(self, number):
         self.membership()
         self.grow()
@@ -220,6 +259,8 @@ class Model:
                 self.batch.fetch(layer)
             self.write(group.index)
             self.check_cells(group, selected, index)
+        self.batch.record_host_writes()  # the write path wrote every row's [h, s0) to host pages
+        self.edges()
         reject = self.rng.random() < 0.1
         new_history = self.batch.capacity.tolist()
         members = self.batch.members()
@@ -231,6 +272,17 @@ class Model:
             if cache.suspended:
                 continue
             target = int(new_history[row])
+            if self.rng.random() < 0.1 and cache.history_length < cache.capacity:
+                # shrink before history moves: host-written tokens may not re-enter the
+                # in-flight range (a refusal changes nothing); else the cut tokens are gone
+                shrunk = self.rng.randint(cache.history_length, cache.capacity - 1)
+                before = (cache.capacity, cache.history_length, cache.pages(0))
+                try:
+                    assert cache.resize(capacity=shrunk)
+                    target = min(target, shrunk)
+                except ValueError as error:
+                    assert "already on host pages, back into the in-flight range" in str(error)
+                    assert (cache.capacity, cache.history_length, cache.pages(0)) == before
             assert cache.resize(history=target)
             assert cache.resize(capacity=target)  # rejected tokens are dropped
         if number % 50 == 0:
@@ -259,6 +311,7 @@ def test_history_cannot_advance_past_an_unflushed_in_flight_token():
     model.batch.add(cache)
     assert cache.resize(capacity=10)  # group a: s0 = 6 (I = 3, U = 2); group b: s0 = 8
     model.batch.publish()
+    cache.record_host_write(8)  # the prefill wrote [0, s0) of each group to host pages
     with pytest.raises(ValueError, match="SAFE-2"):
         cache.resize(history=7)
     assert cache.resize(history=6)
@@ -276,6 +329,7 @@ def test_flush_writes_back_only_the_published_in_flight_range():
     batch.add(cache)
     assert cache.resize(capacity=9)  # group b (U=1, I=2): s0 = 7, in flight 7, 8
     batch.publish()
+    cache.record_host_write(7)  # the prefill wrote [0, s0) of each group to host pages
     for group in model.config.selection_groups:
         batch.resolve(group.index, torch.full((MAX_ROWS, group.sparse.width), -1, dtype=torch.int32))
     cells = batch.cells("b", "kv")
@@ -315,7 +369,9 @@ def test_prefilled_and_resumed_requests_flush_nothing_below_the_in_flight_range(
     prefilled, resumed = model.manager.create_cache(), model.manager.create_cache()
     batch.add(prefilled)
     batch.add(resumed)
-    assert resumed.resize(capacity=12) and resumed.resize(history=8)  # s0 >= 8 in both groups
+    assert resumed.resize(capacity=12)
+    resumed.record_host_write(8)
+    assert resumed.resize(history=8)  # s0 >= 8 in both groups
     resumed.resize(capacity=8)
     resumed.suspend()
     resumed.resume()

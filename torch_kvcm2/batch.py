@@ -2,53 +2,32 @@
 per-step entry points.
 
 Every table has a fixed address for the batch's lifetime, so a captured graph keeps working
-across membership changes (BAT-1). Host-side calls (membership, ``publish``) refuse to run during
-stream capture; per-step calls refuse to run with unpublished changes (BAT-4).
+across membership changes (BAT-1). The page tables and the length rows are views of one flat
+int32 table store with a host mirror (``tables.TableMirror``); ``publish`` uploads only what
+changed, as one delta, with one copy and one scatter (HOST-1, HOST-2). Host-side calls
+(membership, ``publish``) refuse to run during stream capture; per-step calls refuse to run with
+unpublished changes (BAT-4).
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
+import numpy as np
 import torch
 
+from . import lengths as rules
 from . import ops
 from ._util import ceil_div, refuse_during_capture
-from .config import BAD, CacheConfig, SelectionGroup
-
-if TYPE_CHECKING:
-    from .cache import KVCache
-    from .manager import KVCacheManager
+from .cache import KVCache
+from .config import BAD, INT32_MAX, SelectionGroup
+from .memory import (ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN,
+                     batch_memory_bytes, batch_tensor_specs, sparse_buffers)
+from .lengths_path import LengthsPath
+from .tables import TableMirror
 
 INT32 = torch.int32
-
-
-def _miss_list_rows(group: SelectionGroup, max_rows: int) -> int:
-    return max_rows * (group.sparse.width + group.sparse.max_inflight_units)
-
-
-def _sparse_buffers(config: CacheConfig, layer: str):
-    """The non-zero sparse buffers of a layer: the ones with cells and copies (CFG-6)."""
-    return [b for b in config.layer(layer).sparse_buffers if b.bytes_per_token > 0]
-
-
-def batch_memory_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int) -> dict:
-    """GPU bytes (tables, residency, cells, scratch) and host bytes (pinned staging) of a batch."""
-    pages = config.max_pages_per_row
-    width = num_pool_groups * pages + 3
-    gpu = num_pool_groups * max_rows * pages * 4 + 3 * max_rows * 4  # page tables, lengths, lease
-    gpu += max_rows * width * 4 + 2 * max_rows * 8  # publish scratch (payload, rows, leases)
-    for group in config.selection_groups:
-        sp = group.sparse
-        gpu += 2 * max_rows * sp.slots * 4 + max_rows * sp.width * 4  # resident, recency, index
-        gpu += _miss_list_rows(group, max_rows) * ops.MISS_FIELDS * 4 + 4 + ops.NUM_COUNTERS * 8
-        gpu += max_rows * (sp.max_inflight_units + sp.max_inflight_tokens + sp.tokens_per_unit) * 4
-        for layer in group.layers:
-            for buf in _sparse_buffers(config, layer):
-                gpu += max_rows * sp.slots * sp.tokens_per_unit * buf.bytes_per_token  # cells
-    host = 2 * (max_rows * width * 4 + 2 * max_rows * 8)  # double-buffered staging
-    return {"gpu": gpu, "host": host}
 
 
 @dataclass
@@ -67,56 +46,67 @@ class GroupState:
     inflight_start: torch.Tensor  # int32[max_rows]: s0 per row (BAD for unseated rows)
 
 
-class Batch:
+class Batch(LengthsPath):
     """The rows a decode step works on, with their device tables and cell state.
 
     ``Batch(manager, max_rows=None)``; ``max_rows`` defaults to (and may not exceed) the
-    config's. The batch's GPU and host memory come from the manager's batch reserve; ``close()``
-    returns it.
+    config's. The batch's GPU and host memory (``memory.batch_tensor_specs``) come from the
+    manager's batch reserve; ``close()`` returns it.
+
+    Device tables (fixed addresses, BAT-1): ``page_tables[g]`` int32[max_rows,
+    max_pages_per_row] per pool group, ``history``, ``capacity``, ``lease`` int32[max_rows], and
+    ``written`` int32[max_rows] (the SAFE-2 watermark ``Batch.advance`` respects).
+    The batched host path (``resize_rows``) and the device-side advance (``advance``,
+    ``record_advance``, ``catch_up``) are in ``lengths_path.LengthsPath``.
     """
 
-    def __init__(self, manager: "KVCacheManager", max_rows: Optional[int] = None):
+    def __init__(self, manager, max_rows: Optional[int] = None):
         config = manager.config
         max_rows = config.max_rows if max_rows is None else max_rows
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 0 < max_rows <= config.max_rows:
             raise ValueError(f"Batch: max_rows must be an int in [1, {config.max_rows}], got {max_rows!r}")
         refuse_during_capture(config.device, "Batch()")
+        manager._check_open("Batch()")
         storage = manager.storage
         self.manager, self.config, self.max_rows = manager, config, max_rows
         self._memory = batch_memory_bytes(config, len(storage.groups), max_rows)
-        manager._charge(self._memory)
-        dev, pages = config.device, config.max_pages_per_row
-        self.page_tables = [torch.full((max_rows, pages), BAD, dtype=INT32, device=dev)
-                            for _ in storage.groups]
-        self.history = torch.zeros(max_rows, dtype=INT32, device=dev)
-        self.capacity = torch.zeros(max_rows, dtype=INT32, device=dev)
-        self.lease = torch.full((max_rows,), BAD, dtype=INT32, device=dev)
-        self.groups = [self._new_group_state(g) for g in config.selection_groups]
+        manager.reserve.take(self._memory)
+        dev = config.device
+        pin = dev.type == "cuda"
+        allocated = {}
+        for spec in batch_tensor_specs(config, len(storage.groups), max_rows):
+            if spec.medium == "host":
+                allocated[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, pin_memory=pin)
+            else:
+                allocated[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, device=dev)
+        self._mirror = TableMirror(config, len(storage.groups), max_rows, allocated)
+        self.page_tables = self._mirror.page_tables
+        lengths = self._mirror.lengths
+        self.history, self.capacity, self.lease = lengths[HISTORY], lengths[CAPACITY], lengths[LEASE]
+        self.written, self._declared = lengths[WRITTEN], lengths[DECLARED]
+        self._allocated = lengths[ALLOCATED]
+        self.advance_counters = allocated["advance_counters"]
+        self._snapshot = allocated["snapshot"]
+        self.groups = [self._new_group_state(g, allocated) for g in config.selection_groups]
+        self._shapes = rules.shapes_of(config)
         self._cells: dict[tuple[str, str], torch.Tensor] = {}
         self._fetch_args: dict[str, tuple] = {}
         for group in config.selection_groups:
             for layer in group.layers:
-                self._fetch_args[layer] = self._new_cells(group, layer)
+                self._fetch_args[layer] = self._new_cells(group, layer, allocated)
         self._flush_args = self._new_flush_args()
-        # publish staging: two host buffers (pinned on CUDA) and one device scratch
-        self._width = len(storage.groups) * pages + 3
-        pin = dev.type == "cuda"
-        self._staging = [
-            (torch.empty((max_rows, self._width), dtype=INT32, pin_memory=pin),
-             torch.empty((2, max_rows), dtype=torch.int64, pin_memory=pin))
-            for _ in range(2)
-        ]
-        self._staging_events: list[Optional[torch.cuda.Event]] = [None, None]
-        self._flip = 0
-        self._scratch = (torch.empty((max_rows, self._width), dtype=INT32, device=dev),
-                         torch.empty((2, max_rows), dtype=torch.int64, device=dev))
-        self._rows: list[Optional["KVCache"]] = [None] * max_rows
+        self._rows: list[Optional[KVCache]] = [None] * max_rows
         self._row_lease = [BAD] * max_rows
         self._free_leases = list(range(max_rows))
         self._dirty: set[int] = set()
         self._granted: set[int] = set()  # leases whose residency publish() must clear
-        self._published = [(0, 0, BAD)] * max_rows  # host mirror: (history, capacity, lease)
+        self._declared_rows: set[int] = set()  # rows with new declared host writes only
         self._fetch_events: dict[int, torch.cuda.Event] = {}
+        self._pending_snapshot = None  # the event of a length read-back after advance()
+        self._settle: set[int] = set()  # rows advanced on the device, page work pending
+        self._stale: set[int] = set()  # rows whose cache has not taken the advanced lengths
+        self._reserve_tokens = np.zeros(max_rows, dtype=np.int64)  # as published, per row
+        self._windowed = any(g.window is not None for g in storage.groups)
         self._closed = False
         for tensor in self.state_tensors():
             # Fixed addresses: guarded static addresses are installed in the compiled graph as
@@ -124,34 +114,32 @@ class Batch:
             # cudagraph trees neither copy them nor count their mutation as an input mutation.
             torch._dynamo.mark_static_address(tensor, guard=True)
 
-    def _new_group_state(self, group: SelectionGroup) -> GroupState:
-        dev, rows, sp = self.config.device, self.max_rows, group.sparse
-        return GroupState(
+    def _new_group_state(self, group: SelectionGroup, allocated: dict) -> GroupState:
+        g, rows, sp = group.index, self.max_rows, group.sparse
+        state = GroupState(
             spec=group,
-            resident=torch.full((rows, sp.slots), BAD, dtype=INT32, device=dev),
-            recency=torch.arange(sp.slots, dtype=INT32, device=dev).repeat(rows, 1),
-            index_table=torch.full((rows, sp.width), BAD, dtype=INT32, device=dev),
-            miss_list=torch.zeros((_miss_list_rows(group, rows), ops.MISS_FIELDS), dtype=INT32,
-                                  device=dev),
-            miss_count=torch.zeros(ops.MISS_COUNT_WORDS, dtype=INT32, device=dev),
-            counters=torch.zeros(ops.NUM_COUNTERS, dtype=torch.int64, device=dev),
-            inflight_slots=torch.full((rows, sp.max_inflight_units), BAD, dtype=INT32, device=dev),
-            write_table=torch.full((rows, sp.max_inflight_tokens + sp.tokens_per_unit - 1), BAD,
-                                   dtype=INT32, device=dev),
-            inflight_start=torch.full((rows,), BAD, dtype=INT32, device=dev),
+            resident=allocated[f"resident{g}"].fill_(BAD),
+            recency=allocated[f"recency{g}"],
+            index_table=allocated[f"index_table{g}"].fill_(BAD),
+            miss_list=allocated[f"miss_list{g}"],
+            miss_count=allocated[f"miss_count{g}"],
+            counters=allocated[f"counters{g}"],
+            inflight_slots=allocated[f"inflight_slots{g}"].fill_(BAD),
+            write_table=allocated[f"write_table{g}"].fill_(BAD),
+            inflight_start=allocated[f"inflight_start{g}"].fill_(BAD),
         )
+        state.recency.copy_(torch.arange(sp.slots, dtype=INT32).expand(rows, sp.slots))
+        return state
 
-    def _new_cells(self, group: SelectionGroup, layer: str) -> tuple:
+    def _new_cells(self, group: SelectionGroup, layer: str, allocated: dict) -> tuple:
         """Cells of each non-zero sparse buffer of ``layer``: ``num_leases*S/E`` cells laid out
         like pages of that buffer; plus what fetch reads for each: its pool group's memory, its
         position in a slot, and the group's page table."""
-        storage, P = self.manager.storage, self.config.tokens_per_page
+        storage = self.manager.storage
         cells, pools, positions, tables = [], [], [], []
-        for buf in _sparse_buffers(self.config, layer):
+        for buf in sparse_buffers(self.config, layer):
             place = storage.place(layer, buf.role)
-            shape = (self.max_rows * group.sparse.slots // group.units_per_page, buf.chunks, P,
-                     buf.bytes_per_token // buf.chunks)
-            cell = torch.zeros(shape, dtype=torch.uint8, device=self.config.device)
+            cell = allocated[f"cells:{layer}:{buf.role}"]
             self._cells[(layer, buf.role)] = cell
             cells.append(cell)
             pool, pos = storage.pool(layer, buf.role)
@@ -163,7 +151,8 @@ class Batch:
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor the per-step ops read or write (tables, residency, outputs, cells and the
         host pools' device views), each once; their addresses never change (BAT-1)."""
-        tensors = [*self.page_tables, self.history, self.capacity, self.lease]
+        tensors = [*self.page_tables, self.history, self.capacity, self.lease, self.written,
+                   self._declared, self._allocated, self.advance_counters]
         for state in self.groups:
             tensors += [state.resident, state.recency, state.index_table, state.miss_list,
                         state.miss_count, state.counters, state.inflight_slots, state.write_table,
@@ -182,7 +171,7 @@ class Batch:
         for group, state in zip(self.config.selection_groups, self.groups):
             sp = group.sparse
             for layer in group.layers:
-                for buf in _sparse_buffers(self.config, layer):
+                for buf in sparse_buffers(self.config, layer):
                     place = storage.place(layer, buf.role)
                     per_pool.setdefault(place.group, []).append((
                         place.pos, self._cells[(layer, buf.role)], state.resident,
@@ -196,16 +185,19 @@ class Batch:
         return args
 
     # ---- membership (BAT-2) ----
-    def add(self, cache: "KVCache", row: Optional[int] = None) -> int:
+    def add(self, cache: KVCache, row: Optional[int] = None) -> int:
         """Seat ``cache`` at the lowest free row (or ``row``) and give it a lease; returns the row."""
         self._check_host_call("Batch.add")
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"Batch.add: expected a KVCache, got {type(cache).__name__}")
         if cache.manager is not self.manager:
             raise ValueError("Batch.add: the cache belongs to another manager")
         if cache.closed:
             raise RuntimeError("Batch.add: the cache is closed")
-        if cache._batch is self:
-            raise ValueError(f"Batch.add: the cache is already seated at row {cache._row}")
-        if cache._batch is not None:
+        seated_batch, seated_row = cache.seated_in
+        if seated_batch is self:
+            raise ValueError(f"Batch.add: the cache is already seated at row {seated_row}")
+        if seated_batch is not None:
             raise ValueError("Batch.add: the cache is a member of another batch")
         if row is None:
             row = next((r for r, c in enumerate(self._rows) if c is None), None)
@@ -213,38 +205,63 @@ class Batch:
                 raise RuntimeError(f"Batch.add: all {self.max_rows} rows are occupied")
         else:
             self._check_row(row, "Batch.add")
-        cache._batch, cache._row = self, row
+        cache.seat(self, row)
         self._rows[row] = cache
         self._dirty.add(row)
         if not cache.suspended:
-            self._grant_lease(cache)
+            self.grant_lease(row)
         return row
 
-    def remove(self, cache: "KVCache") -> None:
-        """Unseat a member, leaving a hole that publishes BAD / 0 and is reused later."""
+    def remove(self, cache: KVCache, discard: bool = False) -> None:
+        """Unseat a member, leaving a hole that publishes BAD / 0 and is reused later.
+
+        Refused (RuntimeError, nothing changed) while tokens are in flight (history <
+        capacity): their KV lives in the lease's cells, which the next member gets. Flush and
+        advance history first, or pass ``discard=True`` (the abort path): capacity shrinks back
+        to history, dropping the in-flight tokens, so nothing stale is ever read."""
         self._check_host_call("Batch.remove")
         row = self._member_row(cache, "Batch.remove")
-        self._release_lease(cache)
+        self.catch_up()
+        h, c = cache.history_length, cache.capacity
+        if h < c:
+            if not discard:
+                raise RuntimeError(
+                    f"Batch.remove: tokens are in flight (history {h} < capacity {c}); flush and "
+                    f"advance history, or shrink capacity, first, or pass discard=True to drop "
+                    f"them")
+            cache.discard_in_flight()
+        self.release_lease(row)
         self._rows[row] = None
-        cache._batch = cache._row = None
+        cache.seat(None, None)
         self._dirty.add(row)
 
-    def move(self, cache: "KVCache", row: int) -> None:
+    def move(self, cache: KVCache, row: int) -> None:
         """Move a member to an empty row, keeping its lease (hence its residency)."""
         self._check_host_call("Batch.move")
         old = self._member_row(cache, "Batch.move")
         self._check_row(row, "Batch.move")
+        self.sync_member(old)
+        if old in self._settle:
+            self._settle.discard(old)
+            self._settle.add(row)
         self._rows[old], self._rows[row] = None, cache
         self._row_lease[old], self._row_lease[row] = BAD, self._row_lease[old]
-        cache._row = row
+        cache.seat(self, row)
         self._dirty.update((old, row))
 
-    def row_of(self, cache: "KVCache") -> Optional[int]:
-        return cache._row if cache._batch is self else None
+    def row_of(self, cache: KVCache) -> Optional[int]:
+        batch, row = cache.seated_in
+        return row if batch is self else None
 
-    def members(self) -> dict[int, "KVCache"]:
+    def members(self) -> dict[int, KVCache]:
         """Seated caches by row."""
         return {r: c for r, c in enumerate(self._rows) if c is not None}
+
+    def lease_of(self, row: int) -> Optional[int]:
+        """The lease of the member at ``row`` (None for a hole or a suspended member), as the
+        next publish uploads it."""
+        lease = self._row_lease[row]
+        return None if lease == BAD else lease
 
     def _check_row(self, row, what: str) -> None:
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.max_rows:
@@ -252,91 +269,108 @@ class Batch:
         if self._rows[row] is not None:
             raise ValueError(f"{what}: row {row} is occupied")
 
-    def _member_row(self, cache: "KVCache", what: str) -> int:
-        if cache._batch is not self:
+    def _member_row(self, cache: KVCache, what: str) -> int:
+        batch, row = cache.seated_in if isinstance(cache, KVCache) else (None, None)
+        if batch is not self:
             raise ValueError(f"{what}: the cache is not a member of this batch")
-        return cache._row
+        return row
 
-    def _grant_lease(self, cache: "KVCache") -> None:
+    # ---- what a seated cache calls ----
+    def seat_changed(self, row: int, declared_only: bool = False) -> None:
+        """The cache at ``row`` changed its lengths, pages or watermarks: publish it. A change
+        of only the declared host writes (``declared_only``) is published too but does not block
+        per-step calls: the device needs it only for ``advance``'s watermark."""
+        (self._declared_rows if declared_only else self._dirty).add(row)
+
+    def cell_lengths(self, row: int) -> tuple[int, int]:
+        """(history, capacity) as published for the member at ``row`` with its lease: the cells
+        may hold its in-flight range of these lengths; (0, 0) when it has no published lease."""
+        cache = self._rows[row]
+        if cache is None or self._mirror.published_owner[row] is not cache:
+            return 0, 0
+        L = self._mirror.host_lengths
+        return int(L[HISTORY, row]), int(L[CAPACITY, row])
+
+    def grant_lease(self, row: int) -> None:
+        """Give the member at ``row`` a fresh lease (its residency is cleared at publish)."""
         lease = heapq.heappop(self._free_leases)  # never empty: one lease per row
-        self._row_lease[cache._row] = lease
+        self._row_lease[row] = lease
         self._granted.add(lease)
-        self._dirty.add(cache._row)
+        self._dirty.add(row)
 
-    def _release_lease(self, cache: "KVCache") -> None:
-        lease = self._row_lease[cache._row]
+    def release_lease(self, row: int) -> None:
+        """Take the lease of the member at ``row`` back (suspend, remove)."""
+        lease = self._row_lease[row]
         if lease != BAD:
             heapq.heappush(self._free_leases, lease)
             self._granted.discard(lease)
-            self._row_lease[cache._row] = BAD
-        self._dirty.add(cache._row)
+            self._row_lease[row] = BAD
+        self._dirty.add(row)
 
-    # ---- publish (BAT-3) ----
+    # ---- publish (BAT-3, HOST-1, HOST-2) ----
     def publish(self) -> None:
-        """Upload the rows changed since the last publish, from pinned staging, on the current
-        stream, without host synchronisation; clear the residency of newly granted leases."""
+        """Upload what changed since the last publish (lengths of changed rows, page entries
+        allocated or freed, holes and suspended rows as BAD / 0) as one delta, with one copy
+        from a pinned staging buffer and one scatter, on the current stream, without waiting on
+        the GPU; clear the residency of newly granted leases. Raises ValueError, publishing
+        nothing, when the in-flight tokens over all rows exceed ``max_total_input_tokens``."""
         self._check_host_call("Batch.publish")
-        if not self._dirty and not self._granted:
+        # a read-back of advance() is applied first; waited for only when there is something to
+        # publish (the mirror must not take an older read-back after this publish's delta)
+        self.catch_up(wait=bool(self._dirty or self._granted or self._declared_rows))
+        if self._pending_snapshot is None:  # else later: page work needs the latest lengths
+            for row in sorted(self._settle):  # after advance: windowed pages, the reserve
+                cache = self._rows[row]
+                if cache is not None and not cache.suspended:
+                    self.sync_member(row)
+                    cache.resize()
+            self._settle.clear()
+        if not self._dirty and not self._granted and not self._declared_rows:
             return
-        rows, leases = sorted(self._dirty), sorted(self._granted)
-        published = list(self._published)
+        rows = sorted(self._dirty | self._declared_rows)
+        owners, values = [], []
         for row in rows:
             cache, lease = self._rows[row], self._row_lease[row]
-            seated = cache is not None and lease != BAD
-            published[row] = (cache.history_length, cache.capacity, lease) if seated else (0, 0, BAD)
-        width = self._flush_width(published)
+            if cache is None or lease == BAD:  # hole or suspended: BAD / 0
+                owners.append(None)
+                values.append((0, 0, BAD, 0, 0, 0))
+            else:
+                owners.append(cache)
+                h, c, written, declared, allocated = cache.lengths_row()
+                values.append((h, c, lease, written, declared, allocated))
+        lengths = self._mirror.lengths_after(rows, values)
+        width = self._flush_width(lengths)
         if width > self.config.max_total_input_tokens:
             raise ValueError(
                 f"Batch.publish: {width} in-flight tokens over all rows exceed "
                 f"max_total_input_tokens ({self.config.max_total_input_tokens}), the bound of "
                 f"the flush work list; nothing was published")
-        payload, indices = self._staging[self._flip]
-        event = self._staging_events[self._flip]
-        if event is not None:
-            event.synchronize()  # the copy from this buffer two publishes ago; normally done
-        G, pages = len(self.page_tables), self.config.max_pages_per_row
-        flat = []
-        for row in rows:
-            cache = self._rows[row]
-            lease = self._row_lease[row]
-            if cache is None or lease == BAD:  # hole or suspended: BAD / 0
-                flat.extend([BAD] * (G * pages) + [0, 0, BAD])
-                continue
-            for page_list in cache._pages:
-                flat.extend(page_list)
-                flat.extend([BAD] * (pages - len(page_list)))
-            flat.extend([cache.history_length, cache.capacity, lease])
-        n, m = len(rows), len(leases)
-        payload[:n].copy_(torch.tensor(flat, dtype=INT32).view(n, self._width))
-        indices[0, :n].copy_(torch.tensor(rows, dtype=torch.int64))
-        indices[1, :m].copy_(torch.tensor(leases, dtype=torch.int64))
-        dev_payload, dev_indices = self._scratch
-        dev_payload[:n].copy_(payload[:n], non_blocking=True)
-        dev_indices.copy_(indices, non_blocking=True)
-        if self.config.device.type == "cuda":
-            self._staging_events[self._flip] = torch.cuda.Event()
-            self._staging_events[self._flip].record()
-        self._flip ^= 1
-        row_index = dev_indices[0, :n]
-        for g, table in enumerate(self.page_tables):
-            table.index_copy_(0, row_index, dev_payload[:n, g * pages:(g + 1) * pages])
-        self.history.index_copy_(0, row_index, dev_payload[:n, G * pages])
-        self.capacity.index_copy_(0, row_index, dev_payload[:n, G * pages + 1])
-        self.lease.index_copy_(0, row_index, dev_payload[:n, G * pages + 2])
-        if m:
-            lease_index = dev_indices[1, :m]
-            for state in self.groups:
-                slots = state.resident.shape[1]
-                state.resident.index_fill_(0, lease_index, BAD)
-                order = torch.arange(slots, dtype=INT32, device=self.config.device)
-                state.recency.index_copy_(0, lease_index, order.expand(m, slots))
-        self._published = published
+        leases = sorted(self._granted)
+        self._mirror.publish(rows, owners, values, leases, self._clear_leases)
+        for row, owner in zip(rows, owners):
+            self._reserve_tokens[row] = owner.reserve_tokens if owner is not None else 0
         self._dirty.clear()
         self._granted.clear()
+        self._declared_rows.clear()
+
+    def _clear_leases(self, leases: torch.Tensor) -> None:
+        """Empty residency for the device int64 ``leases`` (a lease that changed owner)."""
+        for state in self.groups:
+            slots = state.resident.shape[1]
+            state.resident.index_fill_(0, leases, BAD)
+            order = torch.arange(slots, dtype=INT32, device=self.config.device)
+            state.recency.index_copy_(0, leases, order.expand(len(leases), slots))
 
     @property
     def published(self) -> bool:
         return not self._dirty and not self._granted
+
+    def host_tables(self) -> dict:
+        """The host mirror of the device tables as numpy arrays (what the device holds after
+        the last publish, unless ``advance`` moved lengths since): ``page_tables`` [G, max_rows,
+        max_pages_per_row] and ``lengths`` [6, max_rows] (history, capacity, lease, written,
+        declared, allocated tokens). Read-only views."""
+        return self._mirror.host_view()
 
     # ---- per-step entry points (SPEC §8) ----
     def group(self, group: Union[int, str]) -> GroupState:
@@ -346,9 +380,12 @@ class Batch:
             for spec in self.config.selection_groups:
                 if spec.key == ("id", group):
                     return self.groups[spec.index]
+            if all(layer.name != group for layer in self.config.layers):
+                raise KeyError(f"unknown selection group or layer {group!r}")
             return self.groups[self.config.group_of(group).index]
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.groups):
-            raise KeyError(f"unknown selection group {group!r} (there are {len(self.groups)})")
+            raise KeyError(f"unknown selection group or layer {group!r} (there are "
+                           f"{len(self.groups)} selection groups)")
         return self.groups[group]
 
     def resolve(self, group: Union[int, str], selected: torch.Tensor,
@@ -434,29 +471,42 @@ class Batch:
         """OP-FLUSH: write back every in-flight token below the row's new history from its cell
         to its host page, for every sparse buffer of every sparse layer, one launch per sparse
         pool group. ``new_history``: None (every in-flight token: the published capacity), a
-        sequence of ints, or an int32[max_rows] tensor.
+        sequence of ``max_rows`` ints in [0, 2**31), or an int32[max_rows] tensor.
 
         Afterwards ``KVCache.resize`` may advance a row's history through what was flushed
-        (SAFE-2). When the host cannot see the values (a CUDA tensor) it takes the published
-        capacity as the bound: the caller must not advance history past what it passed. Inside
-        ``torch.compile`` or stream capture the host bookkeeping is skipped: call
-        ``record_flush()`` after the compiled call or the replay. The work-list bound
-        (``max_total_input_tokens``) is enforced by ``publish``."""
+        (SAFE-2) -- over the in-flight range only: tokens below it must have been declared
+        written (``record_host_writes``) before the flush. The device watermark ``written`` is
+        updated by the same rule (what ``advance`` respects). When the host cannot see the
+        values (a CUDA tensor) it takes the published capacity as the bound: the caller must
+        not advance history past what it passed. Inside ``torch.compile`` or stream capture the
+        host bookkeeping is skipped: call ``record_flush()`` after the compiled call or the
+        replay. The work-list bound (``max_total_input_tokens``) is enforced by ``publish``."""
         self._check_step("Batch.flush")
         known = None  # host-visible per-row targets
         if new_history is None:
             target = self.capacity
         else:
-            if not isinstance(new_history, torch.Tensor):
-                known = [int(v) for v in new_history]
-                new_history = torch.tensor(known, dtype=INT32)
-            elif new_history.device.type == "cpu" and not torch.compiler.is_compiling():
-                known = new_history.tolist()
-            target = new_history.to(self.config.device)
+            if isinstance(new_history, torch.Tensor):
+                self._check_not_meta("new_history", new_history)
+                if new_history.device.type == "cpu" and not torch.compiler.is_compiling():
+                    known = new_history.tolist()
+                target = new_history.to(self.config.device)
+            elif isinstance(new_history, (int, float, np.integer)):
+                raise TypeError(
+                    f"Batch.flush: new_history must be None (every in-flight token), a sequence of "
+                    f"{self.max_rows} ints (one per row) or an int32[{self.max_rows}] tensor, got "
+                    f"{type(new_history).__name__} {new_history!r}")
+            else:
+                known = self._int_sequence("new_history", new_history)
+                target = torch.tensor(known, dtype=INT32).to(self.config.device)
             self._check_index_tensor("new_history", target.view(-1, 1), 1)
         for pool, positions, cells, resident, slots, table, params in self._flush_args:
             ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
                       self.capacity, self.lease, params)
+        watermark = rules.flushed_watermark(self.history, self.capacity, self.written,
+                                            self._declared, target, self._shapes, torch.maximum,
+                                            torch.minimum, torch.where)
+        self.written.copy_(torch.where(self.lease >= 0, watermark, self.written))
         if torch.compiler.is_compiling():
             return
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -464,35 +514,82 @@ class Batch:
         self.record_flush(known)
 
     def record_flush(self, new_history: Optional[list] = None) -> None:
-        """Host bookkeeping of a flush (the SAFE-2 watermark): every seated row's tokens up to
-        ``min(new_history[row], published capacity)`` are on its host pages (the capacity when
-        ``new_history`` is None). ``flush`` calls it; call it yourself after replaying a
-        captured graph that contains a flush."""
-        for row, cache in enumerate(self._rows):
-            h, c, lease = self._published[row]
-            if cache is not None and lease != BAD:
-                done = c if new_history is None else min(int(new_history[row]), c)
-                cache._flushed = max(cache._flushed, done)
+        """Host bookkeeping of a flush (the SAFE-2 watermark, KVCache.written): every seated
+        row's tokens up to ``min(new_history[row], published capacity)`` are on its host pages
+        when its tokens below the in-flight range were (the capacity when ``new_history`` is
+        None). ``flush`` calls it; call it yourself after replaying a captured graph that
+        contains a flush."""
+        if self._pending_snapshot is not None:
+            # the device lengths are ahead of the host (advance): its watermark, computed by
+            # the flush itself, comes back with a fresh read-back of the lengths
+            self.record_advance()
+            return
+        L = self._mirror.host_lengths
+        if new_history is None:
+            target = L[CAPACITY]
+        else:
+            target = np.asarray(list(new_history), dtype=np.int64)
+            if target.shape != (self.max_rows,):
+                raise ValueError(f"Batch.record_flush: new_history must have {self.max_rows} "
+                                 f"values (one per row), got {len(target)}")
+        # the device's watermark (Batch.flush applies the same rule to the published values)
+        watermark = rules.flushed_watermark(L[HISTORY], L[CAPACITY], L[WRITTEN], L[DECLARED],
+                                            target, self._shapes, np.maximum, np.minimum, np.where)
+        seated = L[LEASE] >= 0
+        for row in np.flatnonzero(seated & (watermark > L[WRITTEN])).tolist():
+            if row not in self._declared_rows:
+                self._rows[row].take_written(int(watermark[row]))
+        for row in self._declared_rows:  # declarations the device has not seen yet
+            if seated[row]:
+                self._rows[row].record_flush(int(L[HISTORY, row]), int(L[CAPACITY, row]),
+                                             int(target[row]))
+        L[WRITTEN] = np.where(seated, watermark, L[WRITTEN])
 
-    def _flush_width(self, published: list) -> int:
-        """The most in-flight tokens a flush can write back over all rows with these published
-        (history, capacity, lease) rows: the flush work-list bound of OP-FLUSH."""
+    def record_host_writes(self, ends=None) -> None:
+        """Declare, for every seated row with a lease, that its host-direct tokens were written
+        straight to host pages (``KVCache.record_host_write``): ``ends`` None (each row's whole
+        host-direct range of the published lengths) or a sequence of ``max_rows`` ints (a row's
+        end; 0 declares nothing). Call it after writing through ``host_token_indices`` and
+        before the step's ``flush``. Raises ValueError, declaring nothing, when an end is past
+        its row's host-direct range."""
+        self._check_host_call("Batch.record_host_writes")
+        self.catch_up()
+        if ends is not None:
+            ends = self._int_sequence("ends", ends)
+        L = self._mirror.host_lengths
+        declarations = []
+        for row, cache in enumerate(self._rows):
+            if cache is None or self._row_lease[row] == BAD:
+                continue
+            end = (rules.host_direct_end(int(L[HISTORY, row]), int(L[CAPACITY, row]),
+                                         self._shapes, max) if ends is None else ends[row])
+            if end > cache.host_direct_end:
+                raise ValueError(
+                    f"Batch.record_host_writes: row {row}'s end ({end}) is past its host-direct "
+                    f"range, which ends at {cache.host_direct_end}; nothing was declared")
+            if end:
+                declarations.append((cache, end))
+        for cache, end in declarations:  # all checked: none can raise
+            cache.record_host_write(end)
+
+    def _flush_width(self, lengths: np.ndarray) -> int:
+        """The most in-flight tokens a flush can write back over all rows with these host length
+        rows: the flush work-list bound of OP-FLUSH."""
+        seated = lengths[LEASE] >= 0
+        h, c = lengths[HISTORY].astype(np.int64), lengths[CAPACITY].astype(np.int64)
         widest = 0
-        for group in self.config.selection_groups:
-            sp = group.sparse
-            total = 0
-            for h, c, lease in published:
-                if lease != BAD:
-                    total += max(c - sp.inflight_start(h, c), 0)
-            widest = max(widest, total)
+        for shape in self._shapes:
+            width = c - rules.inflight_start(h, c, shape, np.maximum)
+            widest = max(widest, int(np.where(seated, np.maximum(width, 0), 0).sum()))
         return widest
 
     def host_token_indices(self, layer: str, role: str, positions: torch.Tensor,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The prefill path: token indices of ``positions`` (int32[max_rows, N] token positions,
-        negative = padding) in the buffer's view ``manager.storage.view(layer, role)`` (token
+        negative = padding) in the buffer's view ``manager.buffer_view(layer, role)`` (token
         ``i`` is ``view[i // P, :, i % P]``), BAD for padding and positions beyond capacity.
-        Write tokens ``[history, inflight_start)`` of a row straight to host pages with it."""
+        Write tokens ``[history, inflight_start)`` of a row straight to host pages with it, then
+        declare them (``record_host_writes``) before the step's flush (docs/HOST_PATH.md)."""
         storage = self.manager.storage
         place = storage.place(layer, role)
         self._check_step("Batch.host_token_indices")
@@ -565,13 +662,23 @@ class Batch:
         return {"lease": lease, "resident": order, "pinned": pinned}
 
     # ---- lifetime ----
-    def close(self) -> None:
-        """Unseat every member and return the batch's memory to the manager's reserve."""
+    def close(self, discard: bool = False) -> None:
+        """Unseat every member and return the batch's memory to the manager's reserve. Refused
+        (RuntimeError, nothing changed) while a member has tokens in flight, unless
+        ``discard=True`` (see ``remove``)."""
         self._check_host_call("Batch.close")
-        for cache in list(self.members().values()):
-            self.remove(cache)
+        self.catch_up()
+        members = list(self.members().values())
+        if not discard:
+            for cache in members:
+                if cache.history_length < cache.capacity:
+                    raise RuntimeError(
+                        f"Batch.close: {cache!r} has tokens in flight; flush and advance history "
+                        f"first, or pass discard=True to drop them")
+        for cache in members:
+            self.remove(cache, discard=True)
         self._closed = True
-        self.manager._uncharge(self._memory)
+        self.manager.reserve.give_back(self._memory)
 
     # ---- checks ----
     def _check_host_call(self, what: str) -> None:
@@ -594,9 +701,48 @@ class Batch:
             self.config.layer(layer)  # KeyError for an unknown layer
             raise KeyError(f"layer {layer!r} has no sparse buffers") from None
 
+    def _check_not_meta(self, name: str, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device (it has no values); pass a tensor on "
+                             f"{self.config.device}")
+
+    def _check_rows_tensor(self, name: str, t) -> None:
+        """An int32[max_rows] tensor on the batch's device."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an int32[{self.max_rows}] tensor, got "
+                            f"{type(t).__name__}")
+        self._check_not_meta(name, t)
+        if tuple(t.shape) != (self.max_rows,):
+            raise ValueError(f"{name} must have shape ({self.max_rows},), got {tuple(t.shape)}")
+        self._check_index_tensor(name, t.view(-1, 1), 1)
+
+    def _int_sequence(self, name: str, values, length: Optional[int] = -1) -> list[int]:
+        """``values`` (a sequence, numpy array or tensor of ints in [0, 2**31)) as a list of
+        ints, of ``length`` entries (-1: one per row; None: any)."""
+        n = self.max_rows if length == -1 else length
+        if isinstance(values, torch.Tensor):
+            self._check_not_meta(name, values)
+            values = values.tolist()
+        elif isinstance(values, np.ndarray):
+            values = values.tolist()
+        if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+            count = "" if n is None else f"{n} "
+            raise TypeError(f"{name} must be a sequence of {count}ints or a tensor (one value per "
+                            f"row), got {type(values).__name__} {values!r}")
+        values = list(values)
+        if n is not None and len(values) != n:
+            raise ValueError(f"{name} must have {n} values (one per row), got {len(values)}")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{name} values must be ints, got {type(v).__name__} {v!r}")
+            if not 0 <= v <= INT32_MAX:
+                raise ValueError(f"{name} values must be in [0, 2**31 - 1], got {v}")
+        return [int(v) for v in values]
+
     def _check_index_tensor(self, name: str, t: torch.Tensor, width: int) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        self._check_not_meta(name, t)
         if t.dtype != INT32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
         dev = self.config.device

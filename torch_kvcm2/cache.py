@@ -1,22 +1,28 @@
 """Requests (SPEC §5, REQ-1..4): one ``KVCache`` per request.
 
-A cache owns its pages (one list per pool group, page ordinal -> slot id, BAD once released by a
-window) and its lengths. Every call validates before it changes anything; a ``resize`` that
-cannot be satisfied returns False and leaves the cache exactly as it was.
+A cache owns its pages (one preallocated int32 row per pool group: page ordinal -> slot id, BAD
+outside the live range ``[first_live, allocated)``), its lengths and its write watermarks (the
+write contract, docs/HOST_PATH.md). Every call validates before it changes anything; a
+``resize`` that cannot be satisfied returns False and leaves the cache exactly as it was. A
+resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
+
+A seated cache talks to its batch through a few named methods (``seat_changed``,
+``grant_lease``, ``release_lease``, ``cell_lengths``, ``sync_member``); the batch reads the
+cache through ``page_row``, ``live_range``, ``lengths_row`` and ``reserve_tokens``, and writes
+it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``mark_published``
+and ``discard_in_flight``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+import numpy as np
+
+from . import lengths as rules
 from ._util import ceil_div, check_int, refuse_during_capture
 from .config import BAD
 
-if TYPE_CHECKING:
-    from .batch import Batch
-    from .manager import KVCacheManager
-
 ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
-
 
 
 class KVCache:
@@ -24,18 +30,26 @@ class KVCache:
 
     ``capacity`` c: positions ``[0, c)`` have pages; ``history_length`` h: positions ``[0, h)``
     are final (held by the host pages of sparse buffers). Created by
-    ``KVCacheManager.create_cache()``.
+    ``KVCacheManager.create_cache()``. ``manager`` is the KVCacheManager that made it.
     """
 
-    def __init__(self, manager: "KVCacheManager", request_id: int):
+    def __init__(self, manager, request_id: int):
         self.manager = manager
         self.request_id = request_id
-        self.capacity = 0
-        self.history_length = 0
+        config = manager.config
+        self._h = 0
+        self._c = 0
         self.state = ACTIVE
-        self._pages: list[list[int]] = [[] for _ in manager.storage.groups]
-        self._flushed = 0  # SAFE-2: tokens below it are on their host pages
-        self._batch: Optional["Batch"] = None
+        groups = manager.storage.groups
+        self._pages = np.full((len(groups), config.max_pages_per_row), BAD, dtype=np.int32)
+        self._live = [[0, 0] for _ in groups]  # per pool group: [first_live, allocated pages)
+        self._flushed = 0  # SAFE-2 watermark: tokens below it are on their host pages
+        self._declared = 0  # tokens declared written straight to host pages (record_host_write)
+        self._reserve = 0  # tokens of pages kept allocated beyond capacity (Batch.advance)
+        self._lowest_capacity = 0  # the lowest capacity since the batch last published this row
+        self._lowest_keep = [0 for _ in groups]  # per pool group, likewise for allocated pages
+        self._shapes = rules.shapes_of(config)
+        self._batch = None  # the Batch this cache is seated in
         self._row: Optional[int] = None
 
     def __repr__(self):
@@ -43,6 +57,30 @@ class KVCache:
                 f"history_length={self.history_length}, state={self.state!r})")
 
     # ---- inspection ----
+    @property
+    def capacity(self) -> int:
+        self._sync()
+        return self._c
+
+    @property
+    def history_length(self) -> int:
+        self._sync()
+        return self._h
+
+    @property
+    def written(self) -> int:
+        """Tokens ``[0, written)`` are on the host pages of every sparse buffer (flushed, or
+        declared written straight to host pages): how far history may advance (SAFE-2)."""
+        self._sync()
+        return self._written()
+
+    @property
+    def host_direct_end(self) -> int:
+        """The end of the host-direct range: the largest in-flight start over the selection
+        groups (history without sparse layers); ``record_host_write`` may declare up to it."""
+        self._sync()
+        return rules.host_direct_end(self._h, self._c, self._shapes, max)
+
     @property
     def closed(self) -> bool:
         return self.state == CLOSED
@@ -52,92 +90,174 @@ class KVCache:
         return self.state == SUSPENDED
 
     def pages(self, group: int) -> list[int]:
-        """A copy of the page list of pool group ``group`` (slot ids; BAD for released pages)."""
+        """A copy of the page list of pool group ``group``: slot ids of pages ``0 ..
+        ceil(capacity/P) - 1`` (and of any reserve pages beyond), BAD for released pages."""
         self._check_open()
-        return list(self._pages[group])
+        self._check_group(group)
+        return self._pages[group, :self._live[group][1]].tolist()
+
+    def host_pages(self, layer: str, role: str) -> "np.ndarray":
+        """The page indices of this request's pages of one buffer in its view
+        ``manager.buffer_view(layer, role)`` (token ``t`` is ``view[idx[t // P], :, t % P]``),
+        int64[pages], BAD for released pages. Works for any open cache: seated, suspended or
+        detached (the way to read or prefill a request's host pages outside a batch)."""
+        self._check_open()
+        place = self.manager.storage.place(layer, role)
+        if place.group is None:
+            raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
+        scale = self.manager.storage.groups[place.group].scale
+        slots = self._pages[place.group, :self._live[place.group][1]].astype(np.int64)
+        return np.where(slots >= 0, slots * scale + place.pos, BAD)
 
     # ---- REQ-1..3 ----
     def resize(self, capacity: Optional[int] = None, history: Optional[int] = None) -> bool:
         """Grow or shrink capacity (allocating or freeing pages) and advance history.
 
-        Raises ``ValueError`` for impossible lengths (history decreasing, above capacity, or
-        capacity beyond ``max_tokens_per_row``) and ``RuntimeError`` for a closed or suspended
-        cache or during stream capture. Returns False, with nothing changed, when the pools
-        cannot supply the pages.
+        Raises ``ValueError`` for impossible lengths (history decreasing, above capacity or past
+        what is on host pages (SAFE-2), capacity beyond ``max_tokens_per_row``) and for a change
+        the write contract forbids (docs/HOST_PATH.md): growth whose in-flight start passes
+        unflushed in-flight tokens, or a change that brings tokens already on host pages back
+        into the in-flight range. ``RuntimeError`` for a closed or suspended cache or during
+        stream capture. Returns False, with nothing changed, when the pools cannot supply the
+        pages.
         """
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.resize")
         if self.suspended:
             raise RuntimeError("KVCache.resize: the cache is suspended; resume() it first")
-        c = self.capacity if capacity is None else check_int("capacity", capacity)
-        h = self.history_length if history is None else check_int("history", history)
-        limit = self.manager.config.max_tokens_per_row
-        if h < self.history_length:
-            raise ValueError(f"REQ-2: history cannot decrease ({self.history_length} -> {h})")
-        if h > c:
-            raise ValueError(f"REQ-2: history ({h}) cannot exceed capacity ({c})")
-        if c > limit:
-            raise ValueError(f"REQ-2: capacity ({c}) exceeds max_tokens_per_row ({limit})")
-        safe = self._host_written_through(c)
-        if h > self.history_length and h > safe:
-            raise ValueError(
-                f"SAFE-2: history ({h}) cannot pass what was flushed or written straight to host "
-                f"pages ({safe}); flush the in-flight tokens first")
-        inflight = self._max_inflight_tokens(h, c)
-        if inflight > self.manager.config.max_total_input_tokens:
-            raise ValueError(
-                f"CFG-3: an in-flight range of {inflight} tokens exceeds max_total_input_tokens "
-                f"({self.manager.config.max_total_input_tokens})")
+        self._sync()
+        c = self._c if capacity is None else check_int("capacity", capacity)
+        h = self._h if history is None else check_int("history", history)
+        self._check_lengths(h, c)
+        return self._apply(h, c)
 
-        plans = [self._plan(group, c, h) for group in self.manager.storage.groups]
-        taken: list[tuple] = []
-        for group, (_, need, _) in zip(self.manager.storage.groups, plans):
-            slots = group.allocate(len(need))
-            if slots is None:
-                for g, s in taken:
-                    g.release(s)
-                return False
-            taken.append((group, slots))
-        for (group, slots), (keep, need, drop), pages in zip(taken, plans, self._pages):
-            pages.extend([BAD] * (keep - len(pages)))
-            for p, slot in zip(need, slots):
-                pages[p] = slot
-            group.release(pages[p] for p in drop)
-            for p in drop:
-                pages[p] = BAD
-            del pages[keep:]
-        self.capacity, self.history_length = c, h
+    def _check_lengths(self, h: int, c: int) -> None:
+        """Every rule of a resize to (h, c) (``lengths.resize_violations``), raising ValueError
+        for the first one broken; changes nothing."""
+        config = self.manager.config
+        cells = (0, 0) if self._batch is None else self._batch.cell_lengths(self._row)
+        cells = (cells[0], min(cells[1], self._lowest_capacity))  # a shrink cut the rest off
+        for rule, violated, d in rules.resize_violations(
+                self._h, self._c, h, c, self._flushed, self._declared, cells, self._shapes,
+                config.max_tokens_per_row, config.max_total_input_tokens, max, min):
+            if violated:
+                raise ValueError(self._message(rule, h, c, d))
+
+    def _message(self, rule: str, h: int, c: int, d: dict) -> str:
+        config = self.manager.config
+        if rule == "decrease":
+            return f"REQ-2: history cannot decrease ({self._h} -> {h})"
+        if rule == "above":
+            return f"REQ-2: history ({h}) cannot exceed capacity ({c})"
+        if rule == "limit":
+            return f"REQ-2: capacity ({c}) exceeds max_tokens_per_row ({config.max_tokens_per_row})"
+        if rule == "safe":
+            return (f"SAFE-2: history ({h}) cannot pass what was flushed or declared written to "
+                    f"host pages ({d['safe']}); flush the in-flight tokens, or declare tokens "
+                    f"written straight to host pages with record_host_write(), first")
+        if rule == "width":
+            return (f"CFG-3: an in-flight range of {d['width']} tokens exceeds "
+                    f"max_total_input_tokens ({config.max_total_input_tokens})")
+        (U, I), (lo, hi) = d["shape"], d["range"]
+        if rule == "lost":
+            return (f"SAFE-1: capacity {c} moves the in-flight start (tokens_per_unit {U}, "
+                    f"max_inflight_tokens {I}) past tokens [{lo}, {hi}), which are in cells and "
+                    f"not flushed; flush them (Batch.flush) before growing this far")
+        return (f"SAFE-1: lengths (history {h}, capacity {c}) bring tokens [{lo}, {hi}), already "
+                f"on host pages, back into the in-flight range (tokens_per_unit {U}, "
+                f"max_inflight_tokens {I}), whose cells do not hold them; advance history over "
+                f"them first, or shrink capacity to at most {lo}")
+
+    def _apply(self, h: int, c: int) -> bool:
+        """Allocate and free pages for lengths (h, c) and take them; False (nothing changed) when
+        a pool group cannot supply the pages. The lengths must have passed the checks."""
+        groups = self.manager.storage.groups
+        plans = [self._plan(group, h, c) for group in groups]
+        taken = []
+        for group, (first, keep) in zip(groups, plans):
+            need = keep - max(self._live[group.index][1], first)
+            if need > 0:
+                slots = group.allocate(need)
+                if slots is None:
+                    for g, s in taken:
+                        g.release(s)
+                    return False
+                taken.append((group, slots))
+            else:
+                taken.append((group, None))
+        changed = (h, c) != (self._h, self._c)
+        for (group, slots), (first, keep) in zip(taken, plans):
+            row, live = self._pages[group.index], self._live[group.index]
+            old_first, old_keep = live
+            changed = changed or (first, keep) != (old_first, old_keep)
+            front_end = min(first, old_keep)
+            if front_end > old_first:  # REQ-3: wholly before h - window
+                group.release(row[old_first:front_end].tolist())
+                row[old_first:front_end] = BAD
+            if keep < old_keep:
+                lo = max(keep, old_first)
+                group.release(row[lo:old_keep].tolist())
+                row[lo:old_keep] = BAD
+            if slots is not None:
+                row[max(old_keep, first):keep] = slots
+            live[0], live[1] = first, keep
+            self._lowest_keep[group.index] = min(self._lowest_keep[group.index], keep)
+        self._h, self._c = h, c
+        self._lowest_capacity = min(self._lowest_capacity, c)
         self._flushed = min(self._flushed, c)  # tokens cut off by a shrink are gone
-        self._mark_dirty()
+        self._declared = min(self._declared, c)
+        if changed and self._batch is not None:
+            self._batch.seat_changed(self._row)
         return True
 
-    def _plan(self, group, c: int, h: int) -> tuple[int, list[int], list[int]]:
-        """(page list length, ordinals to allocate, ordinals to free) for new lengths; changes
-        nothing."""
-        pages = self._pages[group.index]
-        P = self.manager.config.tokens_per_page
-        keep = ceil_div(c, P)
-        first_live = 0
+    def _plan(self, group, h: int, c: int) -> tuple[int, int]:
+        """(first live page, allocated pages) of a pool group for lengths (h, c)."""
+        config = self.manager.config
+        P = config.tokens_per_page
+        keep = ceil_div(min(c + self._reserve, config.max_tokens_per_row), P) if c else 0
+        first = self._live[group.index][0]
         if group.window is not None and h > group.window:
-            first_live = min((h - group.window) // P, keep)  # REQ-3: wholly before h - window
-        need = [p for p in range(first_live, keep) if p >= len(pages) or pages[p] == BAD]
-        drop = [p for p, s in enumerate(pages) if s != BAD and (p >= keep or p < first_live)]
-        return keep, need, drop
+            first = max(first, min((h - group.window) // P, keep))  # REQ-3
+        return first, keep
 
-    def _host_written_through(self, capacity: int) -> int:
-        """How far history may advance with the given (new) capacity (SAFE-2): through what was
-        flushed, and through the start of every selection group's in-flight range (tokens
-        before it are written straight to host pages: the prefill path). Without sparse layers,
-        through capacity."""
-        groups = self.manager.config.selection_groups
-        if not groups:
-            return capacity
-        starts = [g.sparse.inflight_start(self.history_length, capacity) for g in groups]
-        return max(min(self._flushed, capacity), min(starts))
+    def _written(self) -> int:
+        return rules.written_prefix(self._h, self._c, self._flushed, self._declared,
+                                    self._shapes, max, min)
 
-    def _max_inflight_tokens(self, h: int, c: int) -> int:
-        return max((c - g.sparse.inflight_start(h, c) for g in self.manager.config.selection_groups),
-                   default=0)
+    # ---- the write contract (docs/HOST_PATH.md) ----
+    def record_host_write(self, end: int) -> None:
+        """Declare that the caller wrote this request's host-direct tokens below ``end``
+        straight to host pages, for every sparse buffer of every sparse layer (the prefill
+        path: ``Batch.host_token_indices`` or ``host_pages``). For each selection group the
+        declaration covers ``[history, min(end, s0))``, s0 its in-flight start; ``end`` may be
+        at most the largest in-flight start (tokens beyond it are in cells: flush them).
+        History may then advance over them (SAFE-2). Raises ValueError for a bad ``end``."""
+        self._check_open()
+        refuse_during_capture(self.manager.config.device, "KVCache.record_host_write")
+        self._sync()
+        end = check_int("end", end)
+        bound = self.host_direct_end
+        if end > bound:
+            raise ValueError(
+                f"record_host_write: end ({end}) is past the host-direct range, which ends at "
+                f"{bound} (history {self._h}, capacity {self._c}); tokens from {bound} on are "
+                f"in flight: write them into cells and flush them")
+        self._declared = max(self._declared, end)
+        if self._batch is not None:
+            self._batch.seat_changed(self._row, declared_only=True)
+
+    def set_reserve(self, tokens: int) -> None:
+        """Keep pages allocated for ``tokens`` tokens beyond capacity (rounded up to whole pages,
+        at most ``max_tokens_per_row``), so that ``Batch.advance`` can grow capacity on the
+        device without the host. Takes effect at the next ``resize`` (``resize()`` with no
+        arguments allocates them now)."""
+        self._check_open()
+        self._reserve = check_int("tokens", tokens)
+
+    def record_flush(self, h: int, c: int, target: int) -> None:
+        """A flush of lengths (h, c) to ``target`` ran (Batch.flush / Batch.record_flush)."""
+        self._flushed = rules.flushed_watermark(h, c, self._flushed, self._declared, target,
+                                                self._shapes, max, min, rules.pick)
 
     # ---- REQ-4 ----
     def suspend(self) -> None:
@@ -147,13 +267,13 @@ class KVCache:
         refuse_during_capture(self.manager.config.device, "KVCache.suspend")
         if self.suspended:
             raise RuntimeError("KVCache.suspend: already suspended")
-        if self.history_length < self.capacity:
+        if self.history_length < self._c:
             raise RuntimeError(
-                f"KVCache.suspend: tokens are in flight (history {self.history_length} < capacity "
-                f"{self.capacity}); flush and advance history, or shrink capacity, first")
+                f"KVCache.suspend: tokens are in flight (history {self._h} < capacity "
+                f"{self._c}); flush and advance history, or shrink capacity, first")
         self.state = SUSPENDED
         if self._batch is not None:
-            self._batch._release_lease(self)
+            self._batch.release_lease(self._row)
 
     def resume(self) -> None:
         """Take a fresh, empty lease (when seated in a batch)."""
@@ -162,27 +282,95 @@ class KVCache:
         if not self.suspended:
             raise RuntimeError("KVCache.resume: the cache is not suspended")
         if self._batch is not None:
-            self._batch._grant_lease(self)
+            self._batch.grant_lease(self._row)
         self.state = ACTIVE
 
     def close(self) -> None:
-        """Leave the batch and free every page. Every later call raises RuntimeError."""
+        """The abort path: leave the batch discarding any in-flight tokens, and free every page.
+        Every later call raises RuntimeError."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.close")
         if self._batch is not None:
-            self._batch.remove(self)
-        for group, pages in zip(self.manager.storage.groups, self._pages):
-            group.release(s for s in pages if s != BAD)
-            pages.clear()
-        self.capacity = self.history_length = 0
+            self._batch.remove(self, discard=True)
+        for group, row, live in zip(self.manager.storage.groups, self._pages, self._live):
+            group.release(row[live[0]:live[1]].tolist())
+            row[:] = BAD
+            live[0] = live[1] = 0
+        self._h = self._c = 0
         self.state = CLOSED
 
+    # ---- what the batch reads ----
+    def page_row(self, group: int) -> np.ndarray:
+        """The cache's page row of a pool group (int32[max_pages_per_row], BAD outside the live
+        range); read-only for the batch."""
+        return self._pages[group]
+
+    def live_range(self, group: int) -> tuple[int, int, int]:
+        """(first live page, allocated pages, the fewest pages allocated since the batch last
+        published this cache): entries from the last one on may have new slots."""
+        first, keep = self._live[group]
+        return first, keep, self._lowest_keep[group]
+
+    def mark_published(self) -> None:
+        """The batch published this cache's lengths and pages."""
+        self._lowest_capacity = self._c
+        self._lowest_keep = [keep for _, keep in self._live]
+
+    def lengths_row(self) -> tuple[int, int, int, int, int]:
+        """(history, capacity, written, declared, allocated tokens) as the batch publishes them."""
+        config = self.manager.config
+        keep = self._live[0][1] if self._live else ceil_div(self._c, config.tokens_per_page)
+        allocated = min(keep * config.tokens_per_page, config.max_tokens_per_row)
+        return self._h, self._c, self._flushed, self._declared, allocated
+
+    def take_written(self, written: int) -> None:
+        """The written watermark after a flush, as the batch computed it for this row."""
+        self._flushed = max(self._flushed, written)
+
+    def take_lengths(self, h: int, c: int, written: int) -> None:
+        """Lengths advanced on the device (Batch.advance), as the batch read them back."""
+        self._h, self._c = h, c
+        self._lowest_capacity = c
+        self._flushed = max(self._flushed, written)
+
+    def take_resize(self, h: int, c: int) -> None:
+        """Lengths (h, c) that ``Batch.resize_rows`` checked by resize's rules and that keep
+        every page where it is (no page enters or leaves the live range)."""
+        self._h, self._c = h, c
+        self._lowest_capacity = min(self._lowest_capacity, c)
+        self._flushed = min(self._flushed, c)
+        self._declared = min(self._declared, c)
+
+    def discard_in_flight(self) -> None:
+        """Drop the tokens in flight: capacity shrinks back to history (the abort path)."""
+        if self._c > self._h:
+            self._apply(self._h, self._h)  # a shrink: always succeeds, breaks no rule
+
+    def seat(self, batch, row: Optional[int]) -> None:
+        self._batch, self._row = batch, row
+
+    @property
+    def seated_in(self):
+        """(batch, row) of the batch this cache is seated in, or (None, None)."""
+        return self._batch, self._row
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Tokens of pages kept allocated beyond capacity (``set_reserve``)."""
+        return self._reserve
+
     # ---- internals ----
+    def _sync(self) -> None:
+        """Take lengths the device advanced (Batch.advance) before using them."""
+        if self._batch is not None:
+            self._batch.sync_member(self._row)
+
     def _check_open(self) -> None:
         self.manager._check_open(f"request {self.request_id}")
         if self.state == CLOSED:
             raise RuntimeError(f"request {self.request_id}: the cache is closed")
 
-    def _mark_dirty(self) -> None:
-        if self._batch is not None:
-            self._batch._dirty.add(self._row)
+    def _check_group(self, group) -> None:
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self._live):
+            raise ValueError(f"group must be a pool group index in [0, {len(self._live)}), "
+                             f"got {group!r}")

@@ -4,11 +4,14 @@ from __future__ import annotations
 import itertools
 from typing import Optional
 
+import torch
+
 from ._util import ceil_div, check_int, refuse_during_capture
-from .batch import Batch, batch_memory_bytes
+from .batch import Batch
 from .cache import KVCache
 from .config import CacheConfig
 from .host_region import DEFAULT_CHUNK_BYTES, check_options, default_threads, resolve_numa
+from .memory import BatchReserve, batch_memory_bytes
 from .storage import HostOptions, Storage
 
 
@@ -16,8 +19,9 @@ class KVCacheManager:
     """Owns the storage of one config and creates the caches and batches that use it.
 
     The GPU and host budgets first reserve the memory of one batch of ``config.max_rows`` rows
-    (device tables, residency, cells; pinned staging); the pools get the rest (docs/DESIGN.md).
-    Raises ``ValueError`` when a budget cannot hold one slot of each of its pool groups.
+    (``memory.batch_tensor_specs``: device tables, residency, cells; pinned staging); the pools
+    get the rest (docs/DESIGN.md). Raises ``ValueError`` when a budget cannot hold one slot of
+    each of its pool groups.
 
     Host memory (docs/HOST_MEMORY.md): every pool in CPU memory is reserved as address space at
     start and committed ``host_chunk_bytes`` at a time as slots are first handed out (STO-6),
@@ -53,7 +57,7 @@ class KVCacheManager:
                     f"STO-4: the {medium} budget ({budget} bytes) is smaller than the memory of a "
                     f"batch of {config.max_rows} rows ({self._reserve[medium]} bytes)")
         self.storage.allocate(self._reserve, host)
-        self._charged = {"gpu": 0, "host": 0}
+        self.reserve = BatchReserve(self._reserve)
         self._ids = itertools.count()
         self._closed = False
 
@@ -67,6 +71,14 @@ class KVCacheManager:
         self._check_open("KVCacheManager.create_batch")
         return Batch(self, max_rows)
 
+    def buffer_view(self, layer: str, role: str, device_side: bool = True) -> torch.Tensor:
+        """The pages of one buffer, ``uint8[num_slots*scale, chunks, P, B/chunks]``: page
+        ``KVCache.host_pages(layer, role)[p]`` holds a request's tokens ``[p*P, (p+1)*P)``, token
+        ``t`` at ``[.., :, t % P]`` (the same layout as a cell). ``device_side`` picks the tensor
+        ops see (on CUDA, for a sparse buffer, the device-mapped view of the host pages) over the
+        host tensor itself. The address never changes."""
+        return self.storage.view(layer, role, device_side)
+
     def stats(self) -> dict:
         """Pool usage per pool group and per medium, plus the batch reserve in use (STO-4);
         ``stats()["host_region"]``: reserved, committed, registered and used bytes of the host
@@ -74,23 +86,8 @@ class KVCacheManager:
         self._check_open("KVCacheManager.stats")
         stats = self.storage.stats()
         for medium in ("gpu", "host"):
-            stats[medium]["batch_bytes_in_use"] = self._charged[medium]
+            stats[medium]["batch_bytes_in_use"] = self.reserve.in_use[medium]
         return stats
-
-    def _charge(self, memory: dict) -> None:
-        self._check_open("Batch()")
-        for medium, nbytes in memory.items():
-            if self._charged[medium] + nbytes > self._reserve[medium]:
-                raise RuntimeError(
-                    f"Batch: {nbytes} {medium} bytes needed but only "
-                    f"{self._reserve[medium] - self._charged[medium]} left of the batch reserve; "
-                    f"close another batch first")
-        for medium, nbytes in memory.items():
-            self._charged[medium] += nbytes
-
-    def _uncharge(self, memory: dict) -> None:
-        for medium, nbytes in memory.items():
-            self._charged[medium] -= nbytes
 
     # ---- admission and lifetime (STO-8, STO-9) ----
     def can_fit(self, tokens: int, count: int = 1) -> bool:

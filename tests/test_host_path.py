@@ -1,0 +1,418 @@
+"""The host path (HOST-1..4): the delta publish against a full restage, the batched resize, and
+the device-side length advance against the eager host path.
+"""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import torch_kvcm2 as kv
+from torch_kvcm2 import BAD
+from torch_kvcm2.memory import ALLOCATED, LENGTH_ROWS
+from configs import dsa_config
+
+
+def full_restage(batch) -> tuple:
+    """What the device tables must hold, built from scratch from the members (BAT-3)."""
+    R, P = batch.max_rows, batch.config.max_pages_per_row
+    G = len(batch.page_tables)
+    pages = np.full((G, R, P), BAD, dtype=np.int32)
+    lengths = np.zeros((3, R), dtype=np.int32)
+    lengths[2] = BAD
+    for row, cache in batch.members().items():
+        lease = batch.lease_of(row)
+        if lease is None:
+            continue
+        for g in range(G):
+            row_pages = cache.pages(g)
+            pages[g, row, :len(row_pages)] = row_pages
+        lengths[:, row] = (cache.history_length, cache.capacity, lease)
+    return pages, lengths
+
+
+def assert_tables_match(batch):
+    pages, lengths = full_restage(batch)
+    device_pages = np.stack([t.cpu().numpy() for t in batch.page_tables])
+    assert np.array_equal(device_pages, pages)
+    device_lengths = np.stack([t.cpu().numpy() for t in (batch.history, batch.capacity, batch.lease)])
+    assert np.array_equal(device_lengths, lengths)
+    mirror = batch.host_tables()
+    assert np.array_equal(mirror["page_tables"], pages)
+    assert np.array_equal(mirror["lengths"][:3], lengths)
+    store = np.concatenate([t.cpu().numpy().ravel() for t in batch.page_tables] +
+                           [batch.history.cpu().numpy(), batch.capacity.cpu().numpy(),
+                            batch.lease.cpu().numpy(), batch.written.cpu().numpy()])
+    host = np.concatenate([mirror["page_tables"].ravel(), mirror["lengths"][:4].ravel()])
+    assert np.array_equal(store, host)  # the host mirror is what the device holds
+
+
+def lengths_snapshot(cache):
+    groups = len(cache.manager.storage.groups)
+    return (cache.capacity, cache.history_length, cache.written, [cache.pages(g) for g in range(groups)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_delta_publish_equals_a_full_restage(device, seed):
+    """HOST-1: random membership, resize (growth, shrink, windows), suspend and resume; after
+    every publish the device tables are bit-identical to a full restage, and a refused resize
+    changes nothing."""
+    rng = random.Random(seed)
+    manager = kv.KVCacheManager(dsa_config(device, max_rows=4, max_tokens_per_row=96,
+                                           host_budget_bytes=4 << 20, gpu_budget_bytes=4 << 20))
+    batch = kv.Batch(manager)
+    caches = []
+    for step in range(300):
+        roll = rng.random()
+        members = batch.members()
+        if roll < 0.15 and len(members) < 4:
+            cache = manager.create_cache()
+            caches.append(cache)
+            free = [r for r in range(4) if r not in members]
+            batch.add(cache, row=rng.choice(free))
+        elif roll < 0.22 and members:
+            cache = rng.choice(list(members.values()))
+            cache.close()
+            caches.remove(cache)
+        elif roll < 0.30 and members and len(members) < 4:
+            cache = rng.choice(list(members.values()))
+            batch.move(cache, rng.choice([r for r in range(4) if r not in members]))
+        elif roll < 0.36 and members:
+            cache = rng.choice(list(members.values()))
+            if cache.suspended:
+                cache.resume()
+            elif cache.history_length == cache.capacity:
+                cache.suspend()
+        for cache in list(batch.members().values()):
+            if cache.suspended or rng.random() < 0.3:
+                continue
+            h, c = cache.history_length, cache.capacity
+            capacity = max(0, min(96, c + rng.randint(-6, 12)))
+            before = lengths_snapshot(cache)
+            try:
+                if not cache.resize(capacity=capacity):
+                    assert lengths_snapshot(cache) == before
+                    continue
+            except ValueError:
+                assert lengths_snapshot(cache) == before
+                continue
+            cache.record_host_write(min(cache.written + rng.randint(0, 8),
+                                        _host_direct_end(cache)))
+            history = min(cache.capacity, max(cache.history_length, cache.written))
+            assert cache.resize(history=history)
+        if rng.random() < 0.8:
+            batch.publish()
+            assert_tables_match(batch)
+
+
+def _host_direct_end(cache):
+    groups = cache.manager.config.selection_groups
+    return max(g.sparse.inflight_start(cache.history_length, cache.capacity) for g in groups)
+
+
+def test_a_decode_step_publishes_only_what_changed():
+    """HOST-1: one token per row per step: the delta is the rows' lengths, plus one page entry
+    per pool group when a row crosses a page."""
+    manager = kv.KVCacheManager(dsa_config(window_layer=False))
+    batch = kv.Batch(manager)
+    caches = [manager.create_cache() for _ in range(4)]
+    for cache in caches:
+        batch.add(cache)
+        assert cache.resize(capacity=1)
+    batch.publish()
+    sizes = []
+    original = batch._mirror._upload
+    batch._mirror._upload = lambda index, value, leases, clear: (
+        sizes.append(len(index)), original(index, value, leases, clear))[1]
+    for step in range(8):
+        batch.flush()
+        for cache in caches:
+            assert cache.resize(history=cache.capacity, capacity=cache.capacity + 1)
+        batch.publish()
+        assert_tables_match(batch)
+    groups = len(manager.storage.groups)
+    crossing = [4 * groups if (step + 2) % 4 == 1 else 0 for step in range(8)]  # P = 4
+    assert sizes == [4 * LENGTH_ROWS + extra for extra in crossing]
+
+
+def test_publish_does_not_wait_on_busy_staging():
+    """HOST-2: a staging buffer still in use is never waited for; another one is taken."""
+    manager = kv.KVCacheManager(dsa_config())
+    batch = kv.Batch(manager)
+    cache = manager.create_cache()
+    batch.add(cache)
+
+    class Busy:
+        def query(self):
+            return False
+
+        def record(self):
+            pass
+
+    for staging in batch._mirror.ring:
+        staging.event = Busy()
+    for capacity in (1, 2, 1):
+        assert cache.resize(capacity=capacity)
+        batch.publish()
+        assert_tables_match(batch)
+    assert batch._mirror.extra_staging == 1  # one new buffer, reused (CPU copies finish at once)
+
+
+def test_resize_rows_is_resize_per_row_all_or_nothing():
+    """HOST-4: the batched call applies resize's rules per row and returns the rows refused."""
+    manager = kv.KVCacheManager(dsa_config())
+    batch = kv.Batch(manager)
+    caches = [manager.create_cache() for _ in range(4)]
+    for cache in caches:
+        batch.add(cache)
+    assert batch.resize_rows([0, 1, 2, 3], capacity=[4, 8, 12, 70]) == [3]  # 70 > max 64
+    assert [c.capacity for c in caches] == [4, 8, 12, 0]
+    for cache in caches[:3]:
+        cache.record_host_write(cache.capacity - 2)
+    assert batch.resize_rows([0, 1, 2], history=np.array([2, 7, 10])) == [1]  # 7 > written 6
+    assert [c.history_length for c in caches] == [2, 0, 10, 0]
+    assert batch.resize_rows([2], capacity=torch.tensor([12]), history=[10]) == []
+    with pytest.raises(ValueError, match="not a seated row"):
+        batch.resize_rows([5], capacity=[1])
+    with pytest.raises(ValueError, match="capacity must have 2 values"):
+        batch.resize_rows([0, 1], capacity=[1])
+    with pytest.raises(ValueError, match="named twice"):
+        batch.resize_rows([0, 0], capacity=[1, 1])
+    batch.publish()
+    assert_tables_match(batch)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_resize_rows_equals_resize_per_row(seed):
+    """HOST-4: random lengths (many breaking a rule) through resize_rows on one batch and
+    through per-row resize on a twin: the same rows refused, the same lengths, pages and
+    published tables, step after step (flushes and declarations in between)."""
+    rng = random.Random(seed)
+    twins = []
+    for _ in range(2):
+        manager = kv.KVCacheManager(dsa_config(window_layer=False, max_tokens_per_row=96,
+                                               host_budget_bytes=4 << 20))
+        batch = kv.Batch(manager)
+        caches = [manager.create_cache() for _ in range(4)]
+        for cache in caches:
+            batch.add(cache)
+        twins.append((batch, caches))
+    for step in range(120):
+        rows = rng.sample(range(4), rng.randint(1, 4))
+        h0 = [twins[0][1][r].history_length for r in rows]
+        c0 = [twins[0][1][r].capacity for r in rows]
+        caps = [max(0, c + rng.randint(-3, 6)) for c in c0]
+        hists = [max(0, min(96, h + rng.randint(-1, 4))) for h in h0]
+        use_h = rng.random() < 0.5
+        (a, a_caches), (b, b_caches) = twins
+        failed_a = a.resize_rows(rows, capacity=caps, history=hists if use_h else None)
+        failed_b = []
+        for i, r in enumerate(rows):
+            try:
+                ok = b_caches[r].resize(caps[i], hists[i] if use_h else None)
+            except ValueError:
+                ok = False
+            if not ok:
+                failed_b.append(r)
+        assert sorted(failed_a) == sorted(failed_b)
+        for x, y in zip(a_caches, b_caches):
+            assert lengths_snapshot(x) == lengths_snapshot(y)
+        flush = rng.random() < 0.5
+        for batch, caches in twins:
+            batch.publish()
+            if flush:
+                batch.record_host_writes()
+                batch.flush()
+        assert_tables_match(a)
+        assert [t.tolist() for t in a.page_tables] == [t.tolist() for t in b.page_tables]
+        assert a.host_tables()["lengths"].tolist() == b.host_tables()["lengths"].tolist()
+
+
+# ---- the device-side advance (HOST-3) ----
+T = 3  # tokens proposed per row per step (speculative decoding)
+
+
+def advance_setup(device, reserve_tokens):
+    config = dsa_config(device, window_layer=False, max_inflight_tokens=T, slots=16,
+                        max_tokens_per_row=256, host_budget_bytes=8 << 20)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    caches = []
+    for i in range(4):
+        cache = manager.create_cache()
+        if reserve_tokens:
+            cache.set_reserve(reserve_tokens)
+        batch.add(cache)
+        assert cache.resize(capacity=T)
+        caches.append(cache)
+    batch.publish()
+    return manager, batch, caches
+
+
+def test_advance_equals_the_host_rule(device):
+    """HOST-3: many steps of speculative decoding (0..T of the proposed tokens accepted, page
+    crossings every few steps) advanced on the device equal the host rule's lengths; a row whose
+    reserve runs out stops there (counted) until the host, which runs only every few steps,
+    tops it up; SAFE-2 holds throughout."""
+    rng = random.Random(7)
+    _, batch, caches = advance_setup(device, 1)  # keep pages for one token beyond capacity
+    model = [[0, T, 0] for c in caches]  # history, capacity, allocated tokens
+    shorts = 0
+    for step in range(60):
+        batch.publish()  # re-takes the reserve of rows the device advanced, when it knows them
+        for m, allocated in zip(model, batch.host_tables()["lengths"][ALLOCATED]):
+            m[2] = int(allocated)
+        width = (batch.capacity - batch.history).tolist()
+        accepted = [min(rng.randint(0, T), w) for w in width]
+        for m, a in zip(model, accepted):
+            wanted = m[0] + a + (m[1] - m[0])
+            m[0], m[1] = m[0] + a, min(wanted, m[2])
+            shorts += m[1] < wanted
+        accepted_t = torch.tensor(accepted, dtype=torch.int32, device=device)
+        batch.flush(batch.history + accepted_t)
+        batch.advance(accepted_t)
+        if step % 4 == 3:  # the host: catch up, top up rows that ran short
+            assert batch.advance_counters.tolist() == [0, shorts]
+            assert [c.history_length for c in caches] == [m[0] for m in model]
+            assert [c.capacity for c in caches] == [m[1] for m in model]
+            for cache, m in zip(caches, model):
+                assert cache.history_length <= cache.written  # SAFE-2
+                if cache.capacity < cache.history_length + T:
+                    assert cache.resize(capacity=cache.history_length + T)
+                    m[1] = cache.capacity
+    assert shorts > 0 and min(m[0] for m in model) > 30
+
+
+def test_advance_refuses_bad_rows_and_never_passes_the_flush(device):
+    """HOST-3 bad inputs: a negative or oversize count, or one past what was flushed, refuses
+    the row (counted, unchanged); other rows advance. Wrong dtype, device or shape raises before
+    anything changes."""
+    _, batch, caches = advance_setup(device, 8)
+    batch.flush([2, 3, 3, 1])
+    before = (batch.history.clone(), batch.capacity.clone())
+    bad = [torch.zeros(4, dtype=torch.int64, device=device),
+           torch.zeros(5, dtype=torch.int32, device=device),
+           torch.zeros((4, 1), dtype=torch.int32, device=device),
+           torch.zeros(4, dtype=torch.int32, device="meta"), [1, 1, 1, 1]]
+    for accepted in bad:
+        with pytest.raises((TypeError, ValueError), match="accepted"):
+            batch.advance(accepted)
+    assert torch.equal(batch.history, before[0]) and torch.equal(batch.capacity, before[1])
+    batch.advance(torch.tensor([2, -1, 4, 2], dtype=torch.int32, device=device))
+    # row 0: ok; row 1: negative; row 2: oversize (width 3); row 3: past the flush (1)
+    assert [c.history_length for c in caches] == [2, 0, 0, 0]
+    assert [c.capacity for c in caches] == [5, 3, 3, 3]
+    assert batch.advance_counters.tolist() == [3, 0]
+    holes = kv.Batch(kv.KVCacheManager(dsa_config(device)))
+    holes.advance(torch.full((4,), 5, dtype=torch.int32, device=device))  # no seated rows
+    assert holes.history.tolist() == [0] * 4 and holes.advance_counters.tolist() == [0, 0]
+
+
+def test_advance_compiles_fullgraph():
+    """HOST-3: flush + advance trace with fullgraph=True; record_advance afterwards brings the
+    host up to date, equal to eager."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        _, batch, caches = advance_setup("cpu", 8)
+
+        def step(accepted):
+            batch.flush(batch.history + accepted)
+            batch.advance(accepted)
+
+        run = torch.compile(step, fullgraph=True) if compiled else step
+        for a in ([1, 2, 3, 1], [3, 3, 1, 2], [2, 1, 1, 3]):
+            run(torch.tensor(a, dtype=torch.int32))
+            if compiled:
+                batch.record_advance()
+        results.append(([c.history_length for c in caches], [c.capacity for c in caches],
+                        [c.written for c in caches], batch.advance_counters.tolist()))
+    assert results[0] == results[1]
+    assert results[0][0] == [6, 6, 5, 6]
+
+
+@pytest.mark.cuda
+def test_advance_replays_in_a_cuda_graph():
+    """HOST-3 on CUDA: flush + advance captured once and replayed many times (record_advance
+    after each replay) equal the eager calls."""
+    results = []
+    for captured in (False, True):
+        _, batch, caches = advance_setup("cuda", 2 * 4)
+        accepted = torch.tensor([1, 2, 3, 1], dtype=torch.int32, device="cuda")
+
+        def step():
+            batch.flush(batch.history + accepted)
+            batch.advance(accepted)
+
+        if captured:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            saved = (batch.history.clone(), batch.capacity.clone(), batch.written.clone())
+            with torch.cuda.graph(graph, stream=stream):
+                step()
+            # capture does not run the ops: the lengths are as before
+            assert torch.equal(batch.history, saved[0]) and torch.equal(batch.written, saved[2])
+        for _ in range(12):
+            batch.catch_up()  # wait for the read-back, so both runs re-take reserves alike
+            batch.publish()
+            if captured:
+                graph.replay()
+                batch.record_advance()
+            else:
+                step()
+        torch.cuda.synchronize()
+        results.append(([c.history_length for c in caches], [c.capacity for c in caches],
+                        [c.written for c in caches], batch.advance_counters.tolist()))
+    assert results[0] == results[1]
+    assert results[0][3][0] == 0
+
+
+def test_batch_memory_is_what_the_batch_allocates():
+    """STO-4: the reserve's sizing and the batch's tensors come from one table of specs; the
+    bytes a batch holds (tables, residency, outputs, cells, staging, read-back) are its sum."""
+    from torch_kvcm2.memory import batch_memory_bytes
+    manager = kv.KVCacheManager(dsa_config())
+    batch = kv.Batch(manager, max_rows=3)
+    pools = {g.device_data.untyped_storage().data_ptr() for g in manager.storage.groups}
+    tensors = batch.state_tensors() + [batch._mirror.delta, batch._snapshot]
+    tensors += [staging.tensor for staging in batch._mirror.ring]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if t.untyped_storage().data_ptr() not in pools}
+    expected = batch_memory_bytes(manager.config, len(manager.storage.groups), 3)
+    assert sum(storages.values()) == expected["gpu"] + expected["host"]
+    assert manager.stats()["gpu"]["batch_bytes_in_use"] == expected["gpu"]
+
+
+class _LateEvent:
+    """A read-back event the GPU has not finished: query() is False until synchronize()."""
+
+    def __init__(self):
+        self.done, self.waited = False, 0
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done, self.waited = True, self.waited + 1
+
+
+def test_a_late_read_back_is_not_waited_for_unless_the_host_publishes_changes():
+    """HOST-2/HOST-3: with advance's read-back still in flight, a publish with nothing to upload
+    neither waits nor does page work; a publish of a membership change waits for it first, so
+    the mirror never takes older lengths after a newer delta; tables stay equal to a restage."""
+    manager, batch, caches = advance_setup("cpu", 4)
+    batch.remove(caches.pop(), discard=True)  # row 3 is free
+    batch.publish()
+    accepted = torch.tensor([1, 2, 3, 0], dtype=torch.int32)
+    batch.flush(batch.history + accepted)
+    batch.advance(accepted)
+    late = _LateEvent()
+    batch._pending_snapshot = (late,)  # as on CUDA before the copy has run
+    batch.publish()
+    assert late.waited == 0 and batch._pending_snapshot is not None
+    assert batch.add(manager.create_cache()) == 3  # membership: not a length read
+    batch.publish()
+    assert late.waited == 1
+    assert [c.history_length for c in caches] == [1, 2, 3]
+    assert_tables_match(batch)

@@ -1,0 +1,114 @@
+"""The length rules of the write contract (SPEC §2, REQ-2, SAFE-1, SAFE-2; docs/HOST_PATH.md),
+written once for Python ints, numpy arrays and torch tensors.
+
+Every function takes the ``max``/``min`` (and ``where``) of its number kind (``max``/``min`` for ints,
+``np.maximum``/``np.minimum`` for arrays, ``torch.maximum``/``torch.minimum`` for tensors), so
+``KVCache.resize``, ``Batch.resize_rows`` and the device-side ``Batch.advance`` apply the same
+rule. A *shape* is a selection group's ``(tokens_per_unit, max_inflight_tokens)``: groups of one
+shape have the same in-flight range.
+"""
+from __future__ import annotations
+
+from .config import CacheConfig
+
+
+def shapes_of(config: CacheConfig) -> tuple:
+    """The distinct in-flight shapes (U, I) of the config's selection groups."""
+    return tuple(sorted({(g.sparse.tokens_per_unit, g.sparse.max_inflight_tokens)
+                         for g in config.selection_groups}))
+
+
+def inflight_start(h, c, shape, mx):
+    """s0 = max(h, floor((c - I) / U) * U): [h, s0) is written straight to host pages, [s0, c)
+    into cells."""
+    U, I = shape
+    return mx(h, (c - I) // U * U)
+
+
+def host_direct_end(h, c, shapes, mx):
+    """The largest in-flight start over the shapes (h without sparse layers): every host-direct
+    token of every selection group lies below it."""
+    end = h
+    for shape in shapes:
+        end = mx(end, inflight_start(h, c, shape, mx))
+    return end
+
+
+def inflight_width(h, c, shapes, mx):
+    """The widest in-flight range over the shapes (0 without sparse layers)."""
+    width = c - c
+    for shape in shapes:
+        width = mx(width, c - inflight_start(h, c, shape, mx))
+    return width
+
+
+def pick(condition, a, b):
+    """``where`` for Python numbers."""
+    return a if condition else b
+
+
+def flushed_watermark(h, c, written, declared, target, shapes, mx, mn, where):
+    """The written watermark after a flush to ``target`` of the lengths (h, c): tokens up to
+    min(target, c) are on host pages when everything below the in-flight range was already
+    there or declared written (the flush writes back the in-flight range only). ``where`` is
+    ``pick``, ``np.where`` or ``torch.where``."""
+    end = host_direct_end(h, c, shapes, mx)
+    covered = mx(written, declared) >= end
+    reach = mn(target, c)
+    extended = mx(written, reach)
+    return where(covered, extended, written)
+
+
+def transition_faults(h, c, h2, c2, written, declared, cells, shapes, mx, mn):
+    """The write-contract faults of a resize from (h, c) to (h2, c2), per shape: a list of
+    ``(shape, lost, stale)``, each a list of [lo, hi) token ranges; a fault exists where lo < hi.
+    ``cells`` = (h, c) of the published lengths whose in-flight range the row's cells may hold
+    ((0, 0) for a cache without a published lease).
+
+    * lost: tokens that may be in cells and are not on host pages (at or past ``written``)
+      would become host-direct: the in-flight start moves past them, so the next resolve drops
+      them.
+    * stale: tokens on host pages (flushed, or declared written) that the cells do not hold
+      would enter the in-flight range: they would be read from the cells and flushed back over
+      the good host copy.
+    """
+    faults = []
+    for shape in shapes:
+        s0 = inflight_start(h, c, shape, mx)
+        s02 = inflight_start(h2, c2, shape, mx)
+        p0, p1 = inflight_start(cells[0], cells[1], shape, mx), cells[1]
+        lost = [(mx(p0, written), mn(mn(s02, p1), c2))]
+        on_host = mx(written, mn(declared, s0))
+        lo, hi = mx(h2, s02), mn(on_host, c2)
+        stale = [(lo, mn(hi, p0)), (mx(lo, p1), hi)]
+        faults.append((shape, lost, stale))
+    return faults
+
+
+def written_prefix(h, c, flushed, declared, shapes, mx, mn):
+    """How far history may advance (SAFE-2): through what was flushed, and through the declared
+    host writes below every shape's in-flight start; through capacity without sparse layers."""
+    if not shapes:
+        return c
+    start = inflight_start(h, c, shapes[0], mx)
+    for shape in shapes[1:]:
+        start = mn(start, inflight_start(h, c, shape, mx))
+    return mx(flushed, mn(declared, start))
+
+
+def resize_violations(h, c, h2, c2, flushed, declared, cells, shapes, limit, max_inflight, mx, mn):
+    """Every rule of a resize from (h, c) to (h2, c2), in the order ``KVCache.resize`` reports
+    them: a list of ``(rule, violated, details)``; ``violated`` is a bool (ints) or a bool array
+    (arrays, one entry per row). ``details`` are what the messages print."""
+    safe = mn(written_prefix(h, c, flushed, declared, shapes, mx, mn), c2)
+    width = inflight_width(h2, c2, shapes, mx)
+    out = [("decrease", h2 < h, {}), ("above", h2 > c2, {}), ("limit", c2 > limit, {}),
+           ("safe", (h2 > h) & (h2 > safe), {"safe": safe}),
+           ("width", width > max_inflight, {"width": width})]
+    for shape, lost, stale in transition_faults(h, c, h2, c2, flushed, declared, cells, shapes,
+                                                mx, mn):
+        (lo, hi), = lost
+        out.append(("lost", lo < hi, {"shape": shape, "range": (lo, hi)}))
+        for lo, hi in stale:
+            out.append(("stale", lo < hi, {"shape": shape, "range": (lo, hi)}))
+    return out

@@ -1,0 +1,181 @@
+"""The lengths of many rows at once (HOST-3, HOST-4): ``Batch.resize_rows`` on the host, and
+``Batch.advance`` on the device with the lazy read-back that brings the host mirror up to date.
+
+``LengthsPath`` is a part of ``Batch`` (its base class) kept in its own module; it uses the
+batch's tables, mirror and members and the rules of ``lengths``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import lengths as rules
+from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN
+
+
+class LengthsPath:
+    """``resize_rows``, ``advance``, ``record_advance``, ``catch_up`` and ``sync_member`` of a
+    ``Batch``."""
+
+    def resize_rows(self, rows, capacity=None, history=None) -> list[int]:
+        """``KVCache.resize`` for many rows in one call: ``rows`` a sequence of seated rows,
+        ``capacity`` / ``history`` None or one int per row (a sequence, numpy array or CPU
+        tensor). Each row is checked by resize's rules (over numpy arrays for rows published as
+        they are) and changed all or nothing; rows whose
+        lengths break a rule (ValueError), whose cache is suspended, or whose pages the pools
+        cannot supply are left unchanged. Returns the rows that failed (empty when all
+        succeeded). Bad arguments (not a member, wrong lengths of the sequences, capture in
+        progress) raise before anything changes."""
+        self._check_host_call("Batch.resize_rows")
+        self.catch_up()
+        rows = self._int_sequence("rows", rows, length=None)
+        caches = []
+        for row in rows:
+            if not 0 <= row < self.max_rows or self._rows[row] is None:
+                raise ValueError(f"Batch.resize_rows: row {row} is not a seated row")
+            caches.append(self._rows[row])
+        if len(set(rows)) != len(rows):
+            raise ValueError("Batch.resize_rows: a row is named twice")
+        n = len(rows)
+        caps = None if capacity is None else self._int_sequence("capacity", capacity, length=n)
+        hists = None if history is None else self._int_sequence("history", history, length=n)
+        done, failed = self._resize_clean_rows(rows, caches, caps, hists)
+        for i, cache in enumerate(caches):
+            if i in done:
+                continue
+            try:
+                ok = cache.resize(None if caps is None else caps[i],
+                                  None if hists is None else hists[i])
+            except (ValueError, RuntimeError):
+                ok = False
+            if not ok:
+                failed.append(rows[i])
+        return failed
+
+    def _resize_clean_rows(self, rows: list, caches: list, caps, hists) -> tuple[set, list]:
+        """The vectorised part of ``resize_rows``: rows published as they are (the host mirror
+        holds their lengths and watermarks) are checked by ``lengths.resize_violations`` over
+        numpy arrays; the refused ones fail and those whose pages stay as they are take their
+        new lengths here. Returns (positions handled, rows failed); the rest take the per-row
+        path (page work, or a row changed since the last publish)."""
+        if self._windowed or not rows:
+            return set(), []
+        owner, reserve = self._mirror.published_owner, self._reserve_tokens
+        unclean = self._dirty | self._declared_rows | self._stale | self._settle
+        clean = np.fromiter(
+            (owner[r] is cache and r not in unclean and cache.reserve_tokens == reserve[r]
+             for r, cache in zip(rows, caches)), dtype=bool, count=len(rows))
+        if not clean.any():
+            return set(), []
+        index = np.asarray(rows, dtype=np.int64)
+        L = self._mirror.host_lengths.astype(np.int64)[:, index]
+        h, c = L[HISTORY], L[CAPACITY]
+        h2 = h if hists is None else np.asarray(hists, dtype=np.int64)
+        c2 = c if caps is None else np.asarray(caps, dtype=np.int64)
+        config, P = self.config, self.config.tokens_per_page
+        bad = np.zeros(len(rows), dtype=bool)
+        for _, violated, _ in rules.resize_violations(
+                h, c, h2, c2, L[WRITTEN], L[DECLARED], (h, c), self._shapes,
+                config.max_tokens_per_row, config.max_total_input_tokens, np.maximum, np.minimum):
+            bad |= violated
+        keep = -(-L[ALLOCATED] // P)
+        keep2 = np.where(c2 > 0, -(-np.minimum(c2 + reserve[index], config.max_tokens_per_row) // P), 0)
+        fast = clean & ~bad & (keep2 == keep)
+        moved = fast & ((h2 != h) | (c2 != c))
+        for i in np.flatnonzero(moved).tolist():
+            caches[i].take_resize(int(h2[i]), int(c2[i]))
+            self._dirty.add(rows[i])
+        done = np.flatnonzero(fast | (clean & bad))
+        return set(done.tolist()), [rows[i] for i in np.flatnonzero(clean & bad).tolist()]
+
+    # ---- the device-side length advance (HOST-3) ----
+    def advance(self, accepted: torch.Tensor) -> None:
+        """Advance every seated row's lengths on the device, capturable (no host work, no
+        synchronisation): ``accepted`` int32[max_rows] on the batch's device, the tokens of the
+        row's in-flight range [history, capacity) accepted this step.
+
+        Per seated row (holes and suspended rows are untouched), with width = capacity -
+        history: a row is *refused* and left unchanged when ``accepted`` is negative, exceeds
+        the width, or would move history past ``written`` (SAFE-2: what was flushed; flush
+        first); else history += accepted and capacity = history + width, cut at the row's
+        allocated pages (its reserve, ``KVCache.set_reserve``); a row cut there is counted as
+        *short*. ``advance_counters`` int64[2] counts refused and short rows, cumulatively.
+
+        The host mirror catches up without a per-step synchronisation: eagerly, ``advance``
+        queues a copy of the lengths to pinned memory and the host reads it when it next needs
+        a length (any host-side call, or a cache's ``history_length``). After replaying a
+        captured graph or a compiled call that contains ``advance``, call
+        ``record_advance()``. Windowed pages behind the window are released at that catch-up."""
+        self._check_step("Batch.advance")
+        self._check_rows_tensor("accepted", accepted)
+        h, c, lease = self.history, self.capacity, self.lease
+        seated = lease >= 0
+        width = c - h
+        new_h = h + accepted
+        refused = seated & ((accepted < 0) | (accepted > width) | (new_h > self.written))
+        moving = seated & ~refused
+        wanted = new_h + width
+        new_c = torch.minimum(wanted, self._allocated)
+        short = moving & (new_c < wanted)
+        self.history.copy_(torch.where(moving, new_h, h))
+        self.capacity.copy_(torch.where(moving, new_c, c))
+        counts = torch.stack((refused.sum(), short.sum()))
+        self.advance_counters.add_(counts)
+        if torch.compiler.is_compiling():
+            return
+        if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self.record_advance()
+
+    def record_advance(self) -> None:
+        """Queue the read-back of the device lengths after ``advance`` (on the current stream;
+        ``advance`` calls it eagerly; call it after replaying a graph that contains
+        ``advance``). The host applies it when it next needs a length."""
+        self._check_host_call("Batch.record_advance")
+        self._snapshot.copy_(self._mirror.lengths, non_blocking=True)
+        event = None
+        if self.config.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._pending_snapshot = (event,)
+
+    def catch_up(self, wait: bool = True) -> None:
+        """Apply a pending length read-back of ``advance`` to the host mirror and the member
+        caches. ``wait`` False applies it only if the GPU has finished it (``publish`` does
+        that when it has nothing else to publish, never blocking); True waits for it (every host
+        call that needs a length, and a publish of changes). Cheap
+        when none is pending. Page work the new lengths need (windowed pages to release, the
+        reserve to take again) happens at the next ``publish``."""
+        pending = self._pending_snapshot
+        if pending is None:
+            return
+        event = pending[0]
+        if event is not None:
+            if not wait and not event.query():
+                return
+            event.synchronize()
+        self._pending_snapshot = None
+        snapshot = self._snapshot.numpy()
+        L = self._mirror.host_lengths
+        moved = np.flatnonzero((snapshot[HISTORY] != L[HISTORY]) |
+                               (snapshot[CAPACITY] != L[CAPACITY]) |
+                               (snapshot[WRITTEN] != L[WRITTEN]))
+        self._mirror.take_lengths(moved, snapshot[:, moved])
+        seated = moved[L[LEASE, moved] >= 0]
+        self._stale.update(seated.tolist())
+        if self._windowed:
+            self._settle.update(seated.tolist())
+        else:  # rows whose capacity moved into their reserve: take it again
+            limit = self.config.max_tokens_per_row
+            wanted = np.minimum(L[CAPACITY, seated] + self._reserve_tokens[seated], limit)
+            self._settle.update(seated[wanted > L[ALLOCATED, seated]].tolist())
+
+    def sync_member(self, row: int) -> None:
+        """Bring the member at ``row`` up to date with lengths ``advance`` moved (catch_up, then
+        the cache takes its row of the host mirror)."""
+        self.catch_up()
+        if row in self._stale:
+            self._stale.discard(row)
+            L = self._mirror.host_lengths
+            self._rows[row].take_lengths(int(L[HISTORY, row]), int(L[CAPACITY, row]),
+                                         int(L[WRITTEN, row]))

@@ -1,0 +1,133 @@
+"""The memory of a batch, from one table of tensor specs, and the manager's batch reserve.
+
+``batch_tensor_specs`` lists every tensor a ``Batch`` allocates (name, shape, dtype, medium); the
+batch allocates exactly these and ``batch_memory_bytes`` sums them, so the reserve the manager
+sets aside can never drift from what a batch takes (STO-4). This module depends only on the
+config and the op constants, so the manager, the batch and the caches can all use it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .config import CacheConfig, SelectionGroup
+
+INT32 = torch.int32
+INT64 = torch.int64
+UINT8 = torch.uint8
+
+#: rows of the lengths part of a batch's table store (one int32[max_rows] each)
+HISTORY, CAPACITY, LEASE, WRITTEN, DECLARED, ALLOCATED = range(6)
+LENGTH_ROWS = 6
+#: pinned staging buffers of the publish ring counted in the reserve (more are made on demand
+#: only when the GPU lags this many publishes behind)
+STAGING_BUFFERS = 2
+#: bytes per staged delta entry: an int64 flat index and an int32 value
+DELTA_ENTRY_BYTES = 12
+ADVANCE_COUNTERS = 2  # advance's refused rows, rows stopped at their reserve
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a batch: ``medium`` "gpu" (the config's device) or "host" (pinned on CUDA)."""
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    medium: str = "gpu"
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def miss_list_rows(group: SelectionGroup, max_rows: int) -> int:
+    return max_rows * (group.sparse.width + group.sparse.max_inflight_units)
+
+
+def sparse_buffers(config: CacheConfig, layer: str):
+    """The non-zero sparse buffers of a layer: the ones with cells and copies (CFG-6)."""
+    return [b for b in config.layer(layer).sparse_buffers if b.bytes_per_token > 0]
+
+
+def table_entries(config: CacheConfig, num_pool_groups: int, max_rows: int) -> int:
+    """Entries of a batch's flat int32 table store: every page table, then the length rows."""
+    return num_pool_groups * max_rows * config.max_pages_per_row + LENGTH_ROWS * max_rows
+
+
+def staging_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int) -> int:
+    """Bytes of one publish staging buffer: the largest delta (every table entry) plus one int64
+    per lease whose residency a publish clears."""
+    return (table_entries(config, num_pool_groups, max_rows) * DELTA_ENTRY_BYTES
+            + max_rows * 8)
+
+
+def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int) -> list:
+    """Every tensor a batch of ``max_rows`` rows allocates (SPEC §6-7)."""
+    specs = [
+        TensorSpec("tables", (table_entries(config, num_pool_groups, max_rows),), INT32),
+        TensorSpec("delta", (staging_bytes(config, num_pool_groups, max_rows),), UINT8),
+        TensorSpec("advance_counters", (ADVANCE_COUNTERS,), INT64),
+    ]
+    specs += [TensorSpec(f"staging{i}", (staging_bytes(config, num_pool_groups, max_rows),),
+                         UINT8, "host") for i in range(STAGING_BUFFERS)]
+    specs.append(TensorSpec("snapshot", (LENGTH_ROWS, max_rows), INT32, "host"))
+    for group in config.selection_groups:
+        sp, g = group.sparse, group.index
+        specs += [
+            TensorSpec(f"resident{g}", (max_rows, sp.slots), INT32),
+            TensorSpec(f"recency{g}", (max_rows, sp.slots), INT32),
+            TensorSpec(f"index_table{g}", (max_rows, sp.width), INT32),
+            TensorSpec(f"miss_list{g}", (miss_list_rows(group, max_rows), ops.MISS_FIELDS), INT32),
+            TensorSpec(f"miss_count{g}", (ops.MISS_COUNT_WORDS,), INT32),
+            TensorSpec(f"counters{g}", (ops.NUM_COUNTERS,), INT64),
+            TensorSpec(f"inflight_slots{g}", (max_rows, sp.max_inflight_units), INT32),
+            TensorSpec(f"write_table{g}", (max_rows, sp.max_inflight_tokens + sp.tokens_per_unit - 1),
+                       INT32),
+            TensorSpec(f"inflight_start{g}", (max_rows,), INT32),
+        ]
+        for layer in group.layers:
+            for buf in sparse_buffers(config, layer):
+                cells = max_rows * sp.slots // group.units_per_page
+                specs.append(TensorSpec(
+                    f"cells:{layer}:{buf.role}",
+                    (cells, buf.chunks, config.tokens_per_page, buf.bytes_per_token // buf.chunks),
+                    UINT8))
+    return specs
+
+
+def batch_memory_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int) -> dict:
+    """GPU and host bytes of a batch: the sum of ``batch_tensor_specs``."""
+    memory = {"gpu": 0, "host": 0}
+    for spec in batch_tensor_specs(config, num_pool_groups, max_rows):
+        memory[spec.medium] += spec.nbytes
+    return memory
+
+
+class BatchReserve:
+    """The memory a manager sets aside for its batches (STO-4): batches ``take`` their memory
+    at construction and ``give_back`` it on close."""
+
+    def __init__(self, reserve: dict):
+        self.reserve = dict(reserve)
+        self.in_use = {medium: 0 for medium in reserve}
+
+    def take(self, memory: dict) -> None:
+        """Charge ``memory``; raises RuntimeError, charging nothing, when it does not fit."""
+        for medium, nbytes in memory.items():
+            if self.in_use[medium] + nbytes > self.reserve[medium]:
+                raise RuntimeError(
+                    f"Batch: {nbytes} {medium} bytes needed but only "
+                    f"{self.reserve[medium] - self.in_use[medium]} left of the batch reserve; "
+                    f"close another batch first")
+        for medium, nbytes in memory.items():
+            self.in_use[medium] += nbytes
+
+    def give_back(self, memory: dict) -> None:
+        for medium, nbytes in memory.items():
+            self.in_use[medium] -= nbytes

@@ -1,0 +1,163 @@
+"""A batch's device tables, their host mirror and the delta publish (BAT-1, BAT-3, HOST-1,
+HOST-2).
+
+Every page table and every length row of a batch is a view of one flat int32 device tensor, the
+*table store*: ``[G, max_rows, max_pages_per_row]`` page entries, then ``[6, max_rows]`` length
+rows (``memory.HISTORY`` ...). Its address never changes. The host mirror is a numpy copy of the
+store as the device holds it after the last publish.
+
+A publish writes only the entries that changed: per dirty row its six lengths, and per pool
+group the page ordinals that left or entered the row's live range since the published one (a
+decode step: none, or one page every ``tokens_per_page`` tokens; a hole or suspended row: a
+BAD fill of the pages it had). The (index, value) pairs, plus the leases whose residency must be
+cleared, go into one pinned staging buffer, travel in one host-to-device copy and are applied by
+one ``index_put_`` on the current stream. Staging buffers form a ring recycled through
+``Event.query()``: the host never waits on the GPU; when every buffer is still in use (the GPU
+lags that many publishes behind) a new one is made.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .config import BAD
+from .memory import LEASE, LENGTH_ROWS, staging_bytes
+
+
+def changed_ranges(old: tuple, new: tuple, same_owner: bool) -> list:
+    """Page ordinals whose entries differ between a published live range ``old`` = (first,
+    end) and the new one, as disjoint [lo, hi) ranges. Entries inside both ranges are equal
+    when the owner is the same (a live page keeps its slot)."""
+    (pf, pk), (f, k) = old, new
+    old_empty, new_empty = pk <= pf, k <= f
+    if old_empty or new_empty:
+        return [r for r, empty in ((old, old_empty), (new, new_empty)) if not empty]
+    if f >= pk or pf >= k:  # disjoint
+        return [old, new]
+    if not same_owner:
+        return [(min(pf, f), max(pk, k))]
+    return [(lo, hi) for lo, hi in ((min(pf, f), max(pf, f)), (min(pk, k), max(pk, k))) if lo < hi]
+
+
+class _Staging:
+    """One pinned staging buffer and the event of the copy that last read it."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.bytes = tensor.numpy()
+        self.event: Optional[torch.cuda.Event] = None
+
+    def free(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class TableMirror:
+    """The table store of a batch (device), its host mirror, and the delta publish."""
+
+    def __init__(self, config, num_pool_groups: int, max_rows: int, allocated: dict):
+        self.config, self.G, self.R = config, num_pool_groups, max_rows
+        self.P = config.max_pages_per_row
+        self.store = allocated["tables"]
+        self.offset = self.G * max_rows * self.P  # where the length rows start
+        self.page_tables = [self.store[g * max_rows * self.P:(g + 1) * max_rows * self.P]
+                            .view(max_rows, self.P) for g in range(self.G)]
+        self.lengths = self.store[self.offset:].view(LENGTH_ROWS, max_rows)
+        self.host = np.full(self.store.numel(), BAD, dtype=np.int32)
+        self.host_lengths = self.host[self.offset:].reshape(LENGTH_ROWS, max_rows)
+        self.host_lengths[:] = 0
+        self.host_lengths[LEASE] = BAD
+        self.store.copy_(torch.from_numpy(self.host))
+        self.delta = allocated["delta"]
+        self.ring = [_Staging(allocated[name]) for name in sorted(allocated)
+                     if name.startswith("staging")]
+        self.published_owner: list = [None] * max_rows
+        self.published_live = [[(0, 0)] * self.G for _ in range(max_rows)]
+        self._length_index = (np.arange(LENGTH_ROWS, dtype=np.int64)[:, None] * max_rows
+                              + self.offset)
+        self.extra_staging = 0  # staging buffers made beyond the reserve's
+
+    def lengths_after(self, rows: list, values: list) -> np.ndarray:
+        """The host length rows as they would be after publishing ``values`` for ``rows``."""
+        out = self.host_lengths.copy()
+        if rows:
+            out[:, rows] = np.asarray(values, dtype=np.int32).T
+        return out
+
+    def publish(self, rows: list, owners: list, values: list, leases: list, clear_leases) -> None:
+        """Stage and apply the delta of ``rows`` (each with its owner cache or None for a hole
+        or suspended row and its six length values) and clear the residency of ``leases``
+        (``clear_leases(device int64 tensor)``)."""
+        index_parts, value_parts = [], []
+        for row, owner in zip(rows, owners):
+            previous = self.published_owner[row]
+            live = self.published_live[row]
+            for g in range(self.G):
+                first, end, lowest = owner.live_range(g) if owner is not None else (0, 0, 0)
+                new, old = (first, end), live[g]
+                if owner is previous and new == old and lowest >= end:
+                    continue
+                base = (g * self.R + row) * self.P
+                ranges = changed_ranges(old, new, owner is previous)
+                if owner is previous:  # pages freed and taken again since the last publish
+                    lo, hi = max(lowest, old[0], first), min(old[1], end)
+                    if lo < hi:
+                        ranges.append((lo, hi))
+                for lo, hi in ranges:
+                    index_parts.append(np.arange(base + lo, base + hi, dtype=np.int64))
+                    value_parts.append(owner.page_row(g)[lo:hi] if owner is not None
+                                       else np.full(hi - lo, BAD, dtype=np.int32))
+                live[g] = new
+            self.published_owner[row] = owner
+            if owner is not None:
+                owner.mark_published()
+        if rows:
+            index_parts.append((self._length_index + np.asarray(rows, dtype=np.int64)).ravel())
+            value_parts.append(np.asarray(values, dtype=np.int32).T.ravel())
+        index = np.concatenate(index_parts) if index_parts else np.empty(0, dtype=np.int64)
+        value = np.concatenate(value_parts) if value_parts else np.empty(0, dtype=np.int32)
+        self._upload(index, value, np.asarray(leases, dtype=np.int64), clear_leases)
+        self.host[index] = value
+
+    def _upload(self, index: np.ndarray, value: np.ndarray, leases: np.ndarray,
+                clear_leases) -> None:
+        n, m = len(index), len(leases)
+        nbytes = 8 * m + 12 * n
+        staging = self._free_staging()
+        buf = staging.bytes
+        buf[:8 * m].view(np.int64)[:] = leases
+        buf[8 * m:8 * (m + n)].view(np.int64)[:] = index
+        buf[8 * (m + n):nbytes].view(np.int32)[:] = value
+        device = self.delta[:nbytes]
+        device.copy_(staging.tensor[:nbytes], non_blocking=True)
+        if self.store.device.type == "cuda":
+            if staging.event is None:
+                staging.event = torch.cuda.Event()
+            staging.event.record()
+        if n:
+            self.store.index_put_((device[8 * m:8 * (m + n)].view(torch.int64),),
+                                  device[8 * (m + n):nbytes].view(torch.int32))
+        if m:
+            clear_leases(device[:8 * m].view(torch.int64))
+
+    def _free_staging(self) -> _Staging:
+        for staging in self.ring:
+            if staging.free():
+                return staging
+        pin = self.store.device.type == "cuda"
+        size = staging_bytes(self.config, self.G, self.R)
+        staging = _Staging(torch.zeros(size, dtype=torch.uint8, pin_memory=pin))
+        self.ring.append(staging)
+        self.extra_staging += 1
+        return staging
+
+    def host_view(self) -> dict:
+        pages = self.host[:self.offset].reshape(self.G, self.R, self.P)
+        lengths = self.host_lengths
+        pages.flags.writeable = False  # views share the flag with nothing else
+        return {"page_tables": pages, "lengths": lengths.copy()}
+
+    def take_lengths(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Host length rows read back from the device (after ``Batch.advance``)."""
+        self.host_lengths[:, rows] = values
