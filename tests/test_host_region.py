@@ -239,6 +239,15 @@ def test_garbage_collection_of_an_unclosed_manager_releases_its_region():
 
 # ---- STO-8: admission ----
 
+def prefill(cache, tokens: int, history: int) -> bool:
+    """A request's prefill: pages for ``tokens``, the host-direct part declared written, history
+    advanced over it; False (nothing changed) when the pools cannot supply the pages."""
+    if not cache.resize(capacity=tokens):
+        return False
+    cache.record_host_write(history)
+    return cache.resize(history=history)
+
+
 def test_can_fit_matches_what_the_first_resize_of_a_request_gets():
     manager = kv.KVCacheManager(dsa_config())
     config = manager.config
@@ -252,27 +261,33 @@ def test_can_fit_matches_what_the_first_resize_of_a_request_gets():
     admitted = 0
     while manager.can_fit(64):
         cache = manager.create_cache()
-        assert cache.resize(capacity=64, history=history_of(64))
+        assert prefill(cache, 64, history_of(64))
         admitted += 1
     cache = manager.create_cache()
-    assert cache.resize(capacity=64, history=history_of(64)) is False
+    assert prefill(cache, 64, history_of(64)) is False
     assert admitted > 0
     smallest = min(g.free_slots for g in groups if g.window is None)
     assert manager.can_fit(4, count=smallest) and not manager.can_fit(4, count=smallest + 1)
 
 
-def test_can_fit_counts_only_the_pages_a_window_still_reaches():
-    """The windowed dense group (window 8, 4-token pages) needs far fewer pages per request."""
+def test_can_fit_counts_a_windowed_group_at_the_prefill_peak():
+    """A windowed group (window 8, 4-token pages) releases pages only once history advances, so
+    a request's prefill needs all its prompt's pages there first: can_fit says no with fewer
+    left, and the prefill indeed fails without changing anything; with enough left both agree."""
     config = dsa_config(layers=1, window_layer=True)
     manager = kv.KVCacheManager(config)
     swa = next(g for g in manager.storage.groups if g.window is not None)
-    full = [g for g in manager.storage.groups if g.window is None]
-    swa.allocate(swa.free_slots - 6)  # 6 window pages left; 64 tokens need 16 pages unwindowed
-    assert manager.can_fit(64)
     history = min(g.sparse.inflight_start(0, 64) for g in config.selection_groups)
+    held = swa.allocate(swa.free_slots - 15)  # 15 pages left; 64 tokens need 16 at first
+    free = [g.free_slots for g in manager.storage.groups]
+    assert not manager.can_fit(64)
+    assert prefill(manager.create_cache(), 64, history) is False
+    assert [g.free_slots for g in manager.storage.groups] == free
+    swa.release(held[:1])
+    assert manager.can_fit(64)
     cache = manager.create_cache()
-    assert cache.resize(capacity=64, history=history)
-    assert all(g.free_slots >= 0 for g in full)
+    assert prefill(cache, 64, history)
+    assert swa.free_slots > 0  # the window gave back what history left behind it
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

@@ -92,28 +92,20 @@ class KVCacheManager:
     # ---- admission and lifetime (STO-8, STO-9) ----
     def can_fit(self, tokens: int, count: int = 1) -> bool:
         """Whether ``count`` new requests of ``tokens`` tokens each fit the pools now, changing
-        nothing (STO-8). A request needs, in each pool group, the pages a fresh cache holds after
-        its first ``resize(capacity=tokens, history=h)`` with ``h`` as far as that call accepts
-        (``tokens`` without sparse layers, else where the in-flight range starts; a windowed
-        group holds only the pages its window still reaches). Free slots include those in
-        chunks not committed yet: a commit that then fails for lack of memory makes ``resize``
-        return False."""
+        nothing (STO-8). A request of ``tokens`` tokens needs ``ceil(tokens / P)`` pages in every
+        pool group: its prefill allocates the whole prompt's pages before history advances, so a
+        windowed group releases the pages behind its window only afterwards. Free slots include
+        those in chunks not committed yet: a commit that then fails for lack of memory makes
+        ``resize`` return False."""
         self._check_open("KVCacheManager.can_fit")
         tokens, count = check_int("tokens", tokens), check_int("count", count)
         config = self.config
         if tokens > config.max_tokens_per_row:
             raise ValueError(f"can_fit: tokens ({tokens}) exceeds max_tokens_per_row "
                              f"({config.max_tokens_per_row})")
-        history = min((g.sparse.inflight_start(0, tokens) for g in config.selection_groups),
-                      default=tokens)
-        P = config.tokens_per_page
-        for group in self.storage.groups:
-            keep = ceil_div(tokens, P)
-            first_live = 0
-            if group.window is not None and history > group.window:
-                first_live = min((history - group.window) // P, keep)
-            if (keep - first_live) * count > group.free_slots:
-                return False
+        pages = ceil_div(tokens, config.tokens_per_page) * count
+        if any(pages > group.free_slots for group in self.storage.groups):
+            return False
         return True
 
     @property
