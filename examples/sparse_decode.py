@@ -302,13 +302,14 @@ def write_rows(paged: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -
     for every index that is not BAD, in a paged uint8 buffer or cells [n, 1, P, B], with fixed
     shapes (compilable, capturable): each token's bytes as int32 words get (new - old) added at
     valid indices and 0 at BAD ones (routed to token 0). Integer adds wrap exactly, and rows
-    write distinct tokens, so the result is the new bits exactly."""
+    write distinct tokens, so the result is the new bits exactly. (``index_add_``, not
+    ``index_put_(accumulate=True)``, whose CUDA kernel checks the index range on the host.)"""
     words = as_tokens(paged, torch.int32)
     new = values.contiguous().view(torch.int32)
     valid = index >= 0
     safe = torch.where(valid, index, 0).long()
     delta = torch.where(valid[:, None], new - words[safe], 0)
-    words.index_put_((safe,), delta, accumulate=True)
+    words.index_add_(0, safe, delta)
 
 
 def decode_layer(batch, group: int, layer: str, wanted, selected, q, latent, position, U: int):
