@@ -534,14 +534,13 @@ class SparseDecoder:
     def host_part(self, step: int, run=None) -> dict:
         """The host's part of decode step ``step`` (numbered from 0) around the step: ``run``
         None calls ``decode_step`` eagerly; else ``run()`` is the step run without the host (a
-        graph replay, or a traced ``decode_step``) and returns its probes. In order:
-        the step's noise into its static tensor; page work only when a row may need it
-        (``make_room``); ``publish`` (nothing to upload in steady state: it takes a finished
-        length read-back and the pages of rows that reached their reserve); the step; and, when
-        the step was not run eagerly (a replay does not call the host), ``record_advance``, which
-        queues the read-back of the lengths and watermarks that the step's flush and advance
-        moved on the device (a flush's host record, record_flush, with a read-back pending, is
-        that same read-back)."""
+        graph replay, or a traced ``decode_step``) and returns its probes. In order: the step's
+        noise into its static tensor; page work only when a row may need it (``make_room``);
+        ``publish`` (nothing to upload in steady state: it takes a finished length read-back and
+        allocates the next pages of rows that reached their reserve); the step; after a step run
+        without the host, ``record_advance``, which queues the read-back of what the step's
+        flush and advance moved on the device (lengths and the written watermark: with a
+        read-back pending, ``record_flush`` would queue just that again)."""
         self.noise.copy_(self.gumbel[step + 1])
         self.make_room(step)
         self.batch.publish()
