@@ -302,8 +302,9 @@ def write_rows(paged: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -
     for every index that is not BAD, in a paged uint8 buffer or cells [n, 1, P, B], with fixed
     shapes (compilable, capturable): each token's bytes as int32 words get (new - old) added at
     valid indices and 0 at BAD ones (routed to token 0). Integer adds wrap exactly, and rows
-    write distinct tokens, so the result is the new bits exactly. (``index_add_``, not
-    ``index_put_(accumulate=True)``, whose CUDA kernel checks the index range on the host.)"""
+    write distinct tokens, so the result is the new bits exactly. ``index_add_`` adds with
+    atomics (``index_put_(accumulate=True)`` sorts the indices first and, in older torch
+    versions, checks their range on the host, which a capture forbids)."""
     words = as_tokens(paged, torch.int32)
     new = values.contiguous().view(torch.int32)
     valid = index >= 0
