@@ -7,8 +7,9 @@ without a usable GPU fails in one line.
 Each example runs in a subprocess that imports the same torch_kvcm2 as this test process. The
 decode step of sparse_decode.py, which --graph captures as one CUDA graph, is also driven in
 this process: traced whole with fullgraph=True it equals the eager step (nothing in it needs the
-host), and the host's page work keeps every row inside its reserve when the device's lengths
-never come back in time.
+host); the host's page work keeps every row inside its reserve when the device's lengths never
+come back in time; and the --graph loop, with a stand-in for the graph on the CPU, checks every
+replay's outputs after the loop.
 """
 import os
 import subprocess
@@ -191,3 +192,35 @@ def test_decode_host_tops_up_pages_when_the_lengths_come_back_late():
         else:
             run.batch.catch_up()
             assert run.batch.advance_counters.tolist()[1] > 0  # rows cut short at their reserve
+
+
+def test_graph_loop_checks_every_replay_after_the_loop():
+    """The --graph loop on the CPU, with a stand-in for the CUDA graph: a "replay" runs the
+    traced step and copies its outputs into the same tensors every time, as a replayed graph
+    does. The loop copies each replay's outputs aside and checks them all after the loop: every
+    step is checked, and the run ends as the eager one does."""
+    torch._dynamo.reset()
+    results = []
+    for graph in (False, True):
+        run = decoder("--steps", "6")
+        if graph:
+            traced = torch.compile(run.decode_step, fullgraph=True, backend="aot_eager")
+            outputs = {}
+
+            def capture():
+                run.batch.publish()
+                run.graph = "captured"
+
+            def replay():
+                for name, value in traced().items():
+                    outputs.setdefault(name, torch.empty_like(value)).copy_(value)
+                run.replays += 1
+                return outputs
+
+            run.args.graph, run.capture, run.replay = True, capture, replay
+        run.decode(run.args.steps)
+        assert len(run.host_s) == run.args.steps - graph  # the first step is timed apart
+        results.append(finish(run))
+    assert run.replays == run.args.steps - 1
+    assert results[0] == results[1]
+    assert results[0][4] == 2 * 4 * 6  # every step's outputs checked
