@@ -13,28 +13,45 @@ group. Per layer two buffers:
 Each query attends to its top-K earlier units plus the unit it is in (always, as in MoBA), all
 read from the cells through the index table of ``Batch.resolve``. Prompts are prefilled (their
 attention runs on the activations, as an engine's prefill kernel does; the cache only stores
-them), then N tokens are decoded in the documented order: publish; per group the indexer and
-resolve on its first layer; per layer fetch, write the new token's KV, attention over the cells;
-flush; resize. Every decode attention output is compared with a dense reference that keeps every
-token's latent in an ordinary tensor; every indexer key read from the pool and, at the end, every
-history token on the host pages are compared bit for bit. Any mismatch exits with status 1.
+them), then N tokens are decoded on the fast path. A decode step is one function of fixed-address
+tensors (``SparseDecoder.decode_step``: the step's tokens, sampling noise and accepted counts in,
+the next tokens out) with no host work: per selection group its indexer (the new indexer key
+written into the dense pool, every key read back through the page table, the top-K units),
+resolve and write indices; per layer fetch, the new token's latent written into its cell,
+attention over the cells; then ``flush`` of the accepted tokens and ``Batch.advance``, which moves
+history and capacity on the device inside a page reserve kept per row (``--reserve-pages``).
+The host's part of a step is: the step's inputs into those tensors, page work only when a row
+may run out of its reserve (then it waits for the device's lengths, and the publish takes the
+row's next pages), ``publish`` (a no-op in steady state), and the step: called (eager), or
+replayed as one CUDA graph (``--graph``) followed by ``record_advance``.
+
+Every decode attention output is compared with a dense reference that keeps every token's
+latent in an ordinary tensor; every indexer key read from the pool and, at the end, every history
+token on the host pages are compared bit for bit, and no row may have been refused or cut short
+by ``advance``. Any mismatch exits with status 1. The checks are not timed: eagerly they run
+after each step; with ``--graph`` each replay's outputs are copied aside and checked after the
+loop. The script prints tokens/s and the host time per step (median wall time of the host's part
+of a step, as above), in every mode.
 
 With ``--compile`` each decode layer's cache work and attention (``decode_layer``: the group's
 resolve and write indices on its first layer, the layer's fetch, the new token's write into its
 cell, attention over the cells) runs as one ``torch.compile(fullgraph=True)`` module, and with
 ``--compile reduce-overhead`` (CUDA) as CUDA-graph replays; every output is also compared with
-the eager attention over the same cells.
+the eager attention over the same cells. ``--graph`` (CUDA) runs the first step eagerly, then
+captures the whole step once with ``torch.cuda.CUDAGraph`` and replays it for every other step.
 
-    python examples/sparse_decode.py [--compile [reduce-overhead]] [--device cpu] [--help]
+    python examples/sparse_decode.py [--graph | --compile [reduce-overhead]] [--device cpu] [--help]
 """
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 import torch_kvcm2 as kv
@@ -83,18 +100,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="indexer key width (float32)")
     p.add_argument("--vocab", type=positive_int, default=512, help="vocabulary size")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampling")
+    p.add_argument("--reserve-pages", type=positive_int, default=2,
+                   help="pages each row keeps allocated beyond its capacity, so that the device "
+                        "advances its lengths without the host (Batch.advance)")
     add_device_flag(p)
-    p.add_argument("--compile", nargs="?", const="default", choices=("default", "reduce-overhead"),
-                   help="run each decode layer's cache ops and attention under "
-                        "torch.compile(fullgraph=True) (mode 'default', or 'reduce-overhead': CUDA "
-                        "graphs, GPU only), checked against eager")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--compile", nargs="?", const="default", choices=("default", "reduce-overhead"),
+                      help="run each decode layer's cache ops and attention under "
+                           "torch.compile(fullgraph=True) (mode 'default', or 'reduce-overhead': "
+                           "CUDA graphs, GPU only), checked against eager")
+    mode.add_argument("--graph", action="store_true",
+                      help="capture the whole decode step once as one CUDA graph and replay it "
+                           "for every step after the first (GPU only)")
     args = p.parse_args(argv)
     if args.latent % 2:
         p.error(f"argument --latent: {args.latent} is odd; it must be even (the compiled cell "
                 f"write moves 4-byte words)")
-    if args.compile and args.steps < 2:
-        p.error(f"argument --steps: {args.steps} is too few with --compile: the first step "
-                f"compiles and is timed apart, so at least 2 are needed")
+    if (args.compile or args.graph) and args.steps < 2:
+        mode = "--graph" if args.graph else "--compile"
+        p.error(f"argument --steps: {args.steps} is too few with {mode}: the first step "
+                f"{'runs before the capture' if args.graph else 'compiles'} and is timed apart, "
+                f"so at least 2 are needed")
     check_cache_flags(p, args)
     args.prompts = [args.prompt_lengths[i % len(args.prompt_lengths)] for i in range(args.rows)]
     try:  # any rule the checks above do not state: the library's own message
@@ -128,9 +154,10 @@ def check_cache_flags(p: argparse.ArgumentParser, args) -> None:
 
 def pick_device_for(args) -> torch.device:
     device = pick_device(args.device)
-    if args.compile == "reduce-overhead" and device.type != "cuda":
-        usage_error("--compile reduce-overhead (CUDA graphs) needs a GPU"
-                    + (": drop --device cpu" if cuda_usable() else f" ({GPU})"))
+    what = ("--compile reduce-overhead (CUDA graphs)" if args.compile == "reduce-overhead" else
+            "--graph (one CUDA graph per decode step)" if args.graph else None)
+    if what and device.type != "cuda":
+        usage_error(f"{what} needs a GPU" + (": drop --device cpu" if cuda_usable() else f" ({GPU})"))
     return device
 
 
@@ -138,7 +165,8 @@ def pick_device_for(args) -> torch.device:
 
 def build_config(args, device) -> kv.CacheConfig:
     P, U, L = args.tokens_per_page, args.tokens_per_unit, args.layers
-    max_tokens = -(-(max(args.prompts) + args.steps + 1) // P) * P  # whole pages
+    # whole pages, for the longest row's tokens and the reserve of pages beyond them
+    max_tokens = -(-(max(args.prompts) + args.steps + 1 + args.reserve_pages * P) // P) * P
     sparse = {}  # one SparseSpec per selection group; its layers share residency and resolve
     layers = []
     for i in range(L):
@@ -216,9 +244,18 @@ class Model:
     def residual(self, layer, x, attended):
         return x + attended.flatten(-2) @ self.w[layer]["o"]
 
-    def sample(self, x, generator):
-        logits = rms_norm(x) @ self.embedding.T * x.shape[-1] ** -0.5  # unit-variance logits
-        return torch.multinomial(logits.float().softmax(-1).cpu(), 1, generator=generator)
+    def sample(self, x, noise):
+        """The next token per row of hidden states x[R, d]: int64[R, 1] drawn from the softmax of
+        unit-variance logits by the Gumbel-max rule with ``noise`` float32[R, vocab] (Gumbel
+        samples, ``gumbel_noise``): argmax(logits + noise). Tensor ops only: capturable."""
+        logits = rms_norm(x) @ self.embedding.T * x.shape[-1] ** -0.5
+        return (logits.float() + noise).argmax(-1, keepdim=True)
+
+
+def gumbel_noise(shape, generator) -> torch.Tensor:
+    """Standard Gumbel samples -log(-log(u)), u uniform in (0, 1), on the CPU."""
+    u = torch.rand(shape, generator=generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+    return (-(-u.log()).log()).float()
 
 
 # ---------------------------------------------------------------- indexer and attention
@@ -240,6 +277,12 @@ def select_units(query, keys, key_ok, qpos, K: int, U: int) -> torch.Tensor:
     return torch.cat([current[..., None], picks, padding], -1).int()
 
 
+def per_token(mask: torch.Tensor, U: int) -> torch.Tensor:
+    """[..., W] per unit -> [..., W*U] per token (each entry repeated U times; no
+    data-dependent shape)."""
+    return mask[..., None].expand(*mask.shape, U).flatten(-2)
+
+
 def unit_tokens(units: torch.Tensor, U: int) -> torch.Tensor:
     """[..., W] unit numbers u -> [..., W*U] token numbers u*U + t: with entries these are cell
     token indices (entry*U + t mod U), with ordinals token positions."""
@@ -254,17 +297,20 @@ def softmax_attend(q, kv, valid):
     return torch.einsum("...hn,...nd->...hd", scores.softmax(-1), kv)
 
 
-def write_cells(cells: torch.Tensor, index: torch.Tensor, latent: torch.Tensor) -> None:
-    """cells' token index[r] = latent[r] (KV_DTYPE[R, D]) for every index that is not BAD, with
-    fixed shapes (compilable, capturable): each token's bytes as int32 words get (new - old) added
-    at valid indices and 0 at BAD ones (routed to token 0). Integer adds wrap exactly, and rows
-    write distinct tokens, so the result is the new bits exactly."""
-    words = as_tokens(cells, torch.int32)
-    new = latent.contiguous().view(torch.int32)
+def write_rows(paged: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """paged's token index[r] = values[r] (one row of a whole number of 4-byte words per token)
+    for every index that is not BAD, in a paged uint8 buffer or cells [n, 1, P, B], with fixed
+    shapes (compilable, capturable): each token's bytes as int32 words get (new - old) added at
+    valid indices and 0 at BAD ones (routed to token 0). Integer adds wrap exactly, and rows
+    write distinct tokens, so the result is the new bits exactly. ``index_add_`` adds with
+    atomics (``index_put_(accumulate=True)`` sorts the indices first and, in older torch
+    versions, checks their range on the host, which a capture forbids)."""
+    words = as_tokens(paged, torch.int32)
+    new = values.contiguous().view(torch.int32)
     valid = index >= 0
     safe = torch.where(valid, index, 0).long()
     delta = torch.where(valid[:, None], new - words[safe], 0)
-    words.index_put_((safe,), delta, accumulate=True)
+    words.index_add_(0, safe, delta)
 
 
 def decode_layer(batch, group: int, layer: str, wanted, selected, q, latent, position, U: int):
@@ -281,7 +327,7 @@ def decode_layer(batch, group: int, layer: str, wanted, selected, q, latent, pos
     cells = batch.cells(layer, "kv")
     column = (position - state.inflight_start).long()[:, None]
     slot = table.gather(1, column.clamp(0, table.shape[1] - 1))[:, 0]
-    write_cells(cells, torch.where((column[:, 0] >= 0) & (column[:, 0] < table.shape[1]), slot, BAD),
+    write_rows(cells, torch.where((column[:, 0] >= 0) & (column[:, 0] < table.shape[1]), slot, BAD),
                 latent)
     return attend_cells(q, cells, state.index_table, selected, batch.capacity, U)
 
@@ -293,7 +339,7 @@ def attend_cells(q, cells, index, selected, capacity, U: int):
     tensor function with fixed shapes."""
     latent = as_tokens(cells, KV_DTYPE)
     tokens = unit_tokens(index.clamp(min=0), U)
-    valid = (index >= 0).repeat_interleave(U, -1) & (unit_tokens(selected, U) < capacity[:, None])
+    valid = per_token(index >= 0, U) & (unit_tokens(selected, U) < capacity[:, None])
     return softmax_attend(q, latent[tokens].float(), valid)
 
 
@@ -301,7 +347,7 @@ def attend_dense(q, kv, selected, qpos, U: int):
     """Attention of q[R, Tq, H, D] at positions qpos[R, Tq] over the selected units' tokens at
     or before qpos, taken from a dense latent kv[R, T, D] (prefill activations, the reference)."""
     positions = unit_tokens(selected, U)  # [R, Tq, W*U]
-    valid = (selected >= 0).repeat_interleave(U, -1) & (positions <= qpos[..., None])
+    valid = per_token(selected >= 0, U) & (positions <= qpos[..., None])
     rows = torch.arange(kv.shape[0], device=kv.device)[:, None, None]
     positions = positions.clamp(0, kv.shape[1] - 1)  # a unit may run past a prompt: masked
     return softmax_attend(q, kv[rows, positions].float(), valid)
@@ -339,16 +385,33 @@ class SparseDecoder:
         self.model = Model(args, self.config, device)
         self.ref = DenseReference(self.config, args, device)
         self.caches = [self.manager.create_cache() for _ in args.prompts]
-        T = self.config.max_tokens_per_row
-        self.all_positions = torch.arange(T, dtype=torch.int32, device=device).repeat(args.rows, 1)
+        for cache in self.caches:  # pages beyond capacity, so that advance needs no host
+            cache.set_reserve(args.reserve_pages * args.tokens_per_page)
+        R, T = args.rows, self.config.max_tokens_per_row
+        self.all_positions = torch.arange(T, dtype=torch.int32, device=device).repeat(R, 1)
+        # The static inputs of a decode step (a captured graph reads them at fixed addresses):
+        # each row's token (the step writes the next one), the sampling noise, and the tokens
+        # each row accepts (all of its one in-flight token: no speculation in this script).
+        self.tokens = torch.zeros(R, 1, dtype=torch.long, device=device)
+        self.noise = torch.zeros(R, args.vocab, device=device)
+        self.accepted = torch.ones(R, dtype=torch.int32, device=device)
+        self.sampler = torch.Generator().manual_seed(args.seed + 1)  # the prompts
+        # Gumbel noise of every sampling (the prefill's, then each step's), made up front
+        self.gumbel = gumbel_noise((args.steps + 1, R, args.vocab),
+                                   torch.Generator().manual_seed(args.seed + 2)).to(device)
         self.decode_layer = decode_layer
         if args.compile:
             # one compiled graph per layer (its cells are guarded by identity) and per role
             torch._dynamo.config.recompile_limit = max(8, 2 * args.layers)
             self.decode_layer = torch.compile(decode_layer, fullgraph=True, dynamic=False,
                                               mode=args.compile)
-        self.sampler = torch.Generator().manual_seed(args.seed + 1)
-        self.checked, self.max_error, self.compile_s = 0, 0.0, 0.0
+        self.graph = None  # --graph: the captured decode step, and the outputs it writes
+        self.graph_probes = None
+        self.start_history = None  # each row's history when decoding starts
+        self.checked, self.max_error, self.first_s = 0, 0.0, 0.0
+        self.host_s = []  # host time of each timed step
+        self.waits = 0  # steps whose host waited for the device's lengths (page work)
+        self.replays = 0
         self.timer = Timer(device)  # runs during decode only
 
     # ---- cache access ----
@@ -362,19 +425,15 @@ class SparseDecoder:
                                   place.pos, self.config.tokens_per_page)
         return out
 
-    def write_indexer_keys(self, layer, positions, keys):
-        view = as_tokens(self.manager.storage.view(layer, "indexer_k"), KEY_DTYPE)
-        write_tokens(view, self.token_indices(layer, "indexer_k", positions), keys)
-
     def read_indexer_keys(self, layer):
-        """Every row's indexer keys for all positions, read from the dense pool, and a mask of
-        those that exist (below capacity); checked against the reference."""
+        """Every row's indexer keys for all positions, read from the dense pool through the page
+        table, and a mask of those that exist (below capacity). Fixed shapes."""
         index = self.token_indices(layer, "indexer_k", self.all_positions)
         keys = as_tokens(self.manager.storage.view(layer, "indexer_k"), KEY_DTYPE)
-        keys, ok = keys[index.clamp(min=0).long()], index >= 0
-        with self.timer.paused():
-            check(torch.equal(keys[ok], self.ref.keys[layer][ok]), f"{layer}: indexer keys differ")
-        return keys, ok
+        return keys[index.clamp(min=0).long()], index >= 0
+
+    def check_indexer_keys(self, layer, keys, ok):
+        check(torch.equal(keys[ok], self.ref.keys[layer][ok]), f"{layer}: indexer keys differ")
 
     def write_kv(self, layer, positions, latent, table, start):
         """Tokens at ``positions`` [rows, N] (-1 = none): [history, start) straight to their host
@@ -387,104 +446,214 @@ class SparseDecoder:
         index = torch.where(in_cells, table.gather(1, column.clamp(0, table.shape[1] - 1)), BAD)
         write_tokens(as_tokens(self.batch.cells(layer, "kv"), KV_DTYPE), index, latent)
 
-    # ---- one forward pass over new tokens ----
-    def forward(self, tokens, positions, qpos):
-        """Run tokens [rows, N] at positions (-1 = padding) through every layer, writing their
-        KV; queries sit at qpos. N > 1 is a prefill (attention over the activations), N == 1 a
-        decode step (attention over the cells, checked). Returns the final hidden states."""
+    # ---- the prefill (eager, host path) ----
+    def prefill(self) -> None:
+        """Seat every request with its prompt as new tokens, run the prompts through every layer
+        (attention over the activations; KV into host pages and cells), flush, take history
+        over them with room for the first decoded token, and sample it into ``self.tokens``."""
         batch, U, K = self.batch, self.args.tokens_per_unit, self.args.topk
-        decode = tokens.shape[1] == 1
+        for cache, length in zip(self.caches, self.args.prompts):
+            check(cache.resize(capacity=length), "resize: out of pages")  # the whole prompt is new
+            batch.add(cache)
+        R, N = self.args.rows, max(self.args.prompts)
+        tokens = torch.randint(self.args.vocab, (R, N), generator=self.sampler).to(self.device)
+        qpos = torch.arange(N, dtype=torch.int32, device=self.device).repeat(R, 1)
+        lengths = torch.tensor(self.args.prompts, device=self.device)
+        positions = torch.where(qpos < lengths[:, None], qpos, BAD)
         batch.publish()
         x = self.model.embedding[tokens]
         for group in self.config.selection_groups:
             for i, layer in enumerate(group.layers):
                 h, q, latent = self.model.attention_inputs(layer, x)
-                if i == 0:  # the group's indexer and its one resolve, shared by its layers
+                if i == 0:  # the group's indexer, shared by its layers
                     iq, ik = self.model.indexer_inputs(layer, h)
                     self.ref.store(self.ref.keys[layer], positions, ik)
-                    self.write_indexer_keys(layer, positions, ik)
+                    view = as_tokens(self.manager.storage.view(layer, "indexer_k"), KEY_DTYPE)
+                    write_tokens(view, self.token_indices(layer, "indexer_k", positions), ik)
                     keys, key_ok = self.read_indexer_keys(layer)
+                    self.check_indexer_keys(layer, keys, key_ok)
                     selected = select_units(iq, keys, key_ok, qpos, K, U)
+                    # a prefill has no history to select from: resolve seats its tail
+                    batch.resolve(group.index, torch.full_like(selected[:, 0], BAD))
+                    table, start = batch.write_indices(group.index)
                 self.ref.store(self.ref.kv[layer], positions, latent)
-                if decode:  # resolve (first layer), fetch, write, attention: decode_layer
-                    wanted = selected[:, 0] if i == 0 else None
-                    out = self.decode_attention(group.index, layer, wanted, selected, q[:, 0],
-                                                latent[:, 0], qpos)[:, None]
-                else:
-                    if i == 0:  # a prefill has no history to select from: resolve seats its tail
-                        batch.resolve(group.index, torch.full_like(selected[:, 0], BAD))
-                        table, start = batch.write_indices(group.index)
-                    batch.fetch(layer)  # every layer of the group, after each resolve
-                    self.write_kv(layer, positions, latent, table, start)
-                    out = attend_dense(q, latent, selected, qpos, U)
+                batch.fetch(layer)  # every layer of the group, after each resolve
+                self.write_kv(layer, positions, latent, table, start)
+                out = attend_dense(q, latent, selected, qpos, U)
                 x = self.model.residual(layer, x, out)
-        if not decode:
-            batch.record_host_writes()  # the prefill wrote [history, start) to host pages
+        batch.record_host_writes()  # the prefill wrote [history, start) to host pages
         batch.flush()
         for cache in self.caches:  # flushed: history advances; room for the next token
             check(cache.resize(history=cache.capacity, capacity=cache.capacity + 1),
                   "resize: out of pages")
-        return x
+        batch.publish()
+        last = x[torch.arange(R, device=self.device), lengths - 1]
+        self.tokens.copy_(self.model.sample(last, self.gumbel[0]))
+        self.start_history = np.array([c.history_length for c in self.caches], dtype=np.int64)
 
-    def decode_attention(self, group, layer, wanted, selected, q, latent, qpos):
-        """decode_layer (compiled with --compile), checked against eager attention over the same
-        cells and against the dense reference, with the checks' time kept out of the timing."""
-        U = self.args.tokens_per_unit
-        out = self.decode_layer(self.batch, group, layer, wanted, selected[:, 0], q, latent,
-                                qpos[:, 0], U)
-        with self.timer.paused():
-            out = out.clone()  # a CUDA-graph output is overwritten by the next replay
-            if self.args.compile:
-                eager = attend_cells(q, self.batch.cells(layer, "kv"),
-                                     self.batch.group(group).index_table, selected[:, 0],
-                                     self.batch.capacity, U)
-                torch.testing.assert_close(out, eager,
-                                           msg=lambda m: f"{layer}: compiled != eager\n{m}")
-            want = attend_dense(q[:, None], self.ref.kv[layer], selected, qpos, U)[:, 0]
-            torch.testing.assert_close(out, want,
-                                       msg=lambda m: f"{layer}: cells != dense reference\n{m}")
-            self.max_error = max(self.max_error, (out - want).abs().max().item())
-            self.checked += out.shape[0]
-        return out
+    # ---- one decode step ----
+    def decode_step(self) -> dict:
+        """One whole decode step on the static inputs ``tokens``, ``noise`` and ``accepted``, with
+        no host work and fixed shapes, so that it can be captured as one CUDA graph (and traced
+        with fullgraph=True): per selection group its indexer (the new token's indexer key into
+        the dense pool, every key read back through the page table, the top-K units), resolve
+        and write indices; per layer fetch, the new token's latent into its cell, attention over
+        the cells; ``flush`` of the accepted tokens and ``advance`` of the lengths on the device;
+        the next tokens sampled into ``tokens``. Needs the batch published (``host_part``).
+
+        Returns what the checks read (``check_step``), by name: a replayed graph's outputs,
+        overwritten by its next replay."""
+        batch, model, U, K = self.batch, self.model, self.args.tokens_per_unit, self.args.topk
+        qpos = batch.history[:, None].clone()  # the new token's position (capacity is one more)
+        probes = {"qpos": qpos}
+        x = model.embedding[self.tokens]
+        for group in self.config.selection_groups:
+            for i, layer in enumerate(group.layers):
+                h, q, latent = model.attention_inputs(layer, x)
+                wanted = None
+                if i == 0:  # the group's indexer and its one resolve, shared by its layers
+                    iq, ik = model.indexer_inputs(layer, h)
+                    index = self.token_indices(layer, "indexer_k", qpos)
+                    write_rows(self.manager.storage.view(layer, "indexer_k"), index[:, 0], ik[:, 0])
+                    keys, key_ok = self.read_indexer_keys(layer)
+                    selected = select_units(iq, keys, key_ok, qpos, K, U)
+                    wanted = selected[:, 0]
+                    probes.update({f"ik:{layer}": ik, f"keys:{layer}": keys,
+                                   f"key_ok:{layer}": key_ok, f"selected:{group.name}": selected})
+                out = self.decode_layer(batch, group.index, layer, wanted, selected[:, 0], q[:, 0],
+                                        latent[:, 0], qpos[:, 0], U)
+                if self.args.compile == "reduce-overhead":
+                    out = out.clone()  # a CUDA-graph output is overwritten by the next replay
+                probes.update({f"q:{layer}": q[:, 0], f"latent:{layer}": latent,
+                               f"out:{layer}": out})
+                x = model.residual(layer, x, out[:, None])
+        batch.flush(batch.history + self.accepted)  # the accepted tokens go to host pages
+        batch.advance(self.accepted)  # history over them, capacity one more, on the device
+        self.tokens.copy_(model.sample(x[:, 0], self.noise))
+        return probes
+
+    def host_part(self, step: int, run=None) -> dict:
+        """The host's part of decode step ``step`` (numbered from 0) around the step: ``run``
+        None calls ``decode_step`` eagerly; else ``run()`` is the step run without the host (a
+        graph replay, or a traced ``decode_step``) and returns its probes. In order: the step's
+        noise into its static tensor; page work only when a row may need it (``make_room``);
+        ``publish`` (nothing to upload in steady state: it takes a finished length read-back and
+        allocates the next pages of rows that reached their reserve); the step; after a step run
+        without the host, ``record_advance``, which queues the read-back of what the step's
+        flush and advance moved on the device (lengths and the written watermark: with a
+        read-back pending, ``record_flush`` would queue just that again)."""
+        self.noise.copy_(self.gumbel[step + 1])
+        self.make_room(step)
+        self.batch.publish()
+        if run is None:
+            return self.decode_step()  # eager: flush and advance do their host records
+        probes = run()
+        self.batch.record_advance()
+        return probes
+
+    def make_room(self, step: int) -> None:
+        """Before step ``step``, which advances every row by one token on the device within its
+        allocated pages: the host mirror (``Batch.host_tables``) holds the lengths of the last
+        read-back the host took, ``behind`` steps ago; a row it cannot show has room for one more
+        token makes the host wait for the latest read-back (``Batch.catch_up``), after which
+        ``publish`` allocates that row's next pages. With a reserve of a few pages this happens
+        once every few dozen steps at most, and only when the device's lengths never came back
+        in time (the device is that far behind the host)."""
+        lengths = self.batch.host_tables()["lengths"]  # history, capacity, lease, ..., allocated
+        history, capacity, allocated = (lengths[i].astype(np.int64) for i in (0, 1, 5))
+        behind = self.start_history + step - history  # this script's steps advance each row by 1
+        if (allocated - capacity - behind < 1).any():
+            self.batch.catch_up()
+            self.waits += 1
+
+    # ---- the checks (not timed) ----
+    def check_step(self, probes: dict) -> None:
+        """A decode step's outputs: the reference takes the new tokens' latents and indexer keys;
+        every indexer key the step read from the pool equals the reference's; every attention
+        output equals attention over the dense reference (and, with --compile, eager attention
+        over the same cells, which hold what they held during the step until the next one)."""
+        U, qpos = self.args.tokens_per_unit, probes["qpos"]
+        for group in self.config.selection_groups:
+            leader = group.layers[0]
+            self.ref.store(self.ref.keys[leader], qpos, probes[f"ik:{leader}"])
+            self.check_indexer_keys(leader, probes[f"keys:{leader}"], probes[f"key_ok:{leader}"])
+            selected = probes[f"selected:{group.name}"]
+            for layer in group.layers:
+                q, out = probes[f"q:{layer}"], probes[f"out:{layer}"]
+                self.ref.store(self.ref.kv[layer], qpos, probes[f"latent:{layer}"])
+                if self.args.compile:
+                    eager = attend_cells(q, self.batch.cells(layer, "kv"),
+                                         self.batch.group(group.index).index_table,
+                                         selected[:, 0], qpos[:, 0] + 1, U)
+                    torch.testing.assert_close(out, eager,
+                                               msg=lambda m: f"{layer}: compiled != eager\n{m}")
+                want = attend_dense(q[:, None], self.ref.kv[layer], selected, qpos, U)[:, 0]
+                torch.testing.assert_close(out, want,
+                                           msg=lambda m: f"{layer}: cells != dense reference\n{m}")
+                self.max_error = max(self.max_error, (out - want).abs().max().item())
+                self.checked += out.shape[0]
 
     # ---- the run ----
-    def prefill(self):
-        for cache, length in zip(self.caches, self.args.prompts):
-            check(cache.resize(capacity=length), "resize: out of pages")  # the whole prompt is new
-            self.batch.add(cache)
-        R, N = self.args.rows, max(self.args.prompts)
-        prompt = torch.randint(self.args.vocab, (R, N), generator=self.sampler).to(self.device)
-        qpos = torch.arange(N, dtype=torch.int32, device=self.device).repeat(R, 1)
-        lengths = torch.tensor(self.args.prompts, device=self.device)
-        positions = torch.where(qpos < lengths[:, None], qpos, BAD)
-        x = self.forward(prompt, positions, qpos)
-        last = x[torch.arange(R, device=self.device), lengths - 1]
-        return self.model.sample(last, self.sampler).to(self.device)
+    def capture(self) -> None:
+        """--graph: capture ``decode_step`` once (capture runs nothing: no state changes). The
+        batch must be published; the step's kernels ran once before (the first step, eagerly)."""
+        self.batch.publish()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.graph_probes = self.decode_step()
 
-    def decode(self, tokens, steps):
+    def replay(self) -> dict:
+        self.graph.replay()
+        self.replays += 1
+        return self.graph_probes
+
+    def decode(self, steps: int) -> None:
         """Decode ``steps`` tokens per row. With --compile the first step compiles (and, in
-        reduce-overhead mode, the next two record the CUDA graphs): it is timed apart."""
+        reduce-overhead mode, the next two record the CUDA graphs); with --graph it runs eagerly
+        and is followed by the capture: either is timed apart. Eagerly each step is checked after
+        it ran; with --graph each replay's outputs are copied aside (untimed) and checked after
+        the loop."""
+        kept = []
         for step in range(steps):
-            compiling = self.args.compile and step == 0
-            if compiling:
+            first = step == 0 and bool(self.args.compile or self.args.graph)
+            if first:
                 self.timer.stop()
                 started = time.perf_counter()
-            positions = torch.tensor([[c.history_length] for c in self.caches],
-                                     dtype=torch.int32, device=self.device)
-            x = self.forward(tokens, positions, positions)
-            tokens = self.model.sample(x[:, 0], self.sampler).to(self.device)
-            if compiling:
-                self.compile_s = time.perf_counter() - started
+            begin = time.perf_counter()
+            probes = self.host_part(step, self.replay if self.graph else None)
+            host = time.perf_counter() - begin
+            if self.graph is None:
+                with self.timer.paused():
+                    self.check_step(probes)
+            else:
+                with self.timer.paused(sync=False):  # copies queued after the replay
+                    kept.append({name: t.clone() for name, t in probes.items()})
+            if first:
+                if self.args.graph:
+                    self.capture()
+                self.first_s = time.perf_counter() - started
                 self.timer.start()
+            else:
+                self.host_s.append(host)
             progress(step + 1, steps)
+        self.timer.stop()
+        for probes in kept:
+            self.check_step(probes)
 
-    def verify_host_pages(self):
-        """Every history token of every layer is on its host pages, bit for bit."""
-        self.batch.publish()
-        history = torch.tensor([c.history_length for c in self.caches], device=self.device)
+    def verify(self) -> int:
+        """After decoding: no row was refused or cut short by advance; every history token of
+        every layer is on its host pages, bit for bit. Returns the tokens x layers verified."""
+        batch = self.batch
+        refused, short = batch.advance_counters.tolist()
+        check(refused == 0 and short == 0, f"advance refused {refused} and cut short {short} rows")
+        history = [c.history_length for c in self.caches]  # takes the last read-back
+        expected = (self.start_history + self.args.steps).tolist()
+        check(history == expected, f"history {history} after decoding, expected {expected}")
+        batch.publish()
+        history = torch.tensor(history, device=self.device)
         positions = torch.where(self.all_positions < history[:, None], self.all_positions, BAD)
         for layer in self.ref.kv:
-            index = self.batch.host_token_indices(layer, "kv", positions)
+            index = batch.host_token_indices(layer, "kv", positions)
             pages = as_tokens(self.manager.storage.view(layer, "kv"), KV_DTYPE)
             ok = index >= 0
             check(torch.equal(ok, positions >= 0), f"{layer}: a history token has no host page")
@@ -494,7 +663,8 @@ class SparseDecoder:
 
 
 class Timer:
-    """Wall time of the model with the checks paused out (synchronising the GPU at each edge)."""
+    """Wall time of the decode loop with the checks paused out (synchronising the GPU at each
+    edge, unless a pause only queues GPU work)."""
 
     def __init__(self, device):
         self.device, self.elapsed, self.started = device, 0.0, None
@@ -503,25 +673,29 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def start(self):
-        self._sync()
+    def start(self, sync: bool = True):
+        if sync:
+            self._sync()
         self.started = time.perf_counter()
 
-    def stop(self):
+    def stop(self, sync: bool = True):
         if self.started is not None:
-            self._sync()
+            if sync:
+                self._sync()
             self.elapsed += time.perf_counter() - self.started
             self.started = None
 
     @contextmanager
-    def paused(self):
+    def paused(self, sync: bool = True):
+        """Not timed: what runs inside. ``sync`` False leaves the GPU running (for work that is
+        only queued inside, and whose GPU time is negligible)."""
         running = self.started is not None
-        self.stop()
+        self.stop(sync)
         try:
             yield
         finally:
             if running:
-                self.start()
+                self.start(sync)
 
 
 def progress(done: int, total: int, width: int = 30) -> None:
@@ -557,13 +731,27 @@ def report(run: SparseDecoder, args, host_tokens: int) -> None:
           f"{args.tokens_per_unit} tokens x {B} B) vs a dense layout {dense:,} B ({longest} "
           f"tokens of history x {B} B): {cells / dense:.0%}; all {args.layers} layers: "
           f"{cells * args.layers:,} B vs {dense * args.layers:,} B")
-    steps = args.steps - 1 if args.compile else args.steps
-    tokens = args.rows * steps
-    note = (f"; the first step, which compiled ({args.compile} mode), took {run.compile_s:.1f} s "
-            f"and is not counted" if args.compile else "")
+    apart = bool(args.compile or args.graph)  # the first step is timed apart
+    tokens = args.rows * (args.steps - apart)
+    note = ""
+    if args.compile:
+        note = f"; the first step, which compiled ({args.compile} mode), took {run.first_s:.1f} s"
+    elif args.graph:
+        note = f"; the first step, run eagerly, and the capture took {run.first_s:.2f} s"
+    note += " and is not counted" if apart else ""
     rate = f"{tokens / run.timer.elapsed:.0f} tokens/s" if run.timer.elapsed > 0 else "-"
-    print(f"decode: {tokens} tokens in {run.timer.elapsed:.2f} s = {rate} ({args.rows} row{'s' if args.rows != 1 else ''}; "
-          f"checks not counted{note})")
+    host = f"{statistics.median(run.host_s) * 1e6:.0f} us" if run.host_s else "-"
+    print(f"decode: {tokens} tokens in {run.timer.elapsed:.2f} s = {rate}, host time per step "
+          f"{host} (median) ({args.rows} row{'s' if args.rows != 1 else ''}; checks not "
+          f"counted{note})")
+
+
+def check_graph(run: SparseDecoder, args) -> None:
+    """--graph really replayed: one replay per step after the first."""
+    check(run.replays == args.steps - 1, f"--graph: {run.replays} replays for {args.steps} steps")
+    print(f"graph: the whole decode step captured once as one CUDA graph, replayed "
+          f"{run.replays} times; {args.reserve_pages} reserve page(s) per row; the host waited "
+          f"for the device's lengths before {run.waits} step(s)")
 
 
 def check_compiled(args) -> None:
@@ -588,13 +776,14 @@ def main(argv=None) -> int:
           f"({groups}); units of {args.tokens_per_unit} tokens, top-{args.topk} units + the "
           f"current one, {args.slots} slots per request", flush=True)
     try:
-        tokens = run.prefill()
+        run.prefill()
         run.timer.start()
-        run.decode(tokens, args.steps)
-        run.timer.stop()
-        host_tokens = run.verify_host_pages()
+        run.decode(args.steps)
+        host_tokens = run.verify()
         if args.compile:
             check_compiled(args)
+        if args.graph:
+            check_graph(run, args)
     except (CheckFailed, AssertionError) as error:
         sys.stderr.write(f"\nCHECK FAILED: {error}\n")
         return 1

@@ -4,13 +4,19 @@ check), and handle their flags as command-line tools should: a bad value is a us
 the defaults; the progress bar never lands in a pipe or a file; a GPU-only mode on a machine
 without a usable GPU fails in one line.
 
-Each example runs in a subprocess that imports the same torch_kvcm2 as this test process.
+Each example runs in a subprocess that imports the same torch_kvcm2 as this test process. The
+decode step of sparse_decode.py, which --graph captures as one CUDA graph, is also driven in
+this process: traced whole with fullgraph=True it equals the eager step (nothing in it needs the
+host); the host's page work keeps every row inside its reserve when the device's lengths never
+come back in time; and the --graph loop, with a stand-in for the graph on the CPU, checks every
+replay's outputs after the loop.
 """
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import torch_kvcm2
 from conftest import HAS_CUDA
@@ -43,6 +49,18 @@ def test_example_runs_and_its_checks_pass(script, args, expect):
                          *(["--device", "cpu"] if script == "sparse_decode.py" else []))
     assert result.returncode == 0, output(result)
     assert expect in result.stdout
+    if script == "sparse_decode.py":  # every mode prints its host time next to tokens/s
+        assert "tokens/s, host time per step " in result.stdout, output(result)
+
+
+@pytest.mark.cuda
+def test_sparse_decode_graph_replays_the_whole_step_and_its_checks_pass():
+    result = run_example("sparse_decode.py", "--device", "cuda", "--graph")
+    assert result.returncode == 0, output(result)
+    assert "checks passed: 1024 decode attention outputs match the dense reference" in result.stdout
+    assert "graph: the whole decode step captured once as one CUDA graph, replayed 63 times" \
+        in result.stdout, output(result)
+    assert "tokens/s, host time per step " in result.stdout, output(result)
 
 
 @pytest.mark.parametrize("script, args, flag", [
@@ -54,6 +72,9 @@ def test_example_runs_and_its_checks_pass(script, args, expect):
     ("sparse_decode.py", ["--prompt-lengths", "10,0"], "--prompt-lengths"),
     ("sparse_decode.py", ["--latent", "3"], "--latent"),
     ("sparse_decode.py", ["--steps", "1", "--compile"], "--steps"),
+    ("sparse_decode.py", ["--steps", "1", "--graph"], "--steps"),
+    ("sparse_decode.py", ["--graph", "--compile"], "--graph"),
+    ("sparse_decode.py", ["--reserve-pages", "0"], "--reserve-pages"),
     ("quickstart.py", ["--steps", "0"], "--steps"),
     ("quickstart.py", ["--prompt-lengths", "40,x"], "--prompt-lengths"),
 ])
@@ -96,7 +117,8 @@ def test_no_progress_bar_when_output_is_captured():
 
 # A GPU-only mode where no GPU is usable: asking for CUDA graphs on the CPU (with a GPU present,
 # by --device cpu), and --device cuda without one.
-GPU_ONLY = [(["--device", "cpu"] if HAS_CUDA else []) + ["--compile", "reduce-overhead"]]
+GPU_ONLY = [(["--device", "cpu"] if HAS_CUDA else []) + mode
+            for mode in (["--compile", "reduce-overhead"], ["--graph"])]
 if not HAS_CUDA:
     GPU_ONLY.append(["--device", "cuda"])
 
@@ -108,3 +130,97 @@ def test_gpu_only_mode_says_needs_a_gpu_in_one_line(args):
     assert result.stdout == "", output(result)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs a GPU" in lines[0], output(result)
+
+
+# ---- the decode step of sparse_decode.py, in this process ----
+
+def decoder(*flags):
+    """A prefilled SparseDecoder of sparse_decode.py on the CPU, at small sizes."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import sparse_decode
+    finally:
+        sys.path.pop(0)
+    args = sparse_decode.parse_args(["--device", "cpu", *SMALL, *flags])
+    run = sparse_decode.SparseDecoder(args, torch.device("cpu"))
+    run.prefill()
+    return run
+
+
+def finish(run):
+    """Every step's checks passed; the state decoding ends in."""
+    assert run.verify() > 0  # no row refused or cut short; every history token on host pages
+    return (run.tokens.tolist(), [c.history_length for c in run.caches],
+            [c.capacity for c in run.caches], run.batch.advance_counters.tolist(), run.checked)
+
+
+def test_decode_step_traces_whole_and_equals_eager():
+    """The step --graph captures needs nothing from the host: traced with fullgraph=True (a host
+    read, a data-dependent shape or a host-side call would break the graph) it gives the eager
+    step's tokens, lengths and checked outputs, with the host's part (record_advance after it)
+    as a replay has it."""
+    torch._dynamo.reset()
+    results = []
+    for traced in (False, True):
+        run = decoder()
+        step = (torch.compile(run.decode_step, fullgraph=True, backend="aot_eager")
+                if traced else None)
+        for number in range(run.args.steps):
+            run.check_step(run.host_part(number, step))
+        results.append(finish(run))
+    assert results[0] == results[1]
+    assert results[0][4] == 2 * 4 * 4  # rows x layers x steps attention outputs checked
+
+
+def test_decode_host_tops_up_pages_when_the_lengths_come_back_late():
+    """A device that is always behind the host (a publish never finds the length read-back of
+    advance finished): the host waits for it only before steps where a row could run out of its
+    reserve, and then publishes the row's next pages. Without that, rows run out (the control)."""
+    for tops_up in (True, False):
+        run = decoder("--reserve-pages", "1", "--tokens-per-page", "4", "--steps", "12")
+        take = run.batch.catch_up
+        run.batch.catch_up = lambda wait=True: take() if wait else None  # read-backs come late
+        if not tops_up:
+            run.make_room = lambda step: None
+        for number in range(run.args.steps):
+            probes = run.host_part(number)
+            if tops_up:  # (a row cut short loses its next token: the control's checks fail)
+                run.check_step(probes)
+        if tops_up:
+            assert finish(run)[3] == [0, 0]
+            assert 0 < run.waits < run.args.steps
+        else:
+            run.batch.catch_up()
+            assert run.batch.advance_counters.tolist()[1] > 0  # rows cut short at their reserve
+
+
+def test_graph_loop_checks_every_replay_after_the_loop():
+    """The --graph loop on the CPU, with a stand-in for the CUDA graph: a "replay" runs the
+    traced step and copies its outputs into the same tensors every time, as a replayed graph
+    does. The loop copies each replay's outputs aside and checks them all after the loop: every
+    step is checked, and the run ends as the eager one does."""
+    torch._dynamo.reset()
+    results = []
+    for graph in (False, True):
+        run = decoder("--steps", "6")
+        if graph:
+            traced = torch.compile(run.decode_step, fullgraph=True, backend="aot_eager")
+            outputs = {}
+
+            def capture():
+                run.batch.publish()
+                run.graph = "captured"
+
+            def replay():
+                for name, value in traced().items():
+                    outputs.setdefault(name, torch.empty_like(value)).copy_(value)
+                run.replays += 1
+                return outputs
+
+            run.args.graph, run.capture, run.replay = True, capture, replay
+        run.decode(run.args.steps)
+        assert len(run.host_s) == run.args.steps - graph  # the first step is timed apart
+        results.append(finish(run))
+    assert run.replays == run.args.steps - 1
+    assert results[0] == results[1]
+    assert results[0][4] == 2 * 4 * 6  # every step's outputs checked
