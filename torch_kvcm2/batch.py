@@ -476,20 +476,26 @@ class Batch(LengthsPath):
         Afterwards ``KVCache.resize`` may advance a row's history through what was flushed
         (SAFE-2) -- over the in-flight range only: tokens below it must have been declared
         written (``record_host_writes``) before the flush. The device watermark ``written`` is
-        updated by the same rule (what ``advance`` respects). When the host cannot see the
-        values (a CUDA tensor) it takes the published capacity as the bound: the caller must
-        not advance history past what it passed. Inside ``torch.compile`` or stream capture the
-        host bookkeeping is skipped: call ``record_flush()`` after the compiled call or the
-        replay. The work-list bound (``max_total_input_tokens``) is enforced by ``publish``."""
+        updated by the same rule (what ``advance`` respects). The host's watermark is exact:
+        for None or a sequence the host applies the rule itself; for a tensor (whose values
+        the host does not read: on CUDA that would synchronise) it takes the device's
+        watermark through the read-back of the lengths (``record_advance``), applied when the
+        host next needs a length, so it never claims more than the flush wrote. The device
+        watermark sees only published declarations: publish after ``record_host_writes`` and
+        before a flush to a tensor. Inside ``torch.compile`` or stream capture the host
+        bookkeeping is skipped: call ``record_flush()`` (None or sequence targets) or
+        ``record_advance()`` (tensor targets, or a graph that also advances) after the
+        compiled call or the replay. The work-list bound (``max_total_input_tokens``) is
+        enforced by ``publish``."""
         self._check_step("Batch.flush")
         known = None  # host-visible per-row targets
+        from_device = False  # the host takes the device's watermark through the read-back
         if new_history is None:
             target = self.capacity
         else:
             if isinstance(new_history, torch.Tensor):
                 self._check_not_meta("new_history", new_history)
-                if new_history.device.type == "cpu" and not torch.compiler.is_compiling():
-                    known = new_history.tolist()
+                from_device = True
                 target = new_history.to(self.config.device)
             elif isinstance(new_history, (int, float, np.integer)):
                 raise TypeError(
@@ -511,14 +517,19 @@ class Batch(LengthsPath):
             return
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        self.record_flush(known)
+        if from_device:
+            self.record_advance()
+        else:
+            self.record_flush(known)
 
     def record_flush(self, new_history: Optional[list] = None) -> None:
         """Host bookkeeping of a flush (the SAFE-2 watermark, KVCache.written): every seated
         row's tokens up to ``min(new_history[row], published capacity)`` are on its host pages
         when its tokens below the in-flight range were (the capacity when ``new_history`` is
-        None). ``flush`` calls it; call it yourself after replaying a captured graph that
-        contains a flush."""
+        None). ``flush`` calls it for None and sequence targets; call it yourself after
+        replaying a captured graph that contains such a flush. A graph whose flush takes a
+        tensor of targets is followed by ``record_advance()`` instead (the device's own
+        watermark comes back with the lengths)."""
         if self._pending_snapshot is not None:
             # the device lengths are ahead of the host (advance): its watermark, computed by
             # the flush itself, comes back with a fresh read-back of the lengths
