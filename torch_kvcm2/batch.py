@@ -87,6 +87,9 @@ class Batch(LengthsPath):
         self._allocated = lengths[ALLOCATED]
         self.advance_counters = allocated["advance_counters"]
         self._snapshot = allocated["snapshot"]
+        self._snapshot_host = self._snapshot.numpy()  # pinned on CUDA: the copy's target
+        self._snapshot_event = None  # recorded after each read-back copy (CUDA)
+        self._moving_rows = np.array([HISTORY, CAPACITY, WRITTEN])  # what advance and flush move
         self.groups = [self._new_group_state(g, allocated) for g in config.selection_groups]
         self._shapes = rules.shapes_of(config)
         self._cells: dict[tuple[str, str], torch.Tensor] = {}
@@ -315,29 +318,33 @@ class Batch(LengthsPath):
         the GPU; clear the residency of newly granted leases. Raises ValueError, publishing
         nothing, when the in-flight tokens over all rows exceed ``max_total_input_tokens``."""
         self._check_host_call("Batch.publish")
-        # a read-back of advance() is applied first; waited for only when there is something to
-        # publish (the mirror must not take an older read-back after this publish's delta)
-        self.catch_up(wait=bool(self._dirty or self._granted or self._declared_rows))
-        if self._pending_snapshot is None:  # else later: page work needs the latest lengths
-            for row in sorted(self._settle):  # after advance: windowed pages, the reserve
+        if self._pending_snapshot is not None:
+            # a read-back of advance() is applied first; waited for only when there is
+            # something to publish (the mirror must not take an older read-back after this
+            # publish's delta)
+            self.catch_up(wait=bool(self._dirty or self._granted or self._declared_rows))
+        if self._settle and self._pending_snapshot is None:  # else later: page work needs
+            for row in sorted(self._settle):  # the latest lengths (windowed pages, reserves)
                 cache = self._rows[row]
                 if cache is not None and not cache.suspended:
-                    self.sync_member(row)
-                    cache.resize()
+                    cache.retake_pages()
             self._settle.clear()
         if not self._dirty and not self._granted and not self._declared_rows:
             return
-        rows = sorted(self._dirty | self._declared_rows)
-        owners, values = [], []
+        rows = sorted(self._dirty | self._declared_rows) if self._declared_rows else sorted(self._dirty)
+        owners, values, reserves = [], [], []
+        row_lease, members = self._row_lease, self._rows
         for row in rows:
-            cache, lease = self._rows[row], self._row_lease[row]
+            cache, lease = members[row], row_lease[row]
             if cache is None or lease == BAD:  # hole or suspended: BAD / 0
                 owners.append(None)
                 values.append((0, 0, BAD, 0, 0, 0))
+                reserves.append(0)
             else:
                 owners.append(cache)
                 h, c, written, declared, allocated = cache.lengths_row()
                 values.append((h, c, lease, written, declared, allocated))
+                reserves.append(cache.reserve_tokens)
         lengths = self._mirror.lengths_after(rows, values)
         width = self._flush_width(lengths)
         if width > self.config.max_total_input_tokens:
@@ -347,8 +354,7 @@ class Batch(LengthsPath):
                 f"the flush work list; nothing was published")
         leases = sorted(self._granted)
         self._mirror.publish(rows, owners, values, leases, self._clear_leases)
-        for row, owner in zip(rows, owners):
-            self._reserve_tokens[row] = owner.reserve_tokens if owner is not None else 0
+        self._reserve_tokens[rows] = reserves
         self._dirty.clear()
         self._granted.clear()
         self._declared_rows.clear()
@@ -586,12 +592,12 @@ class Batch(LengthsPath):
     def _flush_width(self, lengths: np.ndarray) -> int:
         """The most in-flight tokens a flush can write back over all rows with these host length
         rows: the flush work-list bound of OP-FLUSH."""
-        seated = lengths[LEASE] >= 0
-        h, c = lengths[HISTORY].astype(np.int64), lengths[CAPACITY].astype(np.int64)
+        # holes and suspended rows publish lengths 0 / 0 (width 0), and s0 <= c for h <= c:
+        # every width is >= 0 without a mask (int32 suffices: c - I >= -2**31)
+        h, c = lengths[HISTORY], lengths[CAPACITY]
         widest = 0
         for shape in self._shapes:
-            width = c - rules.inflight_start(h, c, shape, np.maximum)
-            widest = max(widest, int(np.where(seated, np.maximum(width, 0), 0).sum()))
+            widest = max(widest, int((c - rules.inflight_start(h, c, shape, np.maximum)).sum()))
         return widest
 
     def host_token_indices(self, layer: str, role: str, positions: torch.Tensor,

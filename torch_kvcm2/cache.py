@@ -9,8 +9,8 @@ resize costs what changes: the pages allocated or freed, never a loop over the p
 A seated cache talks to its batch through a few named methods (``seat_changed``,
 ``grant_lease``, ``release_lease``, ``cell_lengths``, ``sync_member``); the batch reads the
 cache through ``page_row``, ``live_range``, ``lengths_row`` and ``reserve_tokens``, and writes
-it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``mark_published``
-and ``discard_in_flight``.
+it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``take_resize``,
+``mark_published``, ``retake_pages`` and ``discard_in_flight``.
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ class KVCache:
         self._reserve = 0  # tokens of pages kept allocated beyond capacity (Batch.advance)
         self._lowest_capacity = 0  # the lowest capacity since the batch last published this row
         self._lowest_keep = [0 for _ in groups]  # per pool group, likewise for allocated pages
+        self._pages_moved = False  # a live range changed since the batch last published this row
         self._shapes = rules.shapes_of(config)
         self._batch = None  # the Batch this cache is seated in
         self._row: Optional[int] = None
@@ -200,6 +201,8 @@ class KVCache:
                 row[lo:old_keep] = BAD
             if slots is not None:
                 row[max(old_keep, first):keep] = slots
+            if (first, keep) != (old_first, old_keep):
+                self._pages_moved = True
             live[0], live[1] = first, keep
             self._lowest_keep[group.index] = min(self._lowest_keep[group.index], keep)
         self._h, self._c = h, c
@@ -311,10 +314,27 @@ class KVCache:
         first, keep = self._live[group]
         return first, keep, self._lowest_keep[group]
 
+    @property
+    def pages_moved(self) -> bool:
+        """Whether a live range changed (pages allocated, freed or released) since the batch
+        last published this cache; False: every published page entry is still right."""
+        return self._pages_moved
+
     def mark_published(self) -> None:
         """The batch published this cache's lengths and pages."""
         self._lowest_capacity = self._c
-        self._lowest_keep = [keep for _, keep in self._live]
+        if self._pages_moved:
+            self._lowest_keep = [keep for _, keep in self._live]
+            self._pages_moved = False
+
+    def retake_pages(self) -> bool:
+        """Plan the pages of the current lengths again: the reserve beyond capacity and the
+        window's releases, after ``Batch.advance`` moved the lengths on the device (the batch
+        calls it at publish). The lengths do not change, so no rule of ``resize`` can break;
+        False, with nothing changed, when the pools cannot supply the pages (the row's advance
+        then stops at its pages, counted as short)."""
+        self._sync()
+        return self._apply(self._h, self._c)
 
     def lengths_row(self) -> tuple[int, int, int, int, int]:
         """(history, capacity, written, declared, allocated tokens) as the batch publishes them."""

@@ -134,8 +134,10 @@ class LengthsPath:
         self._check_host_call("Batch.record_advance")
         self._snapshot.copy_(self._mirror.lengths, non_blocking=True)
         event = None
-        if self.config.device.type == "cuda":
-            event = torch.cuda.Event()
+        if self._mirror.cuda:  # one event, recorded again: it always marks the latest copy
+            event = self._snapshot_event
+            if event is None:
+                event = self._snapshot_event = torch.cuda.Event()
             event.record()
         self._pending_snapshot = (event,)
 
@@ -155,20 +157,25 @@ class LengthsPath:
                 return
             event.synchronize()
         self._pending_snapshot = None
-        snapshot = self._snapshot.numpy()
+        snapshot = self._snapshot_host
         L = self._mirror.host_lengths
-        moved = np.flatnonzero((snapshot[HISTORY] != L[HISTORY]) |
-                               (snapshot[CAPACITY] != L[CAPACITY]) |
-                               (snapshot[WRITTEN] != L[WRITTEN]))
-        self._mirror.take_lengths(moved, snapshot[:, moved])
-        seated = moved[L[LEASE, moved] >= 0]
+        # rows whose history, capacity or watermark moved (lease, declared and allocated are
+        # the host's own: no publish ran since the copy was queued)
+        moved = (snapshot[self._moving_rows] != L[self._moving_rows]).any(axis=0)
+        moved &= L[LEASE] >= 0
+        L[self._moving_rows] = snapshot[self._moving_rows]
+        seated = np.flatnonzero(moved)
+        if not len(seated):
+            return
         self._stale.update(seated.tolist())
         if self._windowed:
             self._settle.update(seated.tolist())
         else:  # rows whose capacity moved into their reserve: take it again
-            limit = self.config.max_tokens_per_row
-            wanted = np.minimum(L[CAPACITY, seated] + self._reserve_tokens[seated], limit)
-            self._settle.update(seated[wanted > L[ALLOCATED, seated]].tolist())
+            wanted = np.minimum(L[CAPACITY, seated] + self._reserve_tokens[seated],
+                                self.config.max_tokens_per_row)
+            settle = seated[wanted > L[ALLOCATED, seated]]
+            if len(settle):
+                self._settle.update(settle.tolist())
 
     def sync_member(self, row: int) -> None:
         """Bring the member at ``row`` up to date with lengths ``advance`` moved (catch_up, then
