@@ -104,6 +104,7 @@ class Batch(LengthsPath):
         self._dirty: set[int] = set()
         self._granted: set[int] = set()  # leases whose residency publish() must clear
         self._declared_rows: set[int] = set()  # rows with new declared host writes only
+        self._reserve_rows: set[int] = set()  # rows whose reserve changed since published
         self._fetch_events: dict[int, torch.cuda.Event] = {}
         self._pending_snapshot = None  # the event of a length read-back after advance()
         self._settle: set[int] = set()  # rows advanced on the device, page work pending
@@ -285,6 +286,11 @@ class Batch(LengthsPath):
         per-step calls: the device needs it only for ``advance``'s watermark."""
         (self._declared_rows if declared_only else self._dirty).add(row)
 
+    def reserve_changed(self, row: int) -> None:
+        """The cache at ``row`` set a new reserve (``KVCache.set_reserve``); it takes effect at
+        its next resize, which the batched path then sends through ``KVCache.resize``."""
+        self._reserve_rows.add(row)
+
     def cell_lengths(self, row: int) -> tuple[int, int]:
         """(history, capacity) as published for the member at ``row`` with its lease: the cells
         may hold its in-flight range of these lengths; (0, 0) when it has no published lease."""
@@ -355,6 +361,8 @@ class Batch(LengthsPath):
         leases = sorted(self._granted)
         self._mirror.publish(rows, owners, values, leases, self._clear_leases)
         self._reserve_tokens[rows] = reserves
+        if self._reserve_rows:
+            self._reserve_rows.difference_update(rows)
         self._dirty.clear()
         self._granted.clear()
         self._declared_rows.clear()
@@ -749,6 +757,9 @@ class Batch(LengthsPath):
         values = list(values)
         if n is not None and len(values) != n:
             raise ValueError(f"{name} must have {n} values (one per row), got {len(values)}")
+        if all(type(v) is int for v in values) and (
+                not values or (min(values) >= 0 and max(values) <= INT32_MAX)):
+            return values  # plain ints in range (the common case, checked without a loop)
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"{name} values must be ints, got {type(v).__name__} {v!r}")

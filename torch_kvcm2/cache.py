@@ -7,9 +7,9 @@ write contract, docs/HOST_PATH.md). Every call validates before it changes anyth
 resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
 
 A seated cache talks to its batch through a few named methods (``seat_changed``,
-``grant_lease``, ``release_lease``, ``cell_lengths``, ``sync_member``); the batch reads the
-cache through ``page_row``, ``live_range``, ``lengths_row`` and ``reserve_tokens``, and writes
-it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``take_resize``,
+``grant_lease``, ``release_lease``, ``reserve_changed``, ``cell_lengths``, ``sync_member``);
+the batch reads the cache through ``page_row``, ``live_range``, ``pages_moved``,
+``lengths_row`` and ``reserve_tokens``, and writes it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``take_resize``,
 ``mark_published``, ``retake_pages`` and ``discard_in_flight``.
 """
 from __future__ import annotations
@@ -255,7 +255,10 @@ class KVCache:
         device without the host. Takes effect at the next ``resize`` (``resize()`` with no
         arguments allocates them now)."""
         self._check_open()
-        self._reserve = check_int("tokens", tokens)
+        tokens = check_int("tokens", tokens)
+        if tokens != self._reserve and self._batch is not None:
+            self._batch.reserve_changed(self._row)
+        self._reserve = tokens
 
     def record_flush(self, h: int, c: int, target: int) -> None:
         """A flush of lengths (h, c) to ``target`` ran (Batch.flush / Batch.record_flush)."""

@@ -60,14 +60,21 @@ class LengthsPath:
         path (page work, or a row changed since the last publish)."""
         if self._windowed or not rows:
             return set(), []
-        owner, reserve = self._mirror.published_owner, self._reserve_tokens
-        unclean = self._dirty | self._declared_rows | self._stale | self._settle
-        clean = np.fromiter(
-            (owner[r] is cache and r not in unclean and cache.reserve_tokens == reserve[r]
-             for r, cache in zip(rows, caches)), dtype=bool, count=len(rows))
+        reserve = self._reserve_tokens
+        # published with a lease and unchanged since (a seat change, a resize, a declaration,
+        # an advance not yet taken, or a new reserve makes a row take the per-row path)
+        active = self._mirror.active
+        unclean = (self._dirty, self._declared_rows, self._stale, self._settle,
+                   self._reserve_rows)
+        if any(unclean):
+            active = active.copy()
+            for group in unclean:
+                for r in group:
+                    active[r] = False
+        index = np.asarray(rows, dtype=np.int64)
+        clean = active[index]
         if not clean.any():
             return set(), []
-        index = np.asarray(rows, dtype=np.int64)
         L = self._mirror.host_lengths.astype(np.int64)[:, index]
         h, c = L[HISTORY], L[CAPACITY]
         h2 = h if hists is None else np.asarray(hists, dtype=np.int64)
@@ -81,12 +88,14 @@ class LengthsPath:
         keep = -(-L[ALLOCATED] // P)
         keep2 = np.where(c2 > 0, -(-np.minimum(c2 + reserve[index], config.max_tokens_per_row) // P), 0)
         fast = clean & ~bad & (keep2 == keep)
-        moved = fast & ((h2 != h) | (c2 != c))
-        for i in np.flatnonzero(moved).tolist():
-            caches[i].take_resize(int(h2[i]), int(c2[i]))
-            self._dirty.add(rows[i])
-        done = np.flatnonzero(fast | (clean & bad))
-        return set(done.tolist()), [rows[i] for i in np.flatnonzero(clean & bad).tolist()]
+        moved = np.flatnonzero(fast & ((h2 != h) | (c2 != c)))
+        if len(moved):
+            for i, hh, cc in zip(moved.tolist(), h2[moved].tolist(), c2[moved].tolist()):
+                caches[i].take_resize(hh, cc)
+            self._dirty.update(index[moved].tolist())
+        refused = clean & bad
+        done = np.flatnonzero(fast | refused)
+        return set(done.tolist()), index[refused].tolist()
 
     # ---- the device-side length advance (HOST-3) ----
     def advance(self, accepted: torch.Tensor) -> None:
@@ -180,7 +189,8 @@ class LengthsPath:
     def sync_member(self, row: int) -> None:
         """Bring the member at ``row`` up to date with lengths ``advance`` moved (catch_up, then
         the cache takes its row of the host mirror)."""
-        self.catch_up()
+        if self._pending_snapshot is not None:
+            self.catch_up()
         if row in self._stale:
             self._stale.discard(row)
             L = self._mirror.host_lengths

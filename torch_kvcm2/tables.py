@@ -94,6 +94,7 @@ class TableMirror:
         self.ring = [_Staging(allocated[name]) for name in sorted(allocated)
                      if name.startswith("staging")]
         self.published_owner: list = [None] * max_rows
+        self.active = np.zeros(max_rows, dtype=bool)  # published with an owner (a lease)
         self.published_live = [[(0, 0)] * self.G for _ in range(max_rows)]
         self._length_index = (np.arange(LENGTH_ROWS, dtype=np.int64)[:, None] * max_rows
                               + self.offset)
@@ -137,6 +138,7 @@ class TableMirror:
                                        else np.full(hi - lo, BAD, dtype=np.int32))
                 live[g] = new
             self.published_owner[row] = owner
+            self.active[row] = owner is not None
             if owner is not None:
                 owner.mark_published()
         if rows:
