@@ -351,6 +351,7 @@ class Batch(LengthsPath):
                 h, c, written, declared, allocated = cache.lengths_row()
                 values.append((h, c, lease, written, declared, allocated))
                 reserves.append(cache.reserve_tokens)
+        values = np.array(values, dtype=np.int32)
         lengths = self._mirror.lengths_after(rows, values)
         width = self._flush_width(lengths)
         if width > self.config.max_total_input_tokens:

@@ -91,6 +91,7 @@ class TableMirror:
         self.host_lengths[LEASE] = BAD
         self.store.copy_(torch.from_numpy(self.host))
         self.delta = allocated["delta"]
+        self.delta_bytes = self.delta.numel()
         self.ring = [_Staging(allocated[name]) for name in sorted(allocated)
                      if name.startswith("staging")]
         self.published_owner: list = [None] * max_rows
@@ -102,17 +103,19 @@ class TableMirror:
         self._next_staging = 0  # ring position to try first
         self._fixed: dict = {}  # padded size -> (device bytes, index view, value view)
 
-    def lengths_after(self, rows: list, values: list) -> np.ndarray:
-        """The host length rows as they would be after publishing ``values`` for ``rows``."""
+    def lengths_after(self, rows: list, values: np.ndarray) -> np.ndarray:
+        """The host length rows as they would be after publishing ``values`` (int32[len(rows),
+        6]) for ``rows``."""
         out = self.host_lengths.copy()
         if rows:
-            out[:, rows] = np.asarray(values, dtype=np.int32).T
+            out[:, rows] = values.T
         return out
 
-    def publish(self, rows: list, owners: list, values: list, leases: list, clear_leases) -> None:
+    def publish(self, rows: list, owners: list, values: np.ndarray, leases: list,
+                clear_leases) -> None:
         """Stage and apply the delta of ``rows`` (each with its owner cache or None for a hole
-        or suspended row and its six length values) and clear the residency of ``leases``
-        (``clear_leases(device int64 tensor)``)."""
+        or suspended row, and its six length values: int32[len(rows), 6]) and clear the
+        residency of ``leases`` (``clear_leases(device int64 tensor)``)."""
         index_parts, value_parts = [], []
         for row, owner in zip(rows, owners):
             previous = self.published_owner[row]
@@ -143,7 +146,7 @@ class TableMirror:
                 owner.mark_published()
         if rows:
             index_parts.append((self._length_index + np.asarray(rows, dtype=np.int64)).ravel())
-            value_parts.append(np.asarray(values, dtype=np.int32).T.ravel())
+            value_parts.append(values.T.ravel())
         if len(index_parts) == 1:
             index, value = index_parts[0], value_parts[0]
         elif index_parts:
@@ -160,7 +163,7 @@ class TableMirror:
             return  # nothing to upload: launch nothing
         staging = self._free_staging()
         b = bucket_of(n) if n <= FAST_DELTA else 0
-        if m == 0 and 12 * b <= self.delta.numel():  # fixed-size views: one copy, one scatter
+        if m == 0 and 12 * b <= self.delta_bytes:  # fixed-size views: one copy, one scatter
             source, index_bytes, value_bytes = staging.fixed(b)
             index_bytes[:n] = index
             index_bytes[n:] = index[0]  # padding rewrites the first entry with its own value
