@@ -89,7 +89,6 @@ class Batch(LengthsPath):
         self._snapshot = allocated["snapshot"]
         self._snapshot_host = self._snapshot.numpy()  # pinned on CUDA: the copy's target
         self._snapshot_event = None  # recorded after each read-back copy (CUDA)
-        self._moving_rows = np.array([HISTORY, CAPACITY, WRITTEN])  # what advance and flush move
         self.groups = [self._new_group_state(g, allocated) for g in config.selection_groups]
         self._shapes = rules.shapes_of(config)
         self._cells: dict[tuple[str, str], torch.Tensor] = {}

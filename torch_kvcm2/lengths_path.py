@@ -168,11 +168,12 @@ class LengthsPath:
         self._pending_snapshot = None
         snapshot = self._snapshot_host
         L = self._mirror.host_lengths
-        # rows whose history, capacity or watermark moved (lease, declared and allocated are
-        # the host's own: no publish ran since the copy was queued)
-        moved = (snapshot[self._moving_rows] != L[self._moving_rows]).any(axis=0)
+        # rows whose history, capacity or watermark moved; lease, declared and allocated
+        # tokens are equal (only a publish changes them, and none ran since the copy was
+        # queued: a publish with changes waits for the read-back first)
+        moved = (snapshot[:WRITTEN + 1] != L[:WRITTEN + 1]).any(axis=0)
         moved &= L[LEASE] >= 0
-        L[self._moving_rows] = snapshot[self._moving_rows]
+        L[:] = snapshot
         seated = np.flatnonzero(moved)
         if not len(seated):
             return
