@@ -50,6 +50,7 @@ class KVCache:
         self._lowest_keep = [0 for _ in groups]  # per pool group, likewise for allocated pages
         self._pages_moved = False  # a live range changed since the batch last published this row
         self._shapes = rules.shapes_of(config)
+        self._page_tokens, self._max_tokens = config.tokens_per_page, config.max_tokens_per_row
         self._batch = None  # the Batch this cache is seated in
         self._row: Optional[int] = None
 
@@ -174,6 +175,13 @@ class KVCache:
         a pool group cannot supply the pages. The lengths must have passed the checks."""
         groups = self.manager.storage.groups
         plans = [self._plan(group, h, c) for group in groups]
+        if all(first == live[0] and keep == live[1] for (first, keep), live in zip(plans, self._live)):
+            # no page enters or leaves a live range (most decode steps): the lengths only
+            changed = (h, c) != (self._h, self._c)
+            self._take_lengths(h, c)
+            if changed and self._batch is not None:
+                self._batch.seat_changed(self._row)
+            return True
         taken = []
         for group, (first, keep) in zip(groups, plans):
             need = keep - max(self._live[group.index][1], first)
@@ -205,19 +213,22 @@ class KVCache:
                 self._pages_moved = True
             live[0], live[1] = first, keep
             self._lowest_keep[group.index] = min(self._lowest_keep[group.index], keep)
-        self._h, self._c = h, c
-        self._lowest_capacity = min(self._lowest_capacity, c)
-        self._flushed = min(self._flushed, c)  # tokens cut off by a shrink are gone
-        self._declared = min(self._declared, c)
+        self._take_lengths(h, c)
         if changed and self._batch is not None:
             self._batch.seat_changed(self._row)
         return True
 
+    def _take_lengths(self, h: int, c: int) -> None:
+        """Lengths (h, c) whose pages are in place."""
+        self._h, self._c = h, c
+        self._lowest_capacity = min(self._lowest_capacity, c)
+        self._flushed = min(self._flushed, c)  # tokens cut off by a shrink are gone
+        self._declared = min(self._declared, c)
+
     def _plan(self, group, h: int, c: int) -> tuple[int, int]:
         """(first live page, allocated pages) of a pool group for lengths (h, c)."""
-        config = self.manager.config
-        P = config.tokens_per_page
-        keep = ceil_div(min(c + self._reserve, config.max_tokens_per_row), P) if c else 0
+        P, limit = self._page_tokens, self._max_tokens
+        keep = -(-min(c + self._reserve, limit) // P) if c else 0
         first = self._live[group.index][0]
         if group.window is not None and h > group.window:
             first = max(first, min((h - group.window) // P, keep))  # REQ-3
@@ -359,10 +370,7 @@ class KVCache:
     def take_resize(self, h: int, c: int) -> None:
         """Lengths (h, c) that ``Batch.resize_rows`` checked by resize's rules and that keep
         every page where it is (no page enters or leaves the live range)."""
-        self._h, self._c = h, c
-        self._lowest_capacity = min(self._lowest_capacity, c)
-        self._flushed = min(self._flushed, c)
-        self._declared = min(self._declared, c)
+        self._take_lengths(h, c)
 
     def discard_in_flight(self) -> None:
         """Drop the tokens in flight: capacity shrinks back to history (the abort path)."""
