@@ -174,16 +174,15 @@ class LengthsPath:
         moved = (snapshot[:WRITTEN + 1] != L[:WRITTEN + 1]).any(axis=0)
         moved &= L[LEASE] >= 0
         L[:] = snapshot
-        seated = np.flatnonzero(moved)
-        if not len(seated):
+        seated = np.flatnonzero(moved).tolist()
+        if not seated:
             return
-        self._stale.update(seated.tolist())
+        self._stale.update(seated)
         if self._windowed:
-            self._settle.update(seated.tolist())
+            self._settle.update(seated)
         else:  # rows whose capacity moved into their reserve: take it again
-            wanted = np.minimum(L[CAPACITY, seated] + self._reserve_tokens[seated],
-                                self.config.max_tokens_per_row)
-            settle = seated[wanted > L[ALLOCATED, seated]]
+            wanted = np.minimum(L[CAPACITY] + self._reserve_tokens, self.config.max_tokens_per_row)
+            settle = np.flatnonzero(moved & (wanted > L[ALLOCATED]))
             if len(settle):
                 self._settle.update(settle.tolist())
 
