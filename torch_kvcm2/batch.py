@@ -347,9 +347,9 @@ class Batch(LengthsPath):
                 reserves.append(0)
             else:
                 owners.append(cache)
-                h, c, written, declared, allocated = cache.lengths_row()
+                h, c, written, declared, allocated, reserve = cache.lengths_row()
                 values.append((h, c, lease, written, declared, allocated))
-                reserves.append(cache.reserve_tokens)
+                reserves.append(reserve)
         values = np.array(values, dtype=np.int32)
         lengths = self._mirror.lengths_after(rows, values)
         width = self._flush_width(lengths)
@@ -561,9 +561,11 @@ class Batch(LengthsPath):
         watermark = rules.flushed_watermark(L[HISTORY], L[CAPACITY], L[WRITTEN], L[DECLARED],
                                             target, self._shapes, np.maximum, np.minimum, np.where)
         seated = L[LEASE] >= 0
-        for row in np.flatnonzero(seated & (watermark > L[WRITTEN])).tolist():
-            if row not in self._declared_rows:
-                self._rows[row].take_written(int(watermark[row]))
+        grown = np.flatnonzero(seated & (watermark > L[WRITTEN]))
+        members, declared = self._rows, self._declared_rows
+        for row, w in zip(grown.tolist(), watermark[grown].tolist()):
+            if row not in declared:
+                members[row].take_written(w)
         for row in self._declared_rows:  # declarations the device has not seen yet
             if seated[row]:
                 self._rows[row].record_flush(int(L[HISTORY, row]), int(L[CAPACITY, row]),

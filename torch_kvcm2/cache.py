@@ -10,7 +10,7 @@ A seated cache talks to its batch through a few named methods (``seat_changed``,
 ``grant_lease``, ``release_lease``, ``reserve_changed``, ``cell_lengths``, ``sync_member``);
 the batch reads the cache through ``page_row``, ``live_range``, ``pages_moved``,
 ``lengths_row`` and ``reserve_tokens``, and writes it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``take_resize``,
-``mark_published``, ``retake_pages`` and ``discard_in_flight``.
+``lengths_published``, ``mark_published``, ``retake_pages`` and ``discard_in_flight``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 
 from . import lengths as rules
-from ._util import ceil_div, check_int, refuse_during_capture
+from ._util import check_int, refuse_during_capture
 from .config import BAD
 
 ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
@@ -350,12 +350,22 @@ class KVCache:
         self._sync()
         return self._apply(self._h, self._c)
 
-    def lengths_row(self) -> tuple[int, int, int, int, int]:
-        """(history, capacity, written, declared, allocated tokens) as the batch publishes them."""
-        config = self.manager.config
-        keep = self._live[0][1] if self._live else ceil_div(self._c, config.tokens_per_page)
-        allocated = min(keep * config.tokens_per_page, config.max_tokens_per_row)
-        return self._h, self._c, self._flushed, self._declared, allocated
+    def lengths_row(self) -> tuple[int, int, int, int, int, int]:
+        """(history, capacity, written, declared, allocated tokens, reserve tokens) as the batch
+        publishes them."""
+        P = self._page_tokens
+        keep = self._live[0][1] if self._live else -(-self._c // P)
+        allocated = min(keep * P, self._max_tokens)
+        return self._h, self._c, self._flushed, self._declared, allocated, self._reserve
+
+    def lengths_published(self) -> bool:
+        """The batch published this cache's lengths; True when no page moved since the last
+        publish (then that is all: the pages are published as they are), False when they did
+        (the batch publishes the page diff, then calls ``mark_published``)."""
+        if self._pages_moved:
+            return False
+        self._lowest_capacity = self._c
+        return True
 
     def take_written(self, written: int) -> None:
         """The written watermark after a flush, as the batch computed it for this row."""

@@ -28,18 +28,20 @@ class LengthsPath:
         progress) raise before anything changes."""
         self._check_host_call("Batch.resize_rows")
         self.catch_up()
-        rows = self._int_sequence("rows", rows, length=None)
-        caches = []
-        for row in rows:
-            if not 0 <= row < self.max_rows or self._rows[row] is None:
-                raise ValueError(f"Batch.resize_rows: row {row} is not a seated row")
-            caches.append(self._rows[row])
+        rows = self._int_sequence("rows", rows, length=None)  # ints >= 0
+        members, R = self._rows, self.max_rows
+        caches = [members[row] if row < R else None for row in rows]
+        if None in caches:
+            row = rows[caches.index(None)]
+            raise ValueError(f"Batch.resize_rows: row {row} is not a seated row")
         if len(set(rows)) != len(rows):
             raise ValueError("Batch.resize_rows: a row is named twice")
         n = len(rows)
         caps = None if capacity is None else self._int_sequence("capacity", capacity, length=n)
         hists = None if history is None else self._int_sequence("history", history, length=n)
         done, failed = self._resize_clean_rows(rows, caches, caps, hists)
+        if len(done) == n:
+            return failed
         for i, cache in enumerate(caches):
             if i in done:
                 continue

@@ -119,10 +119,8 @@ class TableMirror:
         index_parts, value_parts = [], []
         for row, owner in zip(rows, owners):
             previous = self.published_owner[row]
-            if owner is previous and (owner is None or not owner.pages_moved):
-                if owner is not None:  # lengths only: no page entry can differ
-                    owner.mark_published()
-                continue
+            if owner is previous and (owner is None or owner.lengths_published()):
+                continue  # lengths only: no page entry can differ
             live = self.published_live[row]
             for g in range(self.G):
                 first, end, lowest = owner.live_range(g) if owner is not None else (0, 0, 0)
