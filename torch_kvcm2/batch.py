@@ -24,7 +24,7 @@ from .cache import KVCache
 from .config import BAD, INT32_MAX, SelectionGroup
 from .memory import (ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN,
                      batch_memory_bytes, batch_tensor_specs, sparse_buffers)
-from .lengths_path import LengthsPath
+from .lengths_path import OWED, LengthsPath
 from .tables import TableMirror
 
 INT32 = torch.int32
@@ -493,8 +493,9 @@ class Batch(LengthsPath):
         updated by the same rule (what ``advance`` respects). The host's watermark is exact:
         for None or a sequence the host applies the rule itself; for a tensor (whose values
         the host does not read: on CUDA that would synchronise) it takes the device's
-        watermark through the read-back of the lengths (``record_advance``), applied when the
-        host next needs a length, so it never claims more than the flush wrote. The device
+        watermark through the read-back of the lengths, queued by the next ``record_advance``
+        (``advance`` right after, or the first host call that needs a length) and applied when
+        the host next needs a length, so it never claims more than the flush wrote. The device
         watermark sees only published declarations: publish after ``record_host_writes`` and
         before a flush to a tensor. Inside ``torch.compile`` or stream capture the host
         bookkeeping is skipped: call ``record_flush()`` (None or sequence targets) or
@@ -531,8 +532,8 @@ class Batch(LengthsPath):
             return
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        if from_device:
-            self.record_advance()
+        if from_device:  # a read-back queued before this flush lacks its watermark
+            self._pending_snapshot = OWED
         else:
             self.record_flush(known)
 

@@ -13,6 +13,12 @@ from . import lengths as rules
 from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN
 
 
+#: ``_pending_snapshot`` after an eager flush to a tensor of targets: the read-back of its
+#: watermark is owed (queued by the next ``record_advance``: ``advance`` right after, or the
+#: first host call that needs a length), so a flush + advance step copies the lengths once
+OWED = ("owed",)
+
+
 class LengthsPath:
     """``resize_rows``, ``advance``, ``record_advance``, ``catch_up`` and ``sync_member`` of a
     ``Batch``."""
@@ -162,6 +168,9 @@ class LengthsPath:
         pending = self._pending_snapshot
         if pending is None:
             return
+        if pending == OWED:  # a flush to a tensor of targets: queue its read-back now
+            self.record_advance()
+            pending = self._pending_snapshot
         event = pending[0]
         if event is not None:
             if not wait and not event.query():
