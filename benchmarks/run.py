@@ -885,13 +885,18 @@ def host_run(device, quick, max_tokens, path) -> dict:
     rows = list(range(R))
     ones = torch.ones(R, dtype=torch.int32, device=device)
     times, publish_times = [], []
-    for _ in range(steps):
+    counted = 8  # steps after the timed ones, run under a torch-call counter (untimed)
+    counter = TorchCalls()  # counts the timed part of the steps after the timed ones
+    for step in range(steps + counted):
+        if step == steps:
+            counter.__enter__()
         if path == "advance":
             batch.flush(batch.history + ones)  # the device work a replayed graph does
             batch.advance(ones)
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()  # the host's part of a graph loop's step, the GPU done
+            counter.counting = step >= steps
             batch.publish()  # takes the read-back of the last advance, re-takes reserves
             batch.record_advance()  # what follows the next replay
         else:
@@ -899,6 +904,7 @@ def host_run(device, quick, max_tokens, path) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
+            counter.counting = step >= steps
             batch.record_flush()
             if path == "per-row":
                 for cache in caches:
@@ -909,14 +915,36 @@ def host_run(device, quick, max_tokens, path) -> dict:
             middle = time.perf_counter()
             batch.publish()
             publish_times.append((time.perf_counter() - middle) * 1e6)
+        counter.counting = False
         times.append((time.perf_counter() - start) * 1e6)
+    counter.__exit__(None, None, None)
+    times, publish_times = times[:steps], publish_times[:steps]
     lengths = [cache.history_length for cache in caches]
-    assert lengths == [H + r % PAGE + steps for r in range(R)], "every row decoded every step"
+    assert lengths == [H + r % PAGE + steps + counted for r in range(R)], \
+        "every row decoded every step"
     assert tables_match(batch), "the published tables differ from a full restage"
     return {"us": statistics.median(times), "mean_us": statistics.fmean(times),
             "publish_us": statistics.median(publish_times) if publish_times else None,
             "max_us": max(times), "rows": R, "layers": sz["layers"], "steps": steps,
-            "max_tokens": max_tokens, "path": path}
+            "max_tokens": max_tokens, "path": path,
+            "torch_calls": counter.per_step(counted)}
+
+
+class TorchCalls(torch.overrides.TorchFunctionMode):
+    """Counts torch functions and tensor methods called while active and ``counting`` (each a
+    dispatch, and on CUDA most of them a CUDA API call; CUDA events are not torch functions).
+    Counting adds overhead, so the counted steps come after the timed ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.counting = 0, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += self.counting
+        return func(*args, **(kwargs or {}))
+
+    def per_step(self, steps: int) -> float:
+        return self.calls / steps
 
 
 def bench_host(device, quick) -> list:
@@ -934,13 +962,17 @@ def bench_host(device, quick) -> list:
             target="(b) <= 100us, (a) flat", passed=None if device == "cpu" else fast <= 100,
             extra={**{f"{p}_us": v["us"] for p, v in runs.items()},
                    **{f"{p}_max_us": v["max_us"] for p, v in runs.items()},
+                   **{f"{p}_torch_calls": v["torch_calls"] for p, v in runs.items()},
                    "max_tokens": max_tokens, "per_row_publish_us": r["publish_us"],
                    "note": f"max_tokens_per_row {max_tokens}: host wall time per decode step, "
                            f"median of {r['steps']} steps: (a) per-row resize + publish "
                            f"{runs['per-row']['us']:.0f} us (publish {r['publish_us']:.0f}), "
                            f"(b) resize_rows + publish "
                            f"{runs['batched']['us']:.0f} us, (b) advance on the device + "
-                           f"record_advance + publish {runs['advance']['us']:.0f} us; tables checked "
+                           f"record_advance + publish {runs['advance']['us']:.0f} us; torch calls "
+                           f"per step (a) {runs['per-row']['torch_calls']:.1f}, (b) "
+                           f"{runs['batched']['torch_calls']:.1f} / "
+                           f"{runs['advance']['torch_calls']:.1f}; tables checked "
                            f"against a full restage"}))
     if device != "cpu":  # (a) within 1.5x across max_tokens_per_row, (b) <= 100 us at each
         spread = max(r.median_us for r in out) / min(r.median_us for r in out)

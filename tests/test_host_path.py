@@ -368,6 +368,55 @@ def test_advance_replays_in_a_cuda_graph():
     assert results[0][3][0] == 0
 
 
+@pytest.mark.parametrize("mode", ["tensor", "tensor+record_advance", "list"])
+def test_flush_to_a_tensor_records_exactly_what_it_wrote(device, mode):
+    """SAFE-2: a flush to a tensor of targets (values the host does not read) takes the
+    device's own watermark through the read-back -- exactly what the flush wrote, never the
+    published capacity -- so an eager flush + advance equals the replayed step (flush +
+    advance, then ``record_advance``) and the host rule applied to a sequence of targets, in
+    written, history and capacity, step after step; resize(history=...) after such a flush
+    syncs through the read-back and may go exactly as far as the flush wrote."""
+    rng = random.Random(3)
+    _, batch, caches = advance_setup(device, 2 * 4)
+    model = [[0, T, 0] for _ in caches]  # history, capacity, written
+    for step in range(24):
+        batch.catch_up()
+        batch.publish()
+        width = [m[1] - m[0] for m in model]
+        accepted = [rng.randint(0, w) for w in width]  # often fewer than the width
+        targets = [m[0] + a for m, a in zip(model, accepted)]
+        accepted_t = torch.tensor(accepted, dtype=torch.int32, device=device)
+        if mode == "list":
+            batch.flush(targets)
+        else:
+            batch.flush(batch.history + accepted_t)
+        batch.advance(accepted_t)
+        if mode == "tensor+record_advance":
+            batch.record_advance()
+        for m, t in zip(model, targets):
+            m[2] = max(m[2], min(t, m[1]))  # the flush writes up to its target, not capacity
+            m[1], m[0] = t + (m[1] - m[0]), t
+        assert [c.written for c in caches] == [m[2] for m in model]
+        assert [c.history_length for c in caches] == [m[0] for m in model]
+        assert [c.capacity for c in caches] == [m[1] for m in model]
+    assert batch.advance_counters.tolist() == [0, 0]
+    # a flush alone (no advance): history may follow exactly as far as the targets
+    batch.publish()
+    short = [max(c.history_length, c.capacity - 1) for c in caches]
+    if mode == "list":
+        batch.flush(short)
+    else:
+        batch.flush(torch.tensor(short, dtype=torch.int32, device=device))
+    for cache, t in zip(caches, short):
+        if t < cache.capacity:
+            with pytest.raises(ValueError, match="SAFE-2"):
+                cache.resize(history=t + 1)
+        assert cache.resize(history=t)
+        assert cache.written == t
+    batch.publish()
+    assert_tables_match(batch)
+
+
 def test_batch_memory_is_what_the_batch_allocates():
     """STO-4: the reserve's sizing and the batch's tensors come from one table of specs; the
     bytes a batch holds (tables, residency, outputs, cells, staging, read-back) are its sum."""

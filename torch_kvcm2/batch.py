@@ -24,7 +24,7 @@ from .cache import KVCache
 from .config import BAD, INT32_MAX, SelectionGroup
 from .memory import (ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN,
                      batch_memory_bytes, batch_tensor_specs, sparse_buffers)
-from .lengths_path import LengthsPath
+from .lengths_path import OWED, LengthsPath
 from .tables import TableMirror
 
 INT32 = torch.int32
@@ -87,6 +87,8 @@ class Batch(LengthsPath):
         self._allocated = lengths[ALLOCATED]
         self.advance_counters = allocated["advance_counters"]
         self._snapshot = allocated["snapshot"]
+        self._snapshot_host = self._snapshot.numpy()  # pinned on CUDA: the copy's target
+        self._snapshot_event = None  # recorded after each read-back copy (CUDA)
         self.groups = [self._new_group_state(g, allocated) for g in config.selection_groups]
         self._shapes = rules.shapes_of(config)
         self._cells: dict[tuple[str, str], torch.Tensor] = {}
@@ -101,6 +103,7 @@ class Batch(LengthsPath):
         self._dirty: set[int] = set()
         self._granted: set[int] = set()  # leases whose residency publish() must clear
         self._declared_rows: set[int] = set()  # rows with new declared host writes only
+        self._reserve_rows: set[int] = set()  # rows whose reserve changed since published
         self._fetch_events: dict[int, torch.cuda.Event] = {}
         self._pending_snapshot = None  # the event of a length read-back after advance()
         self._settle: set[int] = set()  # rows advanced on the device, page work pending
@@ -282,6 +285,11 @@ class Batch(LengthsPath):
         per-step calls: the device needs it only for ``advance``'s watermark."""
         (self._declared_rows if declared_only else self._dirty).add(row)
 
+    def reserve_changed(self, row: int) -> None:
+        """The cache at ``row`` set a new reserve (``KVCache.set_reserve``); it takes effect at
+        its next resize, which the batched path then sends through ``KVCache.resize``."""
+        self._reserve_rows.add(row)
+
     def cell_lengths(self, row: int) -> tuple[int, int]:
         """(history, capacity) as published for the member at ``row`` with its lease: the cells
         may hold its in-flight range of these lengths; (0, 0) when it has no published lease."""
@@ -315,29 +323,34 @@ class Batch(LengthsPath):
         the GPU; clear the residency of newly granted leases. Raises ValueError, publishing
         nothing, when the in-flight tokens over all rows exceed ``max_total_input_tokens``."""
         self._check_host_call("Batch.publish")
-        # a read-back of advance() is applied first; waited for only when there is something to
-        # publish (the mirror must not take an older read-back after this publish's delta)
-        self.catch_up(wait=bool(self._dirty or self._granted or self._declared_rows))
-        if self._pending_snapshot is None:  # else later: page work needs the latest lengths
-            for row in sorted(self._settle):  # after advance: windowed pages, the reserve
+        if self._pending_snapshot is not None:
+            # a read-back of advance() is applied first; waited for only when there is
+            # something to publish (the mirror must not take an older read-back after this
+            # publish's delta)
+            self.catch_up(wait=bool(self._dirty or self._granted or self._declared_rows))
+        if self._settle and self._pending_snapshot is None:  # else later: page work needs
+            for row in sorted(self._settle):  # the latest lengths (windowed pages, reserves)
                 cache = self._rows[row]
                 if cache is not None and not cache.suspended:
-                    self.sync_member(row)
-                    cache.resize()
+                    cache.retake_pages()
             self._settle.clear()
         if not self._dirty and not self._granted and not self._declared_rows:
             return
-        rows = sorted(self._dirty | self._declared_rows)
-        owners, values = [], []
+        rows = sorted(self._dirty | self._declared_rows) if self._declared_rows else sorted(self._dirty)
+        owners, values, reserves = [], [], []
+        row_lease, members = self._row_lease, self._rows
         for row in rows:
-            cache, lease = self._rows[row], self._row_lease[row]
+            cache, lease = members[row], row_lease[row]
             if cache is None or lease == BAD:  # hole or suspended: BAD / 0
                 owners.append(None)
                 values.append((0, 0, BAD, 0, 0, 0))
+                reserves.append(0)
             else:
                 owners.append(cache)
-                h, c, written, declared, allocated = cache.lengths_row()
+                h, c, written, declared, allocated, reserve = cache.lengths_row()
                 values.append((h, c, lease, written, declared, allocated))
+                reserves.append(reserve)
+        values = np.array(values, dtype=np.int32)
         lengths = self._mirror.lengths_after(rows, values)
         width = self._flush_width(lengths)
         if width > self.config.max_total_input_tokens:
@@ -347,8 +360,9 @@ class Batch(LengthsPath):
                 f"the flush work list; nothing was published")
         leases = sorted(self._granted)
         self._mirror.publish(rows, owners, values, leases, self._clear_leases)
-        for row, owner in zip(rows, owners):
-            self._reserve_tokens[row] = owner.reserve_tokens if owner is not None else 0
+        self._reserve_tokens[rows] = reserves
+        if self._reserve_rows:
+            self._reserve_rows.difference_update(rows)
         self._dirty.clear()
         self._granted.clear()
         self._declared_rows.clear()
@@ -476,20 +490,27 @@ class Batch(LengthsPath):
         Afterwards ``KVCache.resize`` may advance a row's history through what was flushed
         (SAFE-2) -- over the in-flight range only: tokens below it must have been declared
         written (``record_host_writes``) before the flush. The device watermark ``written`` is
-        updated by the same rule (what ``advance`` respects). When the host cannot see the
-        values (a CUDA tensor) it takes the published capacity as the bound: the caller must
-        not advance history past what it passed. Inside ``torch.compile`` or stream capture the
-        host bookkeeping is skipped: call ``record_flush()`` after the compiled call or the
-        replay. The work-list bound (``max_total_input_tokens``) is enforced by ``publish``."""
+        updated by the same rule (what ``advance`` respects). The host's watermark is exact:
+        for None or a sequence the host applies the rule itself; for a tensor (whose values
+        the host does not read: on CUDA that would synchronise) it takes the device's
+        watermark through the read-back of the lengths, queued by the next ``record_advance``
+        (``advance`` right after, or the first host call that needs a length) and applied when
+        the host next needs a length, so it never claims more than the flush wrote. The device
+        watermark sees only published declarations: publish after ``record_host_writes`` and
+        before a flush to a tensor. Inside ``torch.compile`` or stream capture the host
+        bookkeeping is skipped: call ``record_flush()`` (None or sequence targets) or
+        ``record_advance()`` (tensor targets, or a graph that also advances) after the
+        compiled call or the replay. The work-list bound (``max_total_input_tokens``) is
+        enforced by ``publish``."""
         self._check_step("Batch.flush")
         known = None  # host-visible per-row targets
+        from_device = False  # the host takes the device's watermark through the read-back
         if new_history is None:
             target = self.capacity
         else:
             if isinstance(new_history, torch.Tensor):
                 self._check_not_meta("new_history", new_history)
-                if new_history.device.type == "cpu" and not torch.compiler.is_compiling():
-                    known = new_history.tolist()
+                from_device = True
                 target = new_history.to(self.config.device)
             elif isinstance(new_history, (int, float, np.integer)):
                 raise TypeError(
@@ -511,14 +532,19 @@ class Batch(LengthsPath):
             return
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        self.record_flush(known)
+        if from_device:  # a read-back queued before this flush lacks its watermark
+            self._pending_snapshot = OWED
+        else:
+            self.record_flush(known)
 
     def record_flush(self, new_history: Optional[list] = None) -> None:
         """Host bookkeeping of a flush (the SAFE-2 watermark, KVCache.written): every seated
         row's tokens up to ``min(new_history[row], published capacity)`` are on its host pages
         when its tokens below the in-flight range were (the capacity when ``new_history`` is
-        None). ``flush`` calls it; call it yourself after replaying a captured graph that
-        contains a flush."""
+        None). ``flush`` calls it for None and sequence targets; call it yourself after
+        replaying a captured graph that contains such a flush. A graph whose flush takes a
+        tensor of targets is followed by ``record_advance()`` instead (the device's own
+        watermark comes back with the lengths)."""
         if self._pending_snapshot is not None:
             # the device lengths are ahead of the host (advance): its watermark, computed by
             # the flush itself, comes back with a fresh read-back of the lengths
@@ -536,9 +562,11 @@ class Batch(LengthsPath):
         watermark = rules.flushed_watermark(L[HISTORY], L[CAPACITY], L[WRITTEN], L[DECLARED],
                                             target, self._shapes, np.maximum, np.minimum, np.where)
         seated = L[LEASE] >= 0
-        for row in np.flatnonzero(seated & (watermark > L[WRITTEN])).tolist():
-            if row not in self._declared_rows:
-                self._rows[row].take_written(int(watermark[row]))
+        grown = np.flatnonzero(seated & (watermark > L[WRITTEN]))
+        members, declared = self._rows, self._declared_rows
+        for row, w in zip(grown.tolist(), watermark[grown].tolist()):
+            if row not in declared:
+                members[row].take_written(w)
         for row in self._declared_rows:  # declarations the device has not seen yet
             if seated[row]:
                 self._rows[row].record_flush(int(L[HISTORY, row]), int(L[CAPACITY, row]),
@@ -575,12 +603,12 @@ class Batch(LengthsPath):
     def _flush_width(self, lengths: np.ndarray) -> int:
         """The most in-flight tokens a flush can write back over all rows with these host length
         rows: the flush work-list bound of OP-FLUSH."""
-        seated = lengths[LEASE] >= 0
-        h, c = lengths[HISTORY].astype(np.int64), lengths[CAPACITY].astype(np.int64)
+        # holes and suspended rows publish lengths 0 / 0 (width 0), and s0 <= c for h <= c:
+        # every width is >= 0 without a mask (int32 suffices: c - I >= -2**31)
+        h, c = lengths[HISTORY], lengths[CAPACITY]
         widest = 0
         for shape in self._shapes:
-            width = c - rules.inflight_start(h, c, shape, np.maximum)
-            widest = max(widest, int(np.where(seated, np.maximum(width, 0), 0).sum()))
+            widest = max(widest, int((c - rules.inflight_start(h, c, shape, np.maximum)).sum()))
         return widest
 
     def host_token_indices(self, layer: str, role: str, positions: torch.Tensor,
@@ -732,6 +760,9 @@ class Batch(LengthsPath):
         values = list(values)
         if n is not None and len(values) != n:
             raise ValueError(f"{name} must have {n} values (one per row), got {len(values)}")
+        if all(type(v) is int for v in values) and (
+                not values or (min(values) >= 0 and max(values) <= INT32_MAX)):
+            return values  # plain ints in range (the common case, checked without a loop)
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"{name} values must be ints, got {type(v).__name__} {v!r}")

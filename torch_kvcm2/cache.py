@@ -7,10 +7,10 @@ write contract, docs/HOST_PATH.md). Every call validates before it changes anyth
 resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
 
 A seated cache talks to its batch through a few named methods (``seat_changed``,
-``grant_lease``, ``release_lease``, ``cell_lengths``, ``sync_member``); the batch reads the
-cache through ``page_row``, ``live_range``, ``lengths_row`` and ``reserve_tokens``, and writes
-it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``mark_published``
-and ``discard_in_flight``.
+``grant_lease``, ``release_lease``, ``reserve_changed``, ``cell_lengths``, ``sync_member``);
+the batch reads the cache through ``page_row``, ``live_range``, ``pages_moved``,
+``lengths_row`` and ``reserve_tokens``, and writes it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``take_resize``,
+``lengths_published``, ``mark_published``, ``retake_pages`` and ``discard_in_flight``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 
 from . import lengths as rules
-from ._util import ceil_div, check_int, refuse_during_capture
+from ._util import check_int, refuse_during_capture
 from .config import BAD
 
 ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
@@ -48,7 +48,9 @@ class KVCache:
         self._reserve = 0  # tokens of pages kept allocated beyond capacity (Batch.advance)
         self._lowest_capacity = 0  # the lowest capacity since the batch last published this row
         self._lowest_keep = [0 for _ in groups]  # per pool group, likewise for allocated pages
+        self._pages_moved = False  # a live range changed since the batch last published this row
         self._shapes = rules.shapes_of(config)
+        self._page_tokens, self._max_tokens = config.tokens_per_page, config.max_tokens_per_row
         self._batch = None  # the Batch this cache is seated in
         self._row: Optional[int] = None
 
@@ -173,6 +175,13 @@ class KVCache:
         a pool group cannot supply the pages. The lengths must have passed the checks."""
         groups = self.manager.storage.groups
         plans = [self._plan(group, h, c) for group in groups]
+        if all(first == live[0] and keep == live[1] for (first, keep), live in zip(plans, self._live)):
+            # no page enters or leaves a live range (most decode steps): the lengths only
+            changed = (h, c) != (self._h, self._c)
+            self._take_lengths(h, c)
+            if changed and self._batch is not None:
+                self._batch.seat_changed(self._row)
+            return True
         taken = []
         for group, (first, keep) in zip(groups, plans):
             need = keep - max(self._live[group.index][1], first)
@@ -200,21 +209,26 @@ class KVCache:
                 row[lo:old_keep] = BAD
             if slots is not None:
                 row[max(old_keep, first):keep] = slots
+            if (first, keep) != (old_first, old_keep):
+                self._pages_moved = True
             live[0], live[1] = first, keep
             self._lowest_keep[group.index] = min(self._lowest_keep[group.index], keep)
-        self._h, self._c = h, c
-        self._lowest_capacity = min(self._lowest_capacity, c)
-        self._flushed = min(self._flushed, c)  # tokens cut off by a shrink are gone
-        self._declared = min(self._declared, c)
+        self._take_lengths(h, c)
         if changed and self._batch is not None:
             self._batch.seat_changed(self._row)
         return True
 
+    def _take_lengths(self, h: int, c: int) -> None:
+        """Lengths (h, c) whose pages are in place."""
+        self._h, self._c = h, c
+        self._lowest_capacity = min(self._lowest_capacity, c)
+        self._flushed = min(self._flushed, c)  # tokens cut off by a shrink are gone
+        self._declared = min(self._declared, c)
+
     def _plan(self, group, h: int, c: int) -> tuple[int, int]:
         """(first live page, allocated pages) of a pool group for lengths (h, c)."""
-        config = self.manager.config
-        P = config.tokens_per_page
-        keep = ceil_div(min(c + self._reserve, config.max_tokens_per_row), P) if c else 0
+        P, limit = self._page_tokens, self._max_tokens
+        keep = -(-min(c + self._reserve, limit) // P) if c else 0
         first = self._live[group.index][0]
         if group.window is not None and h > group.window:
             first = max(first, min((h - group.window) // P, keep))  # REQ-3
@@ -252,7 +266,10 @@ class KVCache:
         device without the host. Takes effect at the next ``resize`` (``resize()`` with no
         arguments allocates them now)."""
         self._check_open()
-        self._reserve = check_int("tokens", tokens)
+        tokens = check_int("tokens", tokens)
+        if tokens != self._reserve and self._batch is not None:
+            self._batch.reserve_changed(self._row)
+        self._reserve = tokens
 
     def record_flush(self, h: int, c: int, target: int) -> None:
         """A flush of lengths (h, c) to ``target`` ran (Batch.flush / Batch.record_flush)."""
@@ -311,17 +328,44 @@ class KVCache:
         first, keep = self._live[group]
         return first, keep, self._lowest_keep[group]
 
+    @property
+    def pages_moved(self) -> bool:
+        """Whether a live range changed (pages allocated, freed or released) since the batch
+        last published this cache; False: every published page entry is still right."""
+        return self._pages_moved
+
     def mark_published(self) -> None:
         """The batch published this cache's lengths and pages."""
         self._lowest_capacity = self._c
-        self._lowest_keep = [keep for _, keep in self._live]
+        if self._pages_moved:
+            self._lowest_keep = [keep for _, keep in self._live]
+            self._pages_moved = False
 
-    def lengths_row(self) -> tuple[int, int, int, int, int]:
-        """(history, capacity, written, declared, allocated tokens) as the batch publishes them."""
-        config = self.manager.config
-        keep = self._live[0][1] if self._live else ceil_div(self._c, config.tokens_per_page)
-        allocated = min(keep * config.tokens_per_page, config.max_tokens_per_row)
-        return self._h, self._c, self._flushed, self._declared, allocated
+    def retake_pages(self) -> bool:
+        """Plan the pages of the current lengths again: the reserve beyond capacity and the
+        window's releases, after ``Batch.advance`` moved the lengths on the device (the batch
+        calls it at publish). The lengths do not change, so no rule of ``resize`` can break;
+        False, with nothing changed, when the pools cannot supply the pages (the row's advance
+        then stops at its pages, counted as short)."""
+        self._sync()
+        return self._apply(self._h, self._c)
+
+    def lengths_row(self) -> tuple[int, int, int, int, int, int]:
+        """(history, capacity, written, declared, allocated tokens, reserve tokens) as the batch
+        publishes them."""
+        P = self._page_tokens
+        keep = self._live[0][1] if self._live else -(-self._c // P)
+        allocated = min(keep * P, self._max_tokens)
+        return self._h, self._c, self._flushed, self._declared, allocated, self._reserve
+
+    def lengths_published(self) -> bool:
+        """The batch published this cache's lengths; True when no page moved since the last
+        publish (then that is all: the pages are published as they are), False when they did
+        (the batch publishes the page diff, then calls ``mark_published``)."""
+        if self._pages_moved:
+            return False
+        self._lowest_capacity = self._c
+        return True
 
     def take_written(self, written: int) -> None:
         """The written watermark after a flush, as the batch computed it for this row."""
@@ -336,10 +380,7 @@ class KVCache:
     def take_resize(self, h: int, c: int) -> None:
         """Lengths (h, c) that ``Batch.resize_rows`` checked by resize's rules and that keep
         every page where it is (no page enters or leaves the live range)."""
-        self._h, self._c = h, c
-        self._lowest_capacity = min(self._lowest_capacity, c)
-        self._flushed = min(self._flushed, c)
-        self._declared = min(self._declared, c)
+        self._take_lengths(h, c)
 
     def discard_in_flight(self) -> None:
         """Drop the tokens in flight: capacity shrinks back to history (the abort path)."""

@@ -13,6 +13,12 @@ from . import lengths as rules
 from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN
 
 
+#: ``_pending_snapshot`` after an eager flush to a tensor of targets: the read-back of its
+#: watermark is owed (queued by the next ``record_advance``: ``advance`` right after, or the
+#: first host call that needs a length), so a flush + advance step copies the lengths once
+OWED = ("owed",)
+
+
 class LengthsPath:
     """``resize_rows``, ``advance``, ``record_advance``, ``catch_up`` and ``sync_member`` of a
     ``Batch``."""
@@ -28,18 +34,20 @@ class LengthsPath:
         progress) raise before anything changes."""
         self._check_host_call("Batch.resize_rows")
         self.catch_up()
-        rows = self._int_sequence("rows", rows, length=None)
-        caches = []
-        for row in rows:
-            if not 0 <= row < self.max_rows or self._rows[row] is None:
-                raise ValueError(f"Batch.resize_rows: row {row} is not a seated row")
-            caches.append(self._rows[row])
+        rows = self._int_sequence("rows", rows, length=None)  # ints >= 0
+        members, R = self._rows, self.max_rows
+        caches = [members[row] if row < R else None for row in rows]
+        if None in caches:
+            row = rows[caches.index(None)]
+            raise ValueError(f"Batch.resize_rows: row {row} is not a seated row")
         if len(set(rows)) != len(rows):
             raise ValueError("Batch.resize_rows: a row is named twice")
         n = len(rows)
         caps = None if capacity is None else self._int_sequence("capacity", capacity, length=n)
         hists = None if history is None else self._int_sequence("history", history, length=n)
         done, failed = self._resize_clean_rows(rows, caches, caps, hists)
+        if len(done) == n:
+            return failed
         for i, cache in enumerate(caches):
             if i in done:
                 continue
@@ -60,14 +68,21 @@ class LengthsPath:
         path (page work, or a row changed since the last publish)."""
         if self._windowed or not rows:
             return set(), []
-        owner, reserve = self._mirror.published_owner, self._reserve_tokens
-        unclean = self._dirty | self._declared_rows | self._stale | self._settle
-        clean = np.fromiter(
-            (owner[r] is cache and r not in unclean and cache.reserve_tokens == reserve[r]
-             for r, cache in zip(rows, caches)), dtype=bool, count=len(rows))
+        reserve = self._reserve_tokens
+        # published with a lease and unchanged since (a seat change, a resize, a declaration,
+        # an advance not yet taken, or a new reserve makes a row take the per-row path)
+        active = self._mirror.active
+        unclean = (self._dirty, self._declared_rows, self._stale, self._settle,
+                   self._reserve_rows)
+        if any(unclean):
+            active = active.copy()
+            for group in unclean:
+                for r in group:
+                    active[r] = False
+        index = np.asarray(rows, dtype=np.int64)
+        clean = active[index]
         if not clean.any():
             return set(), []
-        index = np.asarray(rows, dtype=np.int64)
         L = self._mirror.host_lengths.astype(np.int64)[:, index]
         h, c = L[HISTORY], L[CAPACITY]
         h2 = h if hists is None else np.asarray(hists, dtype=np.int64)
@@ -81,12 +96,14 @@ class LengthsPath:
         keep = -(-L[ALLOCATED] // P)
         keep2 = np.where(c2 > 0, -(-np.minimum(c2 + reserve[index], config.max_tokens_per_row) // P), 0)
         fast = clean & ~bad & (keep2 == keep)
-        moved = fast & ((h2 != h) | (c2 != c))
-        for i in np.flatnonzero(moved).tolist():
-            caches[i].take_resize(int(h2[i]), int(c2[i]))
-            self._dirty.add(rows[i])
-        done = np.flatnonzero(fast | (clean & bad))
-        return set(done.tolist()), [rows[i] for i in np.flatnonzero(clean & bad).tolist()]
+        moved = np.flatnonzero(fast & ((h2 != h) | (c2 != c)))
+        if len(moved):
+            for i, hh, cc in zip(moved.tolist(), h2[moved].tolist(), c2[moved].tolist()):
+                caches[i].take_resize(hh, cc)
+            self._dirty.update(index[moved].tolist())
+        refused = clean & bad
+        done = np.flatnonzero(fast | refused)
+        return set(done.tolist()), index[refused].tolist()
 
     # ---- the device-side length advance (HOST-3) ----
     def advance(self, accepted: torch.Tensor) -> None:
@@ -134,8 +151,10 @@ class LengthsPath:
         self._check_host_call("Batch.record_advance")
         self._snapshot.copy_(self._mirror.lengths, non_blocking=True)
         event = None
-        if self.config.device.type == "cuda":
-            event = torch.cuda.Event()
+        if self._mirror.cuda:  # one event, recorded again: it always marks the latest copy
+            event = self._snapshot_event
+            if event is None:
+                event = self._snapshot_event = torch.cuda.Event()
             event.record()
         self._pending_snapshot = (event,)
 
@@ -149,31 +168,40 @@ class LengthsPath:
         pending = self._pending_snapshot
         if pending is None:
             return
+        if pending == OWED:  # a flush to a tensor of targets: queue its read-back now
+            self.record_advance()
+            pending = self._pending_snapshot
         event = pending[0]
         if event is not None:
             if not wait and not event.query():
                 return
             event.synchronize()
         self._pending_snapshot = None
-        snapshot = self._snapshot.numpy()
+        snapshot = self._snapshot_host
         L = self._mirror.host_lengths
-        moved = np.flatnonzero((snapshot[HISTORY] != L[HISTORY]) |
-                               (snapshot[CAPACITY] != L[CAPACITY]) |
-                               (snapshot[WRITTEN] != L[WRITTEN]))
-        self._mirror.take_lengths(moved, snapshot[:, moved])
-        seated = moved[L[LEASE, moved] >= 0]
-        self._stale.update(seated.tolist())
+        # rows whose history, capacity or watermark moved; lease, declared and allocated
+        # tokens are equal (only a publish changes them, and none ran since the copy was
+        # queued: a publish with changes waits for the read-back first)
+        moved = (snapshot[:WRITTEN + 1] != L[:WRITTEN + 1]).any(axis=0)
+        moved &= L[LEASE] >= 0
+        L[:] = snapshot
+        seated = np.flatnonzero(moved).tolist()
+        if not seated:
+            return
+        self._stale.update(seated)
         if self._windowed:
-            self._settle.update(seated.tolist())
+            self._settle.update(seated)
         else:  # rows whose capacity moved into their reserve: take it again
-            limit = self.config.max_tokens_per_row
-            wanted = np.minimum(L[CAPACITY, seated] + self._reserve_tokens[seated], limit)
-            self._settle.update(seated[wanted > L[ALLOCATED, seated]].tolist())
+            wanted = np.minimum(L[CAPACITY] + self._reserve_tokens, self.config.max_tokens_per_row)
+            settle = np.flatnonzero(moved & (wanted > L[ALLOCATED]))
+            if len(settle):
+                self._settle.update(settle.tolist())
 
     def sync_member(self, row: int) -> None:
         """Bring the member at ``row`` up to date with lengths ``advance`` moved (catch_up, then
         the cache takes its row of the host mirror)."""
-        self.catch_up()
+        if self._pending_snapshot is not None:
+            self.catch_up()
         if row in self._stale:
             self._stale.discard(row)
             L = self._mirror.host_lengths

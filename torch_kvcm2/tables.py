@@ -41,16 +41,36 @@ def changed_ranges(old: tuple, new: tuple, same_owner: bool) -> list:
     return [(lo, hi) for lo, hi in ((min(pf, f), max(pf, f)), (min(pk, k), max(pk, k))) if lo < hi]
 
 
+#: deltas of up to this many entries (and no residency clear) take the fixed-size path: the
+#: delta is padded to a power of two (at least ``SMALL_DELTA``) with copies of its first entry,
+#: so that the copy and the scatter use views made once (two torch calls per publish)
+SMALL_DELTA, FAST_DELTA = 16, 4096
+
+
+def bucket_of(n: int) -> int:
+    """The padded size of a delta of ``n`` entries (1 <= n <= FAST_DELTA)."""
+    return max(SMALL_DELTA, 1 << (n - 1).bit_length())
+
+
 class _Staging:
-    """One pinned staging buffer and the event of the copy that last read it."""
+    """One pinned staging buffer, the event of the copy that last read it, and its fixed-size
+    views (per padded size: the source tensor, the index and the value arrays)."""
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
         self.bytes = tensor.numpy()
         self.event: Optional[torch.cuda.Event] = None
+        self.views: dict = {}
 
     def free(self) -> bool:
         return self.event is None or self.event.query()
+
+    def fixed(self, b: int) -> tuple:
+        views = self.views.get(b)
+        if views is None:
+            views = self.views[b] = (self.tensor[:12 * b], self.bytes[:8 * b].view(np.int64),
+                                     self.bytes[8 * b:12 * b].view(np.int32))
+        return views
 
 
 class TableMirror:
@@ -60,6 +80,7 @@ class TableMirror:
         self.config, self.G, self.R = config, num_pool_groups, max_rows
         self.P = config.max_pages_per_row
         self.store = allocated["tables"]
+        self.cuda = self.store.device.type == "cuda"
         self.offset = self.G * max_rows * self.P  # where the length rows start
         self.page_tables = [self.store[g * max_rows * self.P:(g + 1) * max_rows * self.P]
                             .view(max_rows, self.P) for g in range(self.G)]
@@ -70,28 +91,36 @@ class TableMirror:
         self.host_lengths[LEASE] = BAD
         self.store.copy_(torch.from_numpy(self.host))
         self.delta = allocated["delta"]
+        self.delta_bytes = self.delta.numel()
         self.ring = [_Staging(allocated[name]) for name in sorted(allocated)
                      if name.startswith("staging")]
         self.published_owner: list = [None] * max_rows
+        self.active = np.zeros(max_rows, dtype=bool)  # published with an owner (a lease)
         self.published_live = [[(0, 0)] * self.G for _ in range(max_rows)]
         self._length_index = (np.arange(LENGTH_ROWS, dtype=np.int64)[:, None] * max_rows
                               + self.offset)
         self.extra_staging = 0  # staging buffers made beyond the reserve's
+        self._next_staging = 0  # ring position to try first
+        self._fixed: dict = {}  # padded size -> (device bytes, index view, value view)
 
-    def lengths_after(self, rows: list, values: list) -> np.ndarray:
-        """The host length rows as they would be after publishing ``values`` for ``rows``."""
+    def lengths_after(self, rows: list, values: np.ndarray) -> np.ndarray:
+        """The host length rows as they would be after publishing ``values`` (int32[len(rows),
+        6]) for ``rows``."""
         out = self.host_lengths.copy()
         if rows:
-            out[:, rows] = np.asarray(values, dtype=np.int32).T
+            out[:, rows] = values.T
         return out
 
-    def publish(self, rows: list, owners: list, values: list, leases: list, clear_leases) -> None:
+    def publish(self, rows: list, owners: list, values: np.ndarray, leases: list,
+                clear_leases) -> None:
         """Stage and apply the delta of ``rows`` (each with its owner cache or None for a hole
-        or suspended row and its six length values) and clear the residency of ``leases``
-        (``clear_leases(device int64 tensor)``)."""
+        or suspended row, and its six length values: int32[len(rows), 6]) and clear the
+        residency of ``leases`` (``clear_leases(device int64 tensor)``)."""
         index_parts, value_parts = [], []
         for row, owner in zip(rows, owners):
             previous = self.published_owner[row]
+            if owner is previous and (owner is None or owner.lengths_published()):
+                continue  # lengths only: no page entry can differ
             live = self.published_live[row]
             for g in range(self.G):
                 first, end, lowest = owner.live_range(g) if owner is not None else (0, 0, 0)
@@ -110,46 +139,80 @@ class TableMirror:
                                        else np.full(hi - lo, BAD, dtype=np.int32))
                 live[g] = new
             self.published_owner[row] = owner
+            self.active[row] = owner is not None
             if owner is not None:
                 owner.mark_published()
         if rows:
             index_parts.append((self._length_index + np.asarray(rows, dtype=np.int64)).ravel())
-            value_parts.append(np.asarray(values, dtype=np.int32).T.ravel())
-        index = np.concatenate(index_parts) if index_parts else np.empty(0, dtype=np.int64)
-        value = np.concatenate(value_parts) if value_parts else np.empty(0, dtype=np.int32)
+            value_parts.append(values.T.ravel())
+        if len(index_parts) == 1:
+            index, value = index_parts[0], value_parts[0]
+        elif index_parts:
+            index, value = np.concatenate(index_parts), np.concatenate(value_parts)
+        else:
+            index, value = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int32)
         self._upload(index, value, np.asarray(leases, dtype=np.int64), clear_leases)
         self.host[index] = value
 
     def _upload(self, index: np.ndarray, value: np.ndarray, leases: np.ndarray,
                 clear_leases) -> None:
         n, m = len(index), len(leases)
-        nbytes = 8 * m + 12 * n
+        if n == 0 and m == 0:
+            return  # nothing to upload: launch nothing
         staging = self._free_staging()
+        b = bucket_of(n) if n <= FAST_DELTA else 0
+        if m == 0 and 12 * b <= self.delta_bytes:  # fixed-size views: one copy, one scatter
+            source, index_bytes, value_bytes = staging.fixed(b)
+            index_bytes[:n] = index
+            index_bytes[n:] = index[0]  # padding rewrites the first entry with its own value
+            value_bytes[:n] = value
+            value_bytes[n:] = value[0]
+            fixed = self._fixed.get(b)
+            if fixed is None:
+                device = self.delta[:12 * b]
+                fixed = self._fixed[b] = (device, device[:8 * b].view(torch.int64),
+                                          device[8 * b:].view(torch.int32))
+            device, device_index, device_value = fixed
+            device.copy_(source, non_blocking=True)
+            self._record(staging)
+            self.store.index_put_((device_index,), device_value)
+            return
+        nbytes = 8 * m + 12 * n
         buf = staging.bytes
         buf[:8 * m].view(np.int64)[:] = leases
         buf[8 * m:8 * (m + n)].view(np.int64)[:] = index
         buf[8 * (m + n):nbytes].view(np.int32)[:] = value
         device = self.delta[:nbytes]
         device.copy_(staging.tensor[:nbytes], non_blocking=True)
-        if self.store.device.type == "cuda":
-            if staging.event is None:
-                staging.event = torch.cuda.Event()
-            staging.event.record()
+        self._record(staging)
         if n:
             self.store.index_put_((device[8 * m:8 * (m + n)].view(torch.int64),),
                                   device[8 * (m + n):nbytes].view(torch.int32))
         if m:
             clear_leases(device[:8 * m].view(torch.int64))
 
+    def _record(self, staging: _Staging) -> None:
+        """Record the event of the copy that just read ``staging`` (CUDA only)."""
+        if self.cuda:
+            if staging.event is None:
+                staging.event = torch.cuda.Event()
+            staging.event.record()
+
     def _free_staging(self) -> _Staging:
-        for staging in self.ring:
-            if staging.free():
-                return staging
+        """A staging buffer no copy may still read: the ring's next one first (the oldest copy,
+        in a steady state the only event queried), else any free one, else a new one."""
+        ring, start = self.ring, self._next_staging
+        for i in range(len(ring)):
+            k = (start + i) % len(ring)
+            if ring[k].free():
+                self._next_staging = (k + 1) % len(ring)
+                return ring[k]
         pin = self.store.device.type == "cuda"
         size = staging_bytes(self.config, self.G, self.R)
         staging = _Staging(torch.zeros(size, dtype=torch.uint8, pin_memory=pin))
         self.ring.append(staging)
         self.extra_staging += 1
+        self._next_staging = 0
         return staging
 
     def host_view(self) -> dict:
@@ -158,6 +221,3 @@ class TableMirror:
         pages.flags.writeable = False  # views share the flag with nothing else
         return {"page_tables": pages, "lengths": lengths.copy()}
 
-    def take_lengths(self, rows: np.ndarray, values: np.ndarray) -> None:
-        """Host length rows read back from the device (after ``Batch.advance``)."""
-        self.host_lengths[:, rows] = values
