@@ -1,6 +1,6 @@
 """torch_kvcm2 benchmarks: one command, one table, ratios against ceilings measured in the same run.
 
-    python benchmarks/run.py [--json out.json]   # on the GPU machine (all of PERF.md's ids)
+    python benchmarks/run.py [--json out.json]   # on the GPU machine (every P- id of docs/REQUIREMENTS.md §15)
     python benchmarks/run.py --scaling           # also the scaling table (rows, K, S, miss rate)
     python benchmarks/run.py --only P-RES,P-STEP # a subset of the ids
     python benchmarks/run.py --quick             # CPU smoke run of the harness (no numbers claimed)
@@ -8,7 +8,7 @@
 On CUDA it first measures the copy-engine H2D / D2H bandwidth and the HBM copy bandwidth, then
 times each op as CUDA-graph replays (several calls per graph, state restored between replays, so
 launch overhead is amortised and every replay does the same work) and checks each op's outputs
-before its time counts. Targets are PERF.md's.
+before its time counts. Targets: docs/REQUIREMENTS.md §15.
 
 Beyond the single ops: P-INDEX-L runs P-INDEX's kernel on 256 MB (bandwidth-bound, next to
 torch's copy and an elementwise kernel on the same bytes); P-TORCH times a straightforward
@@ -416,7 +416,7 @@ def bench_flush(timer, device, quick, ceil) -> Result:
 
 
 def bench_index(timer, device, quick, ceil, rows: int, pages: int, rid: str = "P-INDEX") -> Result:
-    """P-INDEX: page-form conversion of rows x pages (PERF.md: 64 x 2048). P-INDEX-L runs the
+    """P-INDEX: page-form conversion of rows x pages (the target's shape: 64 x 2048). P-INDEX-L runs the
     same kernel on a shape large enough for HBM bandwidth, not the launch, to bound it (1024 x
     32768 pages: 256 MB moved, 5x the 50 MB L2, which flattered a 34 MB shape to 100%)."""
     g = torch.Generator().manual_seed(2)
@@ -444,7 +444,7 @@ def bench_index(timer, device, quick, ceil, rows: int, pages: int, rid: str = "P
 
 
 class TorchResolveFetch:
-    """The baseline a user writes first (PERF.md's peers): resolve + fetch of one selection group
+    """The baseline a user writes first (the torch-only baseline of P-TORCH): resolve + fetch of one selection group
     in plain torch ops, vectorised over rows. Hits: ``torch.isin`` of the selection against the
     resident units (rows kept apart by a per-row key offset) and ``sort`` + ``searchsorted`` for
     the slot of each hit; victims: ``argsort`` of a last-use stamp with the selected slots

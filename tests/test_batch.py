@@ -84,6 +84,22 @@ def test_batches_draw_from_the_reserve_and_return_it_on_close(manager):
         kv.Batch(manager, max_rows=5)
 
 
+def test_a_batch_whose_construction_fails_gives_its_reserve_back(manager, monkeypatch):
+    """A Batch() that raises part-way (e.g. out of memory for its tables) holds nothing of the
+    batch reserve afterwards: the next Batch() of the same size still fits."""
+    import torch_kvcm2.batch as batch_module
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no memory for the host mirror")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(batch_module, "TableMirror", fail)
+        with pytest.raises(MemoryError):
+            kv.Batch(manager)
+    assert manager.stats()["gpu"]["batch_bytes_in_use"] == 0
+    kv.Batch(manager).close()
+
+
 def test_publish_uploads_rows_holes_publish_bad_and_addresses_are_fixed(manager):
     """BAT-1, BAT-3."""
     batch = kv.Batch(manager)

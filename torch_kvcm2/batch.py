@@ -1,4 +1,4 @@
-"""Batch (SPEC §6-8, BAT-1..4, RES, OP): rows, leases, device tables, residency and the
+"""Batch (REQUIREMENTS §6-8, BAT-1..4, RES, OP): rows, leases, device tables, residency and the
 per-step entry points.
 
 Every table has a fixed address for the batch's lifetime, so a captured graph keeps working
@@ -32,7 +32,7 @@ INT32 = torch.int32
 
 @dataclass
 class GroupState:
-    """Residency state and per-step outputs of one selection group (SPEC §7)."""
+    """Residency state and per-step outputs of one selection group (REQUIREMENTS §7)."""
 
     spec: SelectionGroup
     resident: torch.Tensor  # int32[max_rows, S]: unit held by each slot, -1 when empty
@@ -71,6 +71,14 @@ class Batch(LengthsPath):
         self.manager, self.config, self.max_rows = manager, config, max_rows
         self._memory = batch_memory_bytes(config, len(storage.groups), max_rows)
         manager.reserve.take(self._memory)
+        try:
+            self._build(manager, storage, config, max_rows)
+        except BaseException:
+            manager.reserve.give_back(self._memory)  # a failed construction holds nothing
+            raise
+
+    def _build(self, manager, storage, config, max_rows: int) -> None:
+        """Every tensor and host structure of the batch (``__init__`` after the reserve)."""
         dev = config.device
         pin = dev.type == "cuda"
         allocated = {}
@@ -386,7 +394,7 @@ class Batch(LengthsPath):
         declared, allocated tokens). Read-only views."""
         return self._mirror.host_view()
 
-    # ---- per-step entry points (SPEC §8) ----
+    # ---- per-step entry points (REQUIREMENTS §8) ----
     def group(self, group: Union[int, str]) -> GroupState:
         """A selection group's state, by index, by its ``selection_id`` or by the name of one of
         its layers."""
@@ -544,7 +552,10 @@ class Batch(LengthsPath):
         None). ``flush`` calls it for None and sequence targets; call it yourself after
         replaying a captured graph that contains such a flush. A graph whose flush takes a
         tensor of targets is followed by ``record_advance()`` instead (the device's own
-        watermark comes back with the lengths)."""
+        watermark comes back with the lengths). A row credits the cache that was published
+        there, and only while it still sits there (a member removed or moved since has nothing
+        of this flush to claim)."""
+        self._check_host_call("Batch.record_flush")
         if self._pending_snapshot is not None:
             # the device lengths are ahead of the host (advance): its watermark, computed by
             # the flush itself, comes back with a fresh read-back of the lengths
@@ -562,15 +573,17 @@ class Batch(LengthsPath):
         watermark = rules.flushed_watermark(L[HISTORY], L[CAPACITY], L[WRITTEN], L[DECLARED],
                                             target, self._shapes, np.maximum, np.minimum, np.where)
         seated = L[LEASE] >= 0
-        grown = np.flatnonzero(seated & (watermark > L[WRITTEN]))
-        members, declared = self._rows, self._declared_rows
-        for row, w in zip(grown.tolist(), watermark[grown].tolist()):
-            if row not in declared:
-                members[row].take_written(w)
-        for row in self._declared_rows:  # declarations the device has not seen yet
-            if seated[row]:
-                self._rows[row].record_flush(int(L[HISTORY, row]), int(L[CAPACITY, row]),
-                                             int(target[row]))
+        owners = self._mirror.published_owner
+        still = [row for row in np.flatnonzero(seated).tolist()
+                 if owners[row] is not None and owners[row] is self._rows[row]]
+        grown = [(row, int(watermark[row])) for row in still
+                 if watermark[row] > L[WRITTEN, row] and row not in self._declared_rows]
+        declared = [(row, int(L[HISTORY, row]), int(L[CAPACITY, row]), int(target[row]))
+                    for row in still if row in self._declared_rows]
+        for row, w in grown:
+            self._rows[row].take_written(w)
+        for row, h, c, t in declared:  # declarations the device has not seen yet
+            self._rows[row].record_flush(h, c, t)
         L[WRITTEN] = np.where(seated, watermark, L[WRITTEN])
 
     def record_host_writes(self, ends=None) -> None:
@@ -636,7 +649,7 @@ class Batch(LengthsPath):
         return out
 
     def record_fetch(self, group: Union[int, str]) -> None:
-        """The ordering contract of SPEC §8 across streams: call on the stream that ran a fetch
+        """The ordering contract of REQUIREMENTS §8 across streams: call on the stream that ran a fetch
         of ``group`` (after it); the group's next ``resolve`` makes its stream wait for it.
         Not needed when every op of a group runs on one stream. CUDA only; eager only."""
         state = self.group(group)

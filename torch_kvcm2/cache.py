@@ -1,4 +1,4 @@
-"""Requests (SPEC §5, REQ-1..4): one ``KVCache`` per request.
+"""Requests (REQUIREMENTS §5, REQ-1..4): one ``KVCache`` per request.
 
 A cache owns its pages (one preallocated int32 row per pool group: page ordinal -> slot id, BAD
 outside the live range ``[first_live, allocated)``), its lengths and its write watermarks (the
@@ -8,8 +8,8 @@ resize costs what changes: the pages allocated or freed, never a loop over the p
 
 A seated cache talks to its batch through a few named methods (``seat_changed``,
 ``grant_lease``, ``release_lease``, ``reserve_changed``, ``cell_lengths``, ``sync_member``);
-the batch reads the cache through ``page_row``, ``live_range``, ``pages_moved``,
-``lengths_row`` and ``reserve_tokens``, and writes it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``take_resize``,
+the batch reads the cache through ``page_row``, ``live_range`` and ``lengths_row``, and writes
+it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``take_resize``,
 ``lengths_published``, ``mark_published``, ``retake_pages`` and ``discard_in_flight``.
 """
 from __future__ import annotations
@@ -327,12 +327,6 @@ class KVCache:
         published this cache): entries from the last one on may have new slots."""
         first, keep = self._live[group]
         return first, keep, self._lowest_keep[group]
-
-    @property
-    def pages_moved(self) -> bool:
-        """Whether a live range changed (pages allocated, freed or released) since the batch
-        last published this cache; False: every published page entry is still right."""
-        return self._pages_moved
 
     def mark_published(self) -> None:
         """The batch published this cache's lengths and pages."""

@@ -1,10 +1,10 @@
-"""The length rules of the write contract (SPEC §2, REQ-2, SAFE-1, SAFE-2; docs/HOST_PATH.md),
+"""The length rules of the write contract (REQUIREMENTS §2, REQ-2, SAFE-1, SAFE-2; docs/HOST_PATH.md),
 written once for Python ints, numpy arrays and torch tensors.
 
 Every function takes the ``max``/``min`` (and ``where``) of its number kind (``max``/``min`` for ints,
 ``np.maximum``/``np.minimum`` for arrays, ``torch.maximum``/``torch.minimum`` for tensors), so
-``KVCache.resize``, ``Batch.resize_rows`` and the device-side ``Batch.advance`` apply the same
-rule. A *shape* is a selection group's ``(tokens_per_unit, max_inflight_tokens)``: groups of one
+``KVCache.resize``, ``Batch.resize_rows`` and the flush watermark on host and device apply the
+same rule (``Batch.advance`` writes its refusal rule in torch ops of its own). A *shape* is a selection group's ``(tokens_per_unit, max_inflight_tokens)``: groups of one
 shape have the same in-flight range.
 """
 from __future__ import annotations

@@ -122,7 +122,8 @@ class LengthsPath:
         queues a copy of the lengths to pinned memory and the host reads it when it next needs
         a length (any host-side call, or a cache's ``history_length``). After replaying a
         captured graph or a compiled call that contains ``advance``, call
-        ``record_advance()``. Windowed pages behind the window are released at that catch-up."""
+        ``record_advance()``. Windowed pages behind the window are released, and reserves taken
+        again, at the first ``publish`` after that catch-up."""
         self._check_step("Batch.advance")
         self._check_rows_tensor("accepted", accepted)
         h, c, lease = self.history, self.capacity, self.lease

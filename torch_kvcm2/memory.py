@@ -68,7 +68,7 @@ def staging_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int) -> i
 
 
 def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int) -> list:
-    """Every tensor a batch of ``max_rows`` rows allocates (SPEC §6-7)."""
+    """Every tensor a batch of ``max_rows`` rows allocates (REQUIREMENTS §6-7)."""
     specs = [
         TensorSpec("tables", (table_entries(config, num_pool_groups, max_rows),), INT32),
         TensorSpec("delta", (staging_bytes(config, num_pool_groups, max_rows),), UINT8),
