@@ -1130,9 +1130,9 @@ def bench_start(device, quick) -> list:
     """P-START: ``KVCacheManager(config)`` with a 4 GiB, 64 GiB and 1 TiB host budget (a
     reservation: nothing is committed; the row's time is the slowest of the three), then
     P-START-GROW: the first allocation's growth rate (bytes committed [+ registered on CUDA] per
-    second) against the thread count (the row: all threads; the note: every count), and
+    second) against the thread count (the row: the default count; the note: every count), and
     P-START-OLD: the old path (zero the whole pool + one registration) on the same bytes."""
-    from torch_kvcm2.host_region import default_threads
+    from torch_kvcm2.host_region import available_cores, default_threads
 
     GiB = 1 << 30
     cuda = device == "cuda"
@@ -1144,7 +1144,9 @@ def bench_start(device, quick) -> list:
                               max_tokens_per_row=1 << 20, gpu_budget_bytes=1 << 26,
                               host_budget_bytes=host_bytes, device=device)
 
-    starts, refused = {}, []
+    if cuda:  # the CUDA context and the caching allocator exist before any manager does
+        torch.zeros(1, device=device)
+    starts, tries, refused = {}, {}, []
     for label, nbytes in (("4 GiB", 4 * GiB), ("64 GiB", 64 * GiB), ("1 TiB", 1 << 40)):
         times = []
         for _ in range(1 if quick else 3):
@@ -1158,16 +1160,19 @@ def bench_start(device, quick) -> list:
                 break
         if times:
             starts[label] = statistics.median(times) * 1e6
+            tries[label] = [t * 1e6 for t in times]
     worst = max(starts.values())
     note = "start-up " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in starts.items())
     results = [Result("P-START", "start, host budget " + " / ".join(starts), worst,
                       target="<= 1 s at every size",
                       passed=(worst <= 1e6 and not refused) if cuda else None,
-                      extra={"note": "; ".join([note] + refused), "start_us": starts})]
+                      extra={"note": "; ".join([note] + refused), "start_us": starts,
+                             "tries_us": tries})]
 
     grow = (512 << 20) if quick else (8 * GiB if cuda else 2 * GiB)
-    cores = default_threads()
-    counts = [1, cores] if quick else sorted({t for t in (1, 2, 4, 8, 16, 32, 64) if t <= cores} | {cores})
+    cores, default = available_cores(), default_threads()
+    counts = sorted({1, default, cores} if quick else
+                    {t for t in (1, 2, 4, 8, 16, 32, 64) if t <= cores} | {default, cores})
     rates = {}
     for threads in dict.fromkeys(counts):
         manager = kv.KVCacheManager(config(grow + (64 << 20)), host_threads=threads)
@@ -1179,10 +1184,10 @@ def bench_start(device, quick) -> list:
         manager.close()
         rates[threads] = (us, committed)
         release(device)
-    us, committed = rates[cores]
+    us, committed = rates[default]
     what = "populate + register" if cuda else "populate"
     results.append(Result(
-        "P-START-GROW", f"first alloc {grow / GiB:g} GiB, {what}, {cores} thr", us, nbytes=committed,
+        "P-START-GROW", f"first alloc {grow / GiB:g} GiB, {what}, {default} thr", us, nbytes=committed,
         target=">= 20 GB/s", passed=(committed / us / 1e3 >= 20) if cuda else None,
         extra={"note": ", ".join(f"{t} threads {c / u / 1e3:.1f} GB/s" for t, (u, c) in rates.items()),
                "rates_gbs": {t: c / u / 1e3 for t, (u, c) in rates.items()}}))

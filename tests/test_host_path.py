@@ -283,6 +283,46 @@ def test_advance_equals_the_host_rule(device):
     assert shorts > 0 and min(m[0] for m in model) > 30
 
 
+def test_reserve_top_ups_come_in_batches_and_never_starve_a_row(device):
+    """HOST-3: rows decoding one token per step at staggered lengths, each keeping a reserve of
+    two pages, are topped up in batches (once a row has used half its reserve, every row that
+    used any of it), so publishes with page work are rare; no row ever runs short and the
+    tables match a full restage at every step."""
+    P = 4
+    config = dsa_config(device, window_layer=False, max_rows=8, tokens_per_page=P,
+                        max_inflight_tokens=2, slots=16, max_tokens_per_row=512,
+                        host_budget_bytes=8 << 20)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    caches = []
+    for row in range(8):  # staggered: row r starts r tokens in
+        cache = manager.create_cache()
+        cache.set_reserve(2 * P)
+        batch.add(cache)
+        assert cache.resize(capacity=row + 2)  # the last max_inflight_tokens (2) are in flight
+        if row:
+            cache.record_host_write(row)  # a prefill wrote its first tokens to host pages
+            assert cache.resize(history=row, capacity=row + 1)
+        caches.append(cache)
+    batch.publish()
+    ones = torch.ones(8, dtype=torch.int32, device=device)
+    page_work, steps = 0, 96
+    for _ in range(steps):
+        before = batch.host_tables()["lengths"][ALLOCATED].copy()
+        batch.publish()
+        after = batch.host_tables()["lengths"][ALLOCATED]
+        page_work += bool((after != before).any())
+        remaining = after - batch.host_tables()["lengths"][1]
+        assert (remaining >= P).all()  # at least half the reserve is left after each publish
+        assert_tables_match(batch)
+        batch.flush(batch.history + ones)
+        batch.advance(ones)
+    assert batch.advance_counters.tolist() == [0, 0]  # nothing refused, no row ran short
+    assert [c.history_length for c in caches] == [row + steps for row in range(8)]
+    # one top-up per row every P steps would be a publish with page work at nearly every step
+    assert page_work <= steps // P + 2
+
+
 def test_advance_refuses_bad_rows_and_never_passes_the_flush(device):
     """HOST-3 bad inputs: a negative or oversize count, or one past what was flushed, refuses
     the row (counted, unchanged); other rows advance. Wrong dtype, device or shape raises before
