@@ -202,13 +202,19 @@ class LengthsPath:
         reserve after a top-up, and the fixed cost of a publish with page work is shared by
         many rows instead of paid by one row per step (64 staggered rows with a one-page
         reserve: one such publish about every 32 steps instead of every step)."""
-        reserve, cap = self._reserve_tokens, self.config.max_tokens_per_row
-        seated = L[LEASE] >= 0
-        allocated = L[ALLOCATED]
-        if not (seated & (np.minimum(L[CAPACITY] + (reserve + 1) // 2, cap) > allocated)).any():
+        if not (L[CAPACITY] >= self._urgent_at).any():
             return
-        low = np.flatnonzero(seated & (np.minimum(L[CAPACITY] + reserve, cap) > allocated))
+        wanted = np.minimum(L[CAPACITY] + self._reserve_tokens, self.config.max_tokens_per_row)
+        low = np.flatnonzero((L[LEASE] >= 0) & (wanted > L[ALLOCATED]))
         self._settle.update(low.tolist())
+
+    def urgent_capacity(self, values: np.ndarray, reserves: np.ndarray) -> np.ndarray:
+        """Per published row (``values`` its six lengths, ``reserves`` its reserve tokens), the
+        capacity from which more than half its reserve is used: allocated - ceil(reserve / 2) +
+        1; never (int64 max) for rows without a lease or whose pages reach max_tokens_per_row."""
+        allocated = values[:, ALLOCATED].astype(np.int64)
+        never = (values[:, LEASE] < 0) | (allocated >= self.config.max_tokens_per_row)
+        return np.where(never, np.iinfo(np.int64).max, allocated - (reserves + 1) // 2 + 1)
 
     def sync_member(self, row: int) -> None:
         """Bring the member at ``row`` up to date with lengths ``advance`` moved (catch_up, then
