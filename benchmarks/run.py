@@ -971,7 +971,7 @@ def bench_host(device, quick) -> list:
                            f"{runs['batched']['us']:.0f} us, (b) advance on the device + "
                            f"record_advance + publish {runs['advance']['us']:.0f} us (mean "
                            f"{runs['advance']['mean_us']:.0f}, max {runs['advance']['max_us']:.0f}: "
-                           f"the max is a host chunk commit); torch calls "
+                           f"it includes any host chunk commit); torch calls "
                            f"per step (a) {runs['per-row']['torch_calls']:.1f}, (b) "
                            f"{runs['batched']['torch_calls']:.1f} / "
                            f"{runs['advance']['torch_calls']:.1f}; tables checked "
