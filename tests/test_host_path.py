@@ -135,6 +135,28 @@ def test_a_decode_step_publishes_only_what_changed():
     assert sizes == [4 * LENGTH_ROWS + extra for extra in crossing]
 
 
+def test_a_publish_whose_upload_fails_is_redone_whole_by_the_next():
+    """BAT-3: an upload that raises (a CUDA error, say) leaves nothing marked as published: the
+    next publish sends the whole delta again and the tables match a full restage."""
+    manager = kv.KVCacheManager(dsa_config())
+    batch = kv.Batch(manager)
+    caches = [manager.create_cache() for _ in range(3)]
+    for cache in caches:
+        batch.add(cache)
+        assert cache.resize(capacity=9)
+    original = batch._mirror._upload
+
+    def failing(*args):
+        raise RuntimeError("injected: upload failed")
+
+    batch._mirror._upload = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        batch.publish()
+    batch._mirror._upload = original
+    batch.publish()
+    assert_tables_match(batch)
+
+
 def test_publish_does_not_wait_on_busy_staging():
     """HOST-2: a staging buffer still in use is never waited for; another one is taken."""
     manager = kv.KVCacheManager(dsa_config())
