@@ -20,8 +20,9 @@ P-FETCH-PAGE) and ``run.fetch_hs_point`` (resolve + fetch from a full resident s
 
 Host-memory variants (the defaults' kernel; the raw ``fetch`` op on host pools the benchmark
 builds, filled with the manager's bytes): the manager's pool (a slice of its reserved host
-region), a torch pinned tensor (cudaHostAlloc) at its start and 64 bytes in, and a reserved host
-region of the benchmark's own committed whole, sliced from its start and 64 B / 4 KiB / 2 MiB in.
+region), a torch pinned tensor (cudaHostAlloc) at its start and 64 bytes in, a reserved host
+region of the benchmark's own committed whole, sliced from its start and 64 B / 4 KiB / 2 MiB in,
+and the same region advised MADV_HUGEPAGE before its commit (transparent huge pages).
 
 A variant that fails (or fails a byte check) is reported as failed; the others still run. The
 sweep stops starting processes when --budget seconds would be exceeded (those are reported as
@@ -30,6 +31,7 @@ skipped).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -62,7 +64,8 @@ SHAPES = [
 ]
 HOST_SHAPES = [("PAGE 256", (256, 64, 656)), ("ROW 8192", (8192, 1, 656))]
 HOST_BACKINGS = ["manager", "pinned", "pinned+64", "region+0", "region+64", "region+4K",
-                 "region+2M"]
+                 "region+2M", "thp-region+0"]
+MADV_HUGEPAGE = 14  # Linux madvise advice: back the range with transparent huge pages
 CHILD_TIMEOUT = 150
 
 
@@ -113,6 +116,7 @@ def host_buffers(nbytes: int, device: str):
     cuda = device == "cuda"
     for label in HOST_BACKINGS[1:]:
         kind, _, off = label.partition("+")
+        huge_kb = 0
         offset = {"": 0, "0": 0, "64": 64, "4K": 4096, "2M": 2 << 20}[off]
         if kind == "pinned":
             base = torch.empty(nbytes + offset, dtype=torch.uint8, pin_memory=cuda)
@@ -120,14 +124,38 @@ def host_buffers(nbytes: int, device: str):
             region = None
         else:
             region = HostRegion(nbytes + offset, device=torch.cuda.current_device() if cuda else None)
+            if kind == "thp-region":  # huge pages where the kernel has them (THP "madvise" mode)
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                if libc.madvise(region.address, region.nbytes, MADV_HUGEPAGE) != 0:
+                    print(f"madvise(MADV_HUGEPAGE) failed: errno {ctypes.get_errno()}", file=sys.stderr)
             assert region.commit([(0, region.nbytes)]), region.last_error
+            huge_kb = anon_huge_kb(region.address, region.nbytes)
             base = region.tensor
             view = ops.uva_view(base, register=False) if cuda else base
         cpu = base[offset:offset + nbytes]
-        yield label, cpu, view[offset:offset + nbytes], cpu.data_ptr()
+        yield label, cpu, view[offset:offset + nbytes], cpu.data_ptr(), huge_kb
         del cpu, view, base
         if region is not None:
             region.close()
+
+
+def anon_huge_kb(address: int, nbytes: int) -> int:
+    """Anonymous huge-page KiB of this process's mappings overlapping ``[address, address +
+    nbytes)`` (0 where /proc does not say)."""
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo < address + nbytes and address < hi
+                elif inside and head == "AnonHugePages:":
+                    total += int(line.split()[1])
+    except (OSError, ValueError):
+        return 0
+    return total
 
 
 def check_fetched(cells, host, misses, tables, S, U, page):
@@ -174,7 +202,7 @@ def host_child(device: str = "cuda") -> dict:
         table_cpu = table.cpu().long()
         calls = 10
 
-        def measure(name, host_cpu, host_dev, address):
+        def measure(name, host_cpu, host_dev, address, huge_kb=0):
             dev_pool = host_dev.view(shape)
 
             def body():
@@ -188,13 +216,14 @@ def host_child(device: str = "cuda") -> dict:
                 torch.cuda.synchronize()
             check_fetched(cells[0].cpu(), host_cpu.view(shape), misses, table_cpu, S, U, 64)
             out.append({"shape": label, "backing": name, "us": us, "bytes": len(misses) * U * row_bytes,
-                        "address_mod_2M": address % (2 << 20)})
+                        "address_mod_2M": address % (2 << 20), "huge_page_kb": huge_kb})
 
         manager_cpu = pool.data.view(-1)[:nbytes]
-        measure("manager", manager_cpu, pools[0].view(-1)[:nbytes], manager_cpu.data_ptr())
-        for name, host_cpu, host_dev, address in host_buffers(nbytes, device):
+        measure("manager", manager_cpu, pools[0].view(-1)[:nbytes], manager_cpu.data_ptr(),
+                anon_huge_kb(manager_cpu.data_ptr(), nbytes))
+        for name, host_cpu, host_dev, address, huge_kb in host_buffers(nbytes, device):
             host_cpu.copy_(manager_cpu)
-            measure(name, host_cpu, host_dev, address)
+            measure(name, host_cpu, host_dev, address, huge_kb)
             del host_cpu, host_dev
             run.release(device)
         del manager, batch, state, cells, pools, tables, manager_cpu, pool
@@ -236,7 +265,7 @@ def print_tables(kernel_rows: list, host_rows: list, failed: list, skipped: list
         print(f"| {row['index']}: {row['variant']} | {row['h2d']:.1f} | " + " | ".join(cells) + " |")
     if host_rows:
         print("\n# page fetch by host memory backing (the defaults' kernel, raw fetch op): "
-              "us / GB/s / % CE; address mod 2 MiB in brackets")
+              "us / GB/s / % CE; [address mod 2 MiB, huge-page KiB the commit got]")
         print("| backing | " + " | ".join(f"{s} (round {i + 1})" for i in range(len(host_rows))
                                           for s, _ in HOST_SHAPES) + " |")
         print("|---|" + "---|" * (len(host_rows) * len(HOST_SHAPES)))
@@ -245,7 +274,7 @@ def print_tables(kernel_rows: list, host_rows: list, failed: list, skipped: list
             for row in host_rows:
                 for s, _ in HOST_SHAPES:
                     r = next((x for x in row["results"] if x["shape"] == s and x["backing"] == name), None)
-                    cells.append("-" if r is None else f"{cell(r, row['h2d'])} [{r['address_mod_2M']}]")
+                    cells.append("-" if r is None else f"{cell(r, row['h2d'])} [{r['address_mod_2M']}, {r['huge_page_kb']}]")
             print(f"| {name} | " + " | ".join(cells) + " |")
     for label in failed:
         print(f"# failed: {label}")
