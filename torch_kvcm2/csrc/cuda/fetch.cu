@@ -321,6 +321,7 @@ __global__ __launch_bounds__(kWarpThreads) void fetch_warp_kernel(const __grid_c
     const int lo = warp * n / kWarpsPerCta, hi = (warp + 1) * n / kWarpsPerCta;
     for (int g = lo; g < hi; g += p.warp_misses) {
       const int64_t items = static_cast<int64_t>(min(p.warp_misses, hi - g)) * per_miss;
+      const bool narrow = items <= INT32_MAX;  // warp-uniform: 32-bit divisions
       for (int64_t base = lane; base < items; base += 32 * kWarpIlp) {
         uint4 val[kWarpIlp];
         uint8_t* dst[kWarpIlp];
@@ -331,8 +332,9 @@ __global__ __launch_bounds__(kWarpThreads) void fetch_warp_kernel(const __grid_c
           vec[i] = 16;
           const int64_t t = base + 32 * i;
           if (t >= items) continue;
-          const int q = static_cast<int>(t / per_miss);
-          int ww = static_cast<int>(t - q * per_miss);
+          const int q = narrow ? static_cast<int>(static_cast<uint32_t>(t) / static_cast<uint32_t>(per_miss))
+                               : static_cast<int>(t / per_miss);
+          const int ww = static_cast<int>(t - q * per_miss);
           int b = 0;
           while (b + 1 < p.nb && ww >= p.buf[b + 1].begin) ++b;
           const FetchBuffer& B = p.buf[b];
