@@ -809,6 +809,67 @@ def scaling_point(timer, device, rows, K, S, miss, seed) -> dict:
             "bytes": rows * new * MLA_ROW, "us": us}
 
 
+def fetch_hs_point(timer, device, rows, K, S, miss, seed) -> dict:
+    """One resolve + fetch step (one layer, U=1, 656-B rows) from a steady state whose resident
+    set is full (S = 2K: an older selection of K units, then the current one), with ``miss`` of
+    the selection replaced by never-used units, so every miss evicts an LRU victim; graph-
+    replayed, then checked like P-STEP (counters, index table, every selected unit's bytes)."""
+    assert S == 2 * K, "a full resident set here needs S = 2K"
+    new = max(1, round(K * miss))
+    H = -(-(2 * K + new) // PAGE) * PAGE
+    config = sparse_config(device, rows=rows, width=K, slots=S, unit=1, page=PAGE, bytes_per_token=MLA_ROW,
+                           tokens_per_row=H + 64)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    seat(manager, batch, rows, H)
+    fill_random(manager.storage.groups[0], seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    order = torch.rand((rows, H), generator=gen, device=device).argsort(-1)
+    pos = torch.rand((rows, K), generator=gen, device=device).argsort(-1)[:, :new]
+    older = order[:, K + new:2 * K + new].to(torch.int32).contiguous()
+    sel0 = order[:, :K].to(torch.int32).contiguous()
+    sel1 = order[:, :K].scatter(1, pos, order[:, K:K + new]).to(torch.int32).contiguous()
+    fresh = torch.zeros((rows, K), dtype=torch.bool, device=device).scatter_(1, pos, True)
+    state = batch.group(0)
+    for sel in (older, sel0):  # the steady state: all S slots hold units, sel0 the recent ones
+        batch.resolve(0, sel)
+        batch.fetch("l0")
+    saved = snapshot([state])
+
+    def body():
+        batch.resolve(0, sel1)
+        batch.fetch("l0")
+
+    us, replay = timer.graph(body, 1, lambda: restore([state], saved), keep=True)
+    cells = batch.cells("l0", "kv")
+    cells.zero_()
+    replay()
+    got = (state.counters - saved[0][2]).tolist()
+    assert got == [rows * (K - new), rows * new, 0], f"hits, misses, invalid = {got}"
+    check_selection(cells, manager.storage.slot_pages("l0", "kv"), batch.page_tables[0], sel1,
+                    state.index_table, fresh)
+    return {"rows": rows, "K": K, "S": S, "miss_pct": 100 * new / K, "misses": rows * new,
+            "bytes": rows * new * MLA_ROW, "us": us}
+
+
+PEER_HS_US = 392.1  # SGLang HiSparse's swap-in at its best block size, H200, 2026-12-01
+
+
+def bench_fetch_hs(timer, device, quick, ceil) -> Result:
+    """P-FETCH-HS: resolve + fetch, 64 rows x 20% misses (410 a row), K=2048, S=4096, 656-B
+    rows, U=1, full resident set, graph-replayed (the shape of the side-by-side comparison with
+    SGLang HiSparse's swap-in kernel, which is not part of the project: its time is the
+    target)."""
+    rows, K, S = (4, 256, 512) if quick else (64, 2048, 4096)
+    s = fetch_hs_point(timer, device, rows, K, S, 0.2, seed=7)
+    note = (f"{s['misses']} misses ({s['misses'] // rows} a row) of {MLA_ROW} B = {s['bytes'] / 1e6:.1f} MB "
+            f"per step, resolve + fetch graph-replayed; the peer's swap-in (resolve + copy in one "
+            f"launch) measured {PEER_HS_US} us on the same shape (H200, 2026-12-01)")
+    return Result("P-FETCH-HS", f"res+fetch {rows}r x {s['misses'] // rows} misses K={K} S={S}", s["us"],
+                  s["bytes"], "CE H2D", ceil["h2d"], f"< {PEER_HS_US} us (peer)",
+                  None if device == "cpu" else s["us"] < PEER_HS_US, extra={**s, "note": note})
+
+
 def host_config(device, rows, layers, groups, tokens_per_row, history):
     """P-HOST's model: ``layers`` layers in selection groups of ``groups`` sizes, each with a
     656-B sparse latent and a 132-B dense indexer key, ``tokens_per_row`` per row. K = 64 and
@@ -1221,7 +1282,7 @@ def main(argv=None) -> int:
         args.quick = True
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
-    ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
+    ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
            "P-CAP", "P-HOST", "P-STEP-WALL", "P-START"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
@@ -1237,6 +1298,7 @@ def main(argv=None) -> int:
         "P-FETCH-PAGE": lambda: [bench_fetch(timer, device, q, units=16 if q else 256,
                                              unit_tokens=64, page=64, rid="P-FETCH-PAGE",
                                              target_pct=90, ceil=ceil)],
+        "P-FETCH-HS": lambda: [bench_fetch_hs(timer, device, q, ceil)],
         "P-FLUSH": lambda: [bench_flush(timer, device, q, ceil)],
         "P-INDEX": lambda: [bench_index(timer, device, q, ceil, *((4, 128) if q else (64, 2048))),
                             bench_index(timer, device, q, ceil, *((8, 512) if q else (1024, 32768)),
