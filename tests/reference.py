@@ -588,6 +588,7 @@ def resolve_multi(state: ResidencyState, selected, history, capacity, lease, U, 
     union_table, misses, deltas = resolve(state, unions, history, capacity, lease, U, P, I, window)
     index_table = []
     for rows, union, line in zip(selected, unions, union_table):
-        entry_of = dict(zip(union, line))
-        index_table.append([[entry_of[u] if u >= 0 else BAD for u in token] for token in rows])
+        entry_of = dict(zip(union, line))  # empty for a hole, whose entries are all BAD
+        index_table.append([[entry_of.get(u, BAD) if u >= 0 else BAD for u in token]
+                            for token in rows])
     return index_table, misses, deltas
