@@ -47,7 +47,9 @@ class TensorSpec:
 
 
 def miss_list_rows(group: SelectionGroup, max_rows: int) -> int:
-    return max_rows * (group.sparse.width + group.sparse.max_inflight_units)
+    """Miss-list entries one resolve may write: per row, every distinct unit of its union of
+    T query tokens' selections (T·K) and every admission (ceil(I/U) + 1)."""
+    return max_rows * (group.sparse.max_selected_columns + group.sparse.max_inflight_units)
 
 
 def sparse_buffers(config: CacheConfig, layer: str):
@@ -82,7 +84,8 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
         specs += [
             TensorSpec(f"resident{g}", (max_rows, sp.slots), INT32),
             TensorSpec(f"recency{g}", (max_rows, sp.slots), INT32),
-            TensorSpec(f"index_table{g}", (max_rows, sp.width), INT32),
+            # for T query tokens: Batch.resolve returns a [max_rows, T', K] view of its prefix
+            TensorSpec(f"index_table{g}", (max_rows, sp.max_selected_columns), INT32),
             TensorSpec(f"miss_list{g}", (miss_list_rows(group, max_rows), ops.MISS_FIELDS), INT32),
             TensorSpec(f"miss_count{g}", (ops.MISS_COUNT_WORDS,), INT32),
             TensorSpec(f"counters{g}", (ops.NUM_COUNTERS,), INT64),

@@ -127,7 +127,11 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
                 max_inflight_tokens, window);
   const int64_t miu = inflight_slots.size(1);
   int32_t* located = inflight_slots.data_ptr<int32_t>();
-  const int64_t rows = selected.size(0), K = selected.size(1);
+  // K: a row's columns over all its query tokens ([rows, T', K] is [rows, T'*K] in memory), the
+  // width of the one selection their union is resolved as (MTP-3): duplicates across tokens are
+  // duplicates within the row.
+  const int64_t rows = selected.size(0);
+  const int64_t K = selected.dim() == 3 ? selected.size(1) * selected.size(2) : selected.size(1);
   const int64_t leases = resident.size(0), S = resident.size(1);
   int32_t* res = resident.data_ptr<int32_t>();
   int32_t* rec = recency.data_ptr<int32_t>();

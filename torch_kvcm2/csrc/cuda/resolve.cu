@@ -835,7 +835,11 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                 max_inflight_tokens, window);
   const c10::cuda::CUDAGuard guard(resident.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t rows = selected.size(0), K = selected.size(1), S = resident.size(1);
+  // K: a row's columns over all its query tokens ([rows, T', K] is [rows, T'*K] in memory); the
+  // kernel resolves them as one selection, which is MTP-3's union (duplicates across tokens are
+  // duplicates within the row: one hash entry, first column kept).
+  const int64_t rows = selected.size(0), S = resident.size(1);
+  const int64_t K = selected.dim() == 3 ? selected.size(1) * selected.size(2) : selected.size(1);
   int32_t* const count = miss_count.data_ptr<int32_t>();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(count) % 8 == 0,
               "resolve: miss_count must be 8-byte aligned (its reservation word is 64-bit)");
@@ -857,9 +861,11 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   const int device = resident.get_device();
   const int static_bytes = static_smem(kernel_id(resolve_kernel), device);
   const int smem_optin = device_info(device).smem_optin;
-  TORCH_CHECK(layout.bytes + static_bytes <= smem_optin, "resolve: S=", S, ", K=", K,
-              ", max in-flight units=", MI, " need ", layout.bytes + static_bytes,
-              " bytes of shared memory per row; the device allows ", smem_optin);
+  TORCH_CHECK(layout.bytes + static_bytes <= smem_optin, "resolve: S=", S,
+              ", selected columns per row (query tokens x K)=", K, ", max in-flight units=", MI,
+              " need ", layout.bytes + static_bytes,
+              " bytes of shared memory per row; the device allows ", smem_optin,
+              " (docs/MTP.md lists the shapes that fit)");
   const size_t smem = static_cast<size_t>(layout.bytes);
   allow_dynamic_smem(kernel_id(resolve_kernel), device, smem);
   ResolveParams p{};
