@@ -127,6 +127,11 @@ class Batch(LengthsPath):
             # attributes (guarded by identity, which never changes) instead of lifted inputs, so
             # cudagraph trees neither copy them nor count their mutation as an input mutation.
             torch._dynamo.mark_static_address(tensor, guard=True)
+        for state in self.groups:
+            # the multi-token index tables (views of the index table's buffer; not listed by
+            # state_tensors, whose tensors never overlap): fixed addresses too
+            for view in state.index_views:
+                torch._dynamo.mark_static_address(view, guard=True)
 
     def _new_group_state(self, group: SelectionGroup, allocated: dict) -> GroupState:
         g, rows, sp = group.index, self.max_rows, group.sparse
@@ -172,8 +177,7 @@ class Batch(LengthsPath):
         tensors = [*self.page_tables, self.history, self.capacity, self.lease, self.written,
                    self._declared, self._allocated, self.advance_counters]
         for state in self.groups:
-            tensors += [state.resident, state.recency, state.index_table, *state.index_views,
-                        state.miss_list,
+            tensors += [state.resident, state.recency, state.index_table, state.miss_list,
                         state.miss_count, state.counters, state.inflight_slots, state.write_table,
                         state.inflight_start]
         for cells, pools, _, _ in self._fetch_args.values():
