@@ -1214,7 +1214,7 @@ def main(argv=None) -> int:
         args.quick = True
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
-    ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
+    ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
            "P-CAP", "P-HOST", "P-STEP-WALL", "P-START"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
@@ -1224,6 +1224,8 @@ def main(argv=None) -> int:
     q = args.quick
     benches = {
         "P-RES": lambda: [bench_resolve(timer, device, q)],
+        "P-RES-MTP": lambda: __import__("bench_mtp").bench_mtp(sys.modules[__name__], timer, device,
+                                                               q, results),
         "P-FETCH-ROW": lambda: [bench_fetch(timer, device, q, units=64 if q else 2048,
                                             unit_tokens=1, page=64, rid="P-FETCH-ROW",
                                             target_pct=75, ceil=ceil)],
