@@ -47,6 +47,9 @@ class GroupState:
     inflight_slots: torch.Tensor  # int32[max_rows, ceil(I/U)+1]: slot of in-flight unit k, BAD
     write_table: torch.Tensor  # int32[max_rows, I+U-1]: write_indices' output
     inflight_start: torch.Tensor  # int32[max_rows]: s0 per row (BAD for unseated rows)
+    # uint8: the CUDA resolve's table region for rows too wide for shared memory (CUDA groups
+    # of more than one query token; docs/MTP.md), else None
+    resolve_scratch: Optional[torch.Tensor] = None
 
 
 class Batch(LengthsPath):
@@ -150,6 +153,7 @@ class Batch(LengthsPath):
             inflight_slots=allocated[f"inflight_slots{g}"].fill_(BAD),
             write_table=allocated[f"write_table{g}"].fill_(BAD),
             inflight_start=allocated[f"inflight_start{g}"].fill_(BAD),
+            resolve_scratch=allocated.get(f"resolve_scratch{g}"),
         )
         state.recency.copy_(torch.arange(sp.slots, dtype=INT32).expand(rows, sp.slots))
         return state
@@ -180,6 +184,8 @@ class Batch(LengthsPath):
             tensors += [state.resident, state.recency, state.index_table, state.miss_list,
                         state.miss_count, state.counters, state.inflight_slots, state.write_table,
                         state.inflight_start]
+            if state.resolve_scratch is not None:
+                tensors.append(state.resolve_scratch)
         for cells, pools, _, _ in self._fetch_args.values():
             tensors += cells + pools
         tensors += [args[0] for args in self._flush_args]
@@ -447,7 +453,7 @@ class Batch(LengthsPath):
         ops.resolve(state.resident, state.recency, table, state.miss_list, state.miss_count,
                     state.counters, state.inflight_slots, selected, self.history, self.capacity,
                     self.lease, sp.tokens_per_unit, self.config.tokens_per_page,
-                    sp.max_inflight_tokens, state.spec.window or 0)
+                    sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch)
         return table
 
     def fetch(self, *layers: str) -> None:

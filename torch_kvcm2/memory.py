@@ -52,6 +52,22 @@ def miss_list_rows(group: SelectionGroup, max_rows: int) -> int:
     return max_rows * (group.sparse.max_selected_columns + group.sparse.max_inflight_units)
 
 
+def resolve_scratch_bytes(columns: int) -> int:
+    """Bytes per row of the CUDA resolve's global table region for rows of ``columns`` selected
+    columns (T·K) too wide for shared memory: a hash of 2^ceil(log2(2·columns)) entries of three
+    int32 arrays, each 16-byte aligned (cuda/resolve.cuh ResolveLayout, global_table)."""
+    entries = 1 << max(1, (2 * columns - 1).bit_length())
+    return 3 * (-(-4 * entries // 16) * 16)
+
+
+def resolve_scratch_rows_bytes(config: CacheConfig, group: SelectionGroup, max_rows: int) -> int:
+    """The resolve scratch a batch allocates for a group: on CUDA, for groups of more than one
+    query token (their T·K columns may exceed the shared layout, docs/MTP.md); else none."""
+    if config.device.type != "cuda" or group.sparse.max_query_tokens == 1:
+        return 0
+    return max_rows * resolve_scratch_bytes(group.sparse.max_selected_columns)
+
+
 def sparse_buffers(config: CacheConfig, layer: str):
     """The non-zero sparse buffers of a layer: the ones with cells and copies (CFG-6)."""
     return [b for b in config.layer(layer).sparse_buffers if b.bytes_per_token > 0]
@@ -94,6 +110,9 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
                        INT32),
             TensorSpec(f"inflight_start{g}", (max_rows,), INT32),
         ]
+        scratch = resolve_scratch_rows_bytes(config, group, max_rows)
+        if scratch:
+            specs.append(TensorSpec(f"resolve_scratch{g}", (scratch,), UINT8))
         for layer in group.layers:
             for buf in sparse_buffers(config, layer):
                 cells = max_rows * sp.slots // group.units_per_page

@@ -6,7 +6,7 @@ metadata the native checks check (so a compile-time error reads like the eager o
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -93,6 +93,7 @@ def resolve(
     tokens_per_page: int,
     max_inflight_tokens: int,
     window: int = 0,
+    scratch: Optional[Tensor] = None,
 ) -> None:
     """OP-RESOLVE for one selection group over every row (REQUIREMENTS §8; docs/DESIGN.md).
 
@@ -106,11 +107,14 @@ def resolve(
     resolve leaves zero); ``counters`` int64[3] (hits, misses, invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
     ``inflight_slots`` int32[R, ceil(I/U)+1] is overwritten with each row's in-flight slot
     records (as ``locate_inflight`` computes them), which write_indices and flush read.
-    ``window`` is 0 for full attention.
+    ``window`` is 0 for full attention. ``scratch`` (CUDA only; ignored on CPU) is uint8 of at
+    least ``R * memory.resolve_scratch_bytes(T'*K)`` bytes: the table region of rows whose
+    resolve does not fit shared memory (docs/MTP.md); without it such rows raise.
     """
     _ops.resolve(
         resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
         history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
+        scratch,
     )
 
 
@@ -227,7 +231,8 @@ def _(out, selected, page_table, capacity, scale, pos, tokens_per_page):
 
 @torch.library.register_fake("torch_kvcm2::resolve")
 def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
-      history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window):
+      history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
+      scratch=None):
     for name, t in (("selected", selected), ("index_table", index_table)):
         _check(t.dtype == torch.int32, f"resolve: {name} must be int32, got {t.dtype}")
         _check(t.dim() in (2, 3), f"resolve: {name} must be 2-D [rows, K] or 3-D "

@@ -121,7 +121,7 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
                  const at::Tensor& inflight_slots, const at::Tensor& selected,
                  const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
                  int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
-                 int64_t window) {
+                 int64_t window, const std::optional<at::Tensor>& /*scratch: CUDA's only*/) {
   check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                 selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
                 max_inflight_tokens, window);
