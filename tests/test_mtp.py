@@ -332,7 +332,7 @@ def seat(manager, batch, n, history=20, new=2):
     caches = []
     for _ in range(n):
         cache = manager.create_cache()
-        assert cache.resize(capacity=history + 4)
+        assert cache.resize(capacity=history + 32)  # past any in-flight range here: host-direct
         cache.record_host_write(history)
         assert cache.resize(history=history)
         assert cache.resize(capacity=history + new)
@@ -658,3 +658,107 @@ def test_mtp4_speculative_acceptance_reads_every_token_back(device, seed):
     assert model.checked_tokens > 1000 and model.rejected > 100
     hits, misses, invalid = model.batch.hit_miss(0).tolist()
     assert hits and misses and invalid
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: rows too wide for the shared layout (the table region in global scratch)
+# ----------------------------------------------------------------------------------------------
+
+
+def wide_state(device, rows, S, columns, I, U):
+    st = dict(
+        resident=torch.full((rows, S), BAD, dtype=I32, device=device),
+        recency=torch.arange(S, dtype=I32, device=device).repeat(rows, 1),
+        miss_list=torch.zeros((rows * (columns + ops.max_inflight_units(I, U)), ops.MISS_FIELDS),
+                              dtype=I32, device=device),
+        miss_count=torch.zeros(ops.MISS_COUNT_WORDS, dtype=I32, device=device),
+        counters=torch.zeros(ops.NUM_COUNTERS, dtype=torch.int64, device=device),
+        inflight_slots=torch.zeros((rows, ops.max_inflight_units(I, U)), dtype=I32, device=device),
+    )
+    return st
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T,K", [(3, 2048), (4, 2048)])
+def test_mtp_wide_rows_cuda_equal_cpu(T, K):
+    """T·K beyond the shared layout (docs/MTP.md): with a scratch the CUDA resolve keeps its
+    table in global memory and equals the CPU kernel bit for bit, over rows that take the
+    direct table (short histories) and the hash (long ones, or an invalid ordinal); without a
+    scratch it raises naming the shape."""
+    from torch_kvcm2.memory import resolve_scratch_bytes
+    U, P, I = 1, 64, 16
+    rows = 4
+    S = -(-(T * K + ops.max_inflight_units(I, U)) // P) * P
+    states = {d: wide_state(d, rows, S, T * K, I, U) for d in ("cpu", "cuda")}
+    scratch = torch.empty(rows * resolve_scratch_bytes(T * K), dtype=torch.uint8, device="cuda")
+    rng = random.Random(3)
+    history = [20000, 90000, 30000, 0]
+    lease = [0, 1, 2, BAD]
+    prev = None
+    for step in range(12):
+        history = [h + rng.randint(0, 3) if h else 0 for h in history]
+        capacity = [h + rng.randint(0, 4) if h else 0 for h in history]
+        sel = torch.full((rows, T, K), -1, dtype=I32)
+        for r in range(3):
+            base = torch.randint(0, max(1, history[r]), (K,), generator=torch.Generator().manual_seed(step * 7 + r))
+            if prev is not None and step % 3:
+                base = torch.where(torch.rand(K) < 0.9, prev[r, 0].long(), base)
+            sel[r, 0] = base.to(I32)
+            for t in range(1, T):
+                redo = torch.rand(K) < 0.1
+                sel[r, t] = torch.where(redo, torch.randint(0, max(1, capacity[r] + 2), (K,)).to(I32),
+                                        sel[r, t - 1])
+            sel[r, :, ::97] = -1  # padding in every token
+        if step % 4 == 3:
+            sel[2, 1, 5] = 10 ** 7  # an invalid ordinal: that row takes the hash
+        prev = sel
+        outs = {}
+        for d, st in states.items():
+            index = torch.full((rows, T, K), 777, dtype=I32, device=d)
+            ops.resolve(st["resident"], st["recency"], index, st["miss_list"], st["miss_count"],
+                        st["counters"], st["inflight_slots"], sel.to(d), t32(history, d),
+                        t32(capacity, d), t32(lease, d), U, P, I, 0,
+                        scratch if d == "cuda" else None)
+            n = int(st["miss_count"][0])
+            outs[d] = (index.cpu(), sorted(map(tuple, st["miss_list"][:n].cpu().tolist())))
+        assert torch.equal(outs["cpu"][0], outs["cuda"][0]), step
+        assert outs["cpu"][1] == outs["cuda"][1], step
+        for name in ("resident", "recency", "counters", "inflight_slots"):
+            assert torch.equal(states["cpu"][name], states["cuda"][name].cpu()), (step, name)
+    hits, misses, invalid = states["cpu"]["counters"].tolist()
+    assert hits > 0 and misses > 0 and invalid > 0
+    st = states["cuda"]
+    with pytest.raises(RuntimeError, match=r"selected columns per row \(query tokens x K\)="):
+        ops.resolve(st["resident"], st["recency"], torch.empty((rows, T, K), dtype=I32, device="cuda"),
+                    st["miss_list"], st["miss_count"], st["counters"], st["inflight_slots"],
+                    sel.cuda(), t32(history, "cuda"), t32(capacity, "cuda"), t32(lease, "cuda"),
+                    U, P, I, 0)
+    with pytest.raises(RuntimeError, match="scratch must be"):
+        ops.resolve(st["resident"], st["recency"], torch.empty((rows, T, K), dtype=I32, device="cuda"),
+                    st["miss_list"], st["miss_count"], st["counters"], st["inflight_slots"],
+                    sel.cuda(), t32(history, "cuda"), t32(capacity, "cuda"), t32(lease, "cuda"),
+                    U, P, I, 0, scratch[:100])
+
+
+@pytest.mark.cuda
+def test_mtp_wide_batch_on_cuda_allocates_its_scratch():
+    """A CUDA batch with T = 4, K = 2048 allocates the resolve scratch and resolves
+    [max_rows, 4, K] selections: every selected column gets an entry, equal for equal units."""
+    a = kv.SparseSpec(tokens_per_unit=1, width=2048, slots=9216, max_inflight_tokens=16,
+                      max_query_tokens=4)
+    config = kv.CacheConfig(tokens_per_page=64, max_rows=2, max_tokens_per_row=20000,
+                            gpu_budget_bytes=256 << 20, host_budget_bytes=64 << 20, device="cuda",
+                            layers=[kv.LayerSpec("a", [kv.BufferSpec("kv", 64, sparse=True)],
+                                                 sparse=a)])
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    seat(manager, batch, 2, history=16000, new=4)
+    assert batch.group("a").resolve_scratch is not None
+    sel = torch.randint(0, 16000, (2, 4, 2048), dtype=I32)
+    sel[:, 1:] = torch.where(torch.rand(2, 3, 2048) < 0.9, sel[:, :1], sel[:, 1:])
+    table = batch.resolve("a", sel.cuda()).cpu()
+    assert bool((table >= 0).all())
+    for r in range(2):
+        entry = {}
+        for u, e in zip(sel[r].flatten().tolist(), table[r].flatten().tolist()):
+            assert entry.setdefault(u, e) == e
