@@ -13,9 +13,10 @@ output is checked before its time counts: on CUDA one replay's state, index tabl
 and counters against the CPU kernel run on copies; on both, that every selected column has an
 entry and that a unit has one entry across a row's tokens.
 
-Shapes whose resolve does not fit the GPU's shared memory (docs/MTP.md: T·K > 4096 at S =
-T·K + 1024 on an H200) are reported as not fitting, with the kernel's message, and the largest
-T that fits at K = 2048 next to T = 4 at the K that fits is measured instead.
+On an H200, T = 2 runs with the resolve's table in shared memory and T = 4 with it in global
+scratch (docs/MTP.md: T·K > 4096 at S = T·K + 1024). A shape whose resolve does not fit at all
+is reported as not fitting, with the kernel's message; if T = 4 does not, T = 3 and T = 4 at
+K / 2 are measured too.
 """
 from __future__ import annotations
 
