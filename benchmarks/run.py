@@ -1265,6 +1265,17 @@ def bench_start(device, quick) -> list:
     return results
 
 
+def _sibling(name: str):
+    """The benchmark module ``benchmarks/<name>.py``, loaded by path (run.py may itself be)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"kvcm2_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small CPU smoke run of the harness")
@@ -1282,7 +1293,8 @@ def main(argv=None) -> int:
         args.quick = True
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
-    ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
+    ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX",
+           "P-TORCH", "P-STEP",
            "P-CAP", "P-HOST", "P-STEP-WALL", "P-START"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
@@ -1292,6 +1304,8 @@ def main(argv=None) -> int:
     q = args.quick
     benches = {
         "P-RES": lambda: [bench_resolve(timer, device, q)],
+        "P-RES-MTP": lambda: _sibling("bench_mtp").bench_mtp(sys.modules[__name__], timer, device,
+                                                             q, results),
         "P-FETCH-ROW": lambda: [bench_fetch(timer, device, q, units=64 if q else 2048,
                                             unit_tokens=1, page=64, rid="P-FETCH-ROW",
                                             target_pct=75, ceil=ceil)],

@@ -22,12 +22,15 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "convert_token_indices(Tensor(a!) out, Tensor selected, Tensor page_table, "
       "Tensor capacity, int scale, int pos, int tokens_per_page) -> ()");
   // OP-RESOLVE: one selection group, every seated row. Also records, per row, the slot of each
-  // in-flight unit (column k: unit floor(s0/U) + k) for write_indices and flush.
+  // in-flight unit (column k: unit floor(s0/U) + k) for write_indices and flush. selected and
+  // index_table are [rows, K] or [rows, T', K] (MTP-2). scratch: the CUDA kernel's table region
+  // for rows too wide for shared memory (ignored on CPU; docs/MTP.md).
   m.def(
       "resolve(Tensor(a!) resident, Tensor(b!) recency, Tensor(c!) index_table, "
       "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "
       "Tensor(g!) inflight_slots, Tensor selected, Tensor history, Tensor capacity, Tensor lease, "
-      "int tokens_per_unit, int tokens_per_page, int max_inflight_tokens, int window) -> ()");
+      "int tokens_per_unit, int tokens_per_page, int max_inflight_tokens, int window, "
+      "Tensor(h!)? scratch=None) -> ()");
   // OP-FETCH: layers of one selection group, every missed unit of each of their sparse buffers,
   // host page -> cell. A buffer's host pages are (its pool group's whole pool, its position in a
   // slot): ops never take two views of one pool, which would alias (see HostPages in kvcm2.h).
