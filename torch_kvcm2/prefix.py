@@ -94,6 +94,7 @@ class PrefixIndex:
         self._clock = 0
         self.queried_tokens = 0  # create_cache(token_ids): tokens asked for, and shared
         self.matched_tokens = 0
+        self.evicted_slots = 0
         for group in groups:
             group.prefix = self
 
@@ -235,6 +236,7 @@ class PrefixIndex:
         """Reclaim the least recently used cached slot of ``group`` (there must be one): a
         full-attention group's slot removes its entry; a windowed group's slot leaves it."""
         slot = group.pop_lru()
+        self.evicted_slots += 1
         e = int(group.owner[slot]) - 1
         if group.window is None:
             self._remove_entry(e)
@@ -257,4 +259,5 @@ class PrefixIndex:
     def stats(self) -> dict:
         q = self.queried_tokens
         return {"entries": self.entries, "queried_tokens": q, "matched_tokens": self.matched_tokens,
-                "hit_rate": (self.matched_tokens / q) if q else 0.0}
+                "hit_rate": (self.matched_tokens / q) if q else 0.0,
+                "evicted_slots": self.evicted_slots}
