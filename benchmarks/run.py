@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -39,6 +40,9 @@ import torch_kvcm2 as kv
 from torch_kvcm2 import ops
 from torch_kvcm2.memory import batch_memory_bytes
 from torch_kvcm2.storage import Storage
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_prefix import bench_prefix  # noqa: E402  (P-PFX)
 
 MLA_ROW = 656  # bytes per token of DeepSeek's FP8 MLA latent row
 PAGE = 64  # tokens per page in every benchmark
@@ -1215,7 +1219,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
-           "P-CAP", "P-HOST", "P-STEP-WALL", "P-START"]
+           "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
         parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
@@ -1240,6 +1244,7 @@ def main(argv=None) -> int:
         "P-HOST": lambda: bench_host(device, q),
         "P-STEP-WALL": lambda: bench_step_wall(timer, device, q),
         "P-START": lambda: bench_start(device, q),
+        "P-PFX": lambda: bench_prefix(timer, device, q, Result),
     }
     results = []
     for rid in ids:
