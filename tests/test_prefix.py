@@ -147,6 +147,20 @@ def test_equal_content_committed_twice_stays_private_and_never_double_owned():
     assert group.cached_slots == 0 and (group.refs[c.pages(0)] == 1).all()
 
 
+def test_a_cached_entry_touched_by_a_duplicate_commit_stays_evictable():
+    manager = small_manager(8)
+    a = import_history(manager.create_cache(), 8)
+    a.commit(list(range(8)))
+    a.close()  # 2 cached
+    b = import_history(manager.create_cache(), 8)
+    b.commit(list(range(8)))  # equal content: b stays private, a's entries are used again
+    hog = manager.create_cache()
+    assert hog.resize(capacity=24)  # 6 pages: 4 free + both cached evicted
+    assert manager.match(list(range(8))) == 0
+    assert manager.stats()["prefix"]["evicted_slots"] == 2  # group 0 evicts; group 1 gets the freed
+    check_references(manager, [b, hog])
+
+
 # ---- PFX-4: eviction, LRU, failed allocation ----
 def sized(config, slots, **kwargs):
     """A manager of ``config`` whose pool groups hold ``slots[medium]`` slots each."""
@@ -294,6 +308,23 @@ def test_windowed_eviction_drops_only_the_windowed_page_and_shortens_the_match()
     check_references(manager, [hog])
     assert not hog.resize(capacity=28)  # swa: 1 free + 1 cached < 2 more: nothing changes
     assert (host.cached_slots, swa.cached_slots) == (4, 1)
+
+
+def test_without_full_attention_groups_only_the_window_is_needed():
+    sparse = kv.SparseSpec(1, 4, 12, 2)
+    layers = [kv.LayerSpec("w", [kv.BufferSpec("kv", 8, sparse=True)], sparse=sparse, window=8)]
+    config = kv.CacheConfig(tokens_per_page=4, layers=layers, max_rows=2, max_tokens_per_row=64,
+                            gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device="cpu")
+    manager = kv.KVCacheManager(config)
+    ids = list(range(30))
+    a = import_history(manager.create_cache(), 24)  # holds pages 4, 5 only
+    assert a.commit(ids[:24]) == 24
+    assert manager.stats()["prefix"]["entries"] == 2  # pages behind the window are not offered
+    assert manager.match(ids) == 24
+    assert manager.match(ids[:20]) == 0  # h = 20 would need page 3
+    b = manager.create_cache(ids)
+    assert b.reused_tokens == 24 and b.pages(0) == [-1] * 4 + a.pages(0)[4:6]
+    check_references(manager, [a, b])
 
 
 # ---- PFX-3: write paths never reach shared or committed pages ----

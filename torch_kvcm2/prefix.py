@@ -152,7 +152,9 @@ class PrefixIndex:
 
     # ---- recency ----
     def touch(self, entries: np.ndarray) -> None:
-        """Stamp a chain of entries (page order) as just used, the deepest page oldest."""
+        """Stamp a chain of entries (page order; BAD entries skipped) as just used, the deepest
+        page oldest."""
+        entries = entries[entries >= 0]
         n = len(entries)
         if not n:
             return
@@ -161,7 +163,7 @@ class PrefixIndex:
         for g, group in enumerate(self.groups):
             slots = self._slots[entries, g]
             ok = slots >= 0
-            group.stamp[slots[ok]] = stamps[ok]
+            group.restamp(slots[ok], stamps[ok])
 
     # ---- commit ----
     def commit(self, keys: list[bytes], rows: np.ndarray, live: list) -> int:

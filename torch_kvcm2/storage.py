@@ -230,6 +230,14 @@ class PoolGroup:
                 return slot
         raise AssertionError(f"pool group {self.index}: no cached slot to evict")
 
+    def restamp(self, slots: np.ndarray, stamps: np.ndarray) -> None:
+        """New last-use stamps for committed ``slots``; cached ones re-enter the LRU heap under
+        their new stamp (the old heap items go stale)."""
+        self.stamp[slots] = stamps
+        cached = self.refs[slots] == 0
+        for slot, stamp in zip(slots[cached].tolist(), stamps[cached].tolist()):
+            heapq.heappush(self._lru, (stamp, slot))
+
     def reference(self, slots: np.ndarray) -> None:
         """One more reference to each of ``slots`` (distinct, all committed or used): a cached
         slot becomes used."""
