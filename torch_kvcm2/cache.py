@@ -1,8 +1,10 @@
 """Requests (REQUIREMENTS §5, REQ-1..4): one ``KVCache`` per request.
 
-A cache owns its pages (one preallocated int32 row per pool group: page ordinal -> slot id, BAD
+A cache holds its pages (one preallocated int32 row per pool group: page ordinal -> slot id, BAD
 outside the live range ``[first_live, allocated)``), its lengths and its write watermarks (the
-write contract, docs/HOST_PATH.md). Every call validates before it changes anything; a
+write contract, docs/HOST_PATH.md). Each page it holds is one reference to its slot: a cache
+created from a committed prefix (``create_cache(token_ids)``) starts with references to shared
+slots, and every write path reaches only pages at or above its history (docs/PREFIX.md). Every call validates before it changes anything; a
 ``resize`` that cannot be satisfied returns False and leaves the cache exactly as it was. A
 resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
 

@@ -8,6 +8,9 @@ device everything is CPU memory and the same code paths run.
 Every pool in CPU memory (the sparse groups; on a CPU device every group) is a contiguous,
 page-aligned slice of one :class:`~torch_kvcm2.host_region.HostRegion`: reserved whole at start,
 committed chunk by chunk as slots are first handed out (STO-6, docs/HOST_MEMORY.md).
+
+Slots are reference-counted (PFX-4, docs/PREFIX.md): a committed slot without references stays
+cached until an allocation that finds no free slot evicts it, least recently used first.
 """
 from __future__ import annotations
 
