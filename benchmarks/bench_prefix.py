@@ -60,7 +60,8 @@ def make_manager(device, sz):
 def token_bytes(ids: torch.Tensor, layer: int, nbytes: int) -> torch.Tensor:
     """What a model writes for tokens ``ids`` in layer ``layer``: uint8[n, nbytes], a function
     of the token id (and layer), not of the request."""
-    return ((ids.long()[:, None] * 7 + layer * 13 + torch.arange(nbytes)) % 251).to(torch.uint8)
+    base = ((ids.long() * 7 + layer * 13) % 251).to(torch.int16)
+    return ((base[:, None] + torch.arange(nbytes, dtype=torch.int16)) % 251).to(torch.uint8)
 
 
 def prefill(cache, ids: torch.Tensor, end: int) -> None:
