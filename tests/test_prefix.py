@@ -467,26 +467,12 @@ class SharingModel(Model):
     the token ids, so every read of a shared page checks that the sharing was right."""
 
     def __init__(self, device, seed, slots):
-        self.device = device
-        self.rng = random.Random(seed)
-        config = make_config(device)
-        probe = kv.KVCacheManager(config)
-        per = {m: sum(g.slot_bytes for g in probe.storage.groups if g.medium == m)
-               for m in ("gpu", "host")}
-        reserve = probe._reserve
-        probe.close()
-        self.config = dataclasses.replace(
-            config, gpu_budget_bytes=reserve["gpu"] + slots * per["gpu"],
-            host_budget_bytes=reserve["host"] + slots * per["host"])
-        self.manager = kv.KVCacheManager(self.config)
+        super().__init__(device, seed)  # the config, buffers and rng of the data-safety model
+        self.batch.close()
+        self.manager.close()
+        self.manager = sized(self.config, {"gpu": slots, "host": slots})
+        self.config = self.manager.config
         self.batch = kv.Batch(self.manager)
-        self.buffers = []
-        for group in self.config.selection_groups:
-            for layer in group.layers:
-                for buf in self.config.layer(layer).sparse_buffers:
-                    if buf.bytes_per_token:
-                        self.buffers.append((layer, buf.role, len(self.buffers), group.index,
-                                             buf.bytes_per_token))
         self.caches = []
         self.everyone = []  # every cache ever made, for the reference counts
         self.ids = {}  # request id -> token ids (numpy int64[max_tokens_per_row])
