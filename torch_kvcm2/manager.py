@@ -74,9 +74,9 @@ class KVCacheManager:
         for bad ``token_ids`` (wrong type or dtype, negative ids, more than
         ``max_tokens_per_row`` tokens), with nothing changed."""
         self._check_open("KVCacheManager.create_cache")
-        refuse_during_capture(self.config.device, "KVCacheManager.create_cache")
         if token_ids is None:
             return KVCache(self, next(self._ids))
+        refuse_during_capture(self.config.device, "KVCacheManager.create_cache(token_ids)")
         ids = self._token_ids("create_cache", token_ids)
         prefix = self.storage.prefix
         pages, entries = prefix.match(ids, self.config.max_pages_per_row)
