@@ -117,6 +117,8 @@ class Batch(LengthsPath):
         self._settle: set[int] = set()  # rows advanced on the device, page work pending
         self._stale: set[int] = set()  # rows whose cache has not taken the advanced lengths
         self._reserve_tokens = np.zeros(max_rows, dtype=np.int64)  # as published, per row
+        # per row, the capacity from which its reserve top-up is urgent (lengths_path)
+        self._urgent_at = np.full(max_rows, np.iinfo(np.int64).max, dtype=np.int64)
         self._windowed = any(g.window is not None for g in storage.groups)
         self._closed = False
         for tensor in self.state_tensors():
@@ -369,6 +371,7 @@ class Batch(LengthsPath):
         leases = sorted(self._granted)
         self._mirror.publish(rows, owners, values, leases, self._clear_leases)
         self._reserve_tokens[rows] = reserves
+        self._urgent_at[rows] = self.urgent_capacity(values, np.asarray(reserves, dtype=np.int64))
         if self._reserve_rows:
             self._reserve_rows.difference_update(rows)
         self._dirty.clear()

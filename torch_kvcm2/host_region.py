@@ -21,22 +21,28 @@ import os
 import platform
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Optional, Sequence
 
 import torch
 
 PAGE_SIZE = mmap.PAGESIZE
+#: Transparent huge page size (x86-64 and arm64 with 4 KiB base pages). The region is reserved
+#: aligned to it and asks for huge pages (MADV_HUGEPAGE): first touch then faults 2 MiB at a time
+#: and registration pins 512x fewer pages (docs/HOST_MEMORY.md has the H200 measurements).
+HUGE_PAGE = 2 << 20
 #: Default commit step: a few hundred MiB keeps the first-touch pause of a growing pool short
 #: (tens of ms on many cores) while 64 GiB needs only 256 registrations.
 DEFAULT_CHUNK_BYTES = 256 << 20
-#: Smallest range one thread populates and registers: below it thread hand-off costs dominate.
-MIN_PIECE_BYTES = 32 << 20
+#: The range one thread populates per turn (whole huge pages). Many pieces per commit keep every
+#: thread busy: on the H200 host (16 cores, 2026-12-01) 32 MiB pieces populated 4 GiB with huge
+#: pages at 21.9 GB/s on 16 threads, 256 MiB pieces at 10.1 GB/s (benchmarks/host_growth.py).
+PIECE_BYTES = 32 << 20
 
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x10, 0x20, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
+_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 4, 14, 23
 _MPOL_PREFERRED, _MPOL_BIND = 1, 2
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235}.get(platform.machine())
 
@@ -106,6 +112,10 @@ class HostMemoryOps:
                                   f"{os.strerror(code)}")
             type(self)._populate_write = False
         ctypes.memset(address, 0, nbytes)  # fresh pages are zero: writing zeros changes nothing
+
+    def advise_huge(self, address: int, nbytes: int) -> bool:
+        """Ask for transparent huge pages over a range (MADV_HUGEPAGE); False when refused."""
+        return _libc.madvise(address, nbytes, _MADV_HUGEPAGE) == 0
 
     def discard(self, address: int, nbytes: int) -> None:
         """Give the pages of a range back (its contents become zero; it stays mapped)."""
@@ -191,12 +201,33 @@ def _run_parallel(fn, items: Sequence, threads: int) -> list:
         return [guarded(item) for item in items]
 
 
-def default_threads() -> int:
+def thp_mode() -> str:
+    """The system's transparent huge page mode ("always", "madvise", "never"), or "unknown"."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+#: Default populate threads: at most this many. On the H200 host (16 cores, 2026-12-01) growth
+#: by 8 GiB ran at 25.7 GB/s on 8 threads and 17.8 GB/s on 16 (they then contend with the
+#: registering thread and with each other's page faults).
+MAX_DEFAULT_THREADS = 8
+
+
+def available_cores() -> int:
     """Cores this process may run on."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def default_threads() -> int:
+    """Populate threads when none are given: the cores this process may use, at most
+    MAX_DEFAULT_THREADS."""
+    return min(available_cores(), MAX_DEFAULT_THREADS)
 
 
 def online_numa_nodes() -> list[int]:
@@ -267,6 +298,8 @@ class HostRegion:
     ``tensor`` is ``uint8[nbytes]`` over the whole reservation; its address never changes.
     ``device`` (a CUDA device index, or None) is where committed ranges get registered.
     ``numa_node``/``numa_strict`` set the placement of every page the region ever commits.
+    ``huge_pages``: reserve 2 MiB aligned and ask for transparent huge pages (``huge_pages``
+    in ``stats()`` says whether the kernel accepted, ``thp_mode`` what the system allows).
     Raises ValueError when the address space cannot be reserved and RuntimeError when a strict
     NUMA binding is refused.
     """
@@ -274,15 +307,16 @@ class HostRegion:
     def __init__(self, nbytes: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  threads: Optional[int] = None, numa_node: Optional[int] = None,
                  numa_strict: bool = False, device: Optional[int] = None,
-                 ops: Optional[HostMemoryOps] = None, what: str = "host_budget_bytes"):
+                 ops: Optional[HostMemoryOps] = None, what: str = "host_budget_bytes",
+                 huge_pages: bool = True):
         threads = default_threads() if threads is None else threads
         check_options(chunk_bytes, threads)
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"{what}: a host region needs a positive size, got {nbytes!r}")
         self.ops = ops if ops is not None else HostMemoryOps()
         self.chunk_bytes, self.threads, self.device = chunk_bytes, threads, device
-        self.nbytes = round_up(nbytes, PAGE_SIZE)
-        address, protect = self._reserve(self.nbytes, what)
+        self.nbytes = round_up(nbytes, HUGE_PAGE if huge_pages else PAGE_SIZE)
+        address, protect = self._reserve(self.nbytes, what, HUGE_PAGE if huge_pages else PAGE_SIZE)
         self._mapping = _Mapping(address, self.nbytes, self.ops, device)
         self._mapping.protect_on_commit = protect
         self.address = address
@@ -292,6 +326,7 @@ class HostRegion:
         # ranges are unregistered and the mapping goes. At exit the process's memory goes anyway.
         weakref.finalize(buffer, self._mapping.unmap).atexit = False
         self.tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+        self.huge_pages = huge_pages and self.ops.advise_huge(address, self.nbytes)
         self.committed_bytes = 0
         self.commits = self.failed_commits = 0
         self.last_error: Optional[str] = None
@@ -307,17 +342,29 @@ class HostRegion:
                 self.numa_node, self.numa_error = None, str(exc)  # "auto" is best effort
 
     @staticmethod
-    def _reserve(nbytes: int, what: str) -> tuple[int, bool]:
+    def _reserve(nbytes: int, what: str, align: int) -> tuple[int, bool]:
+        """``nbytes`` of address space starting at a multiple of ``align`` (mapped ``align``
+        bytes larger, the ends trimmed), and whether commits must mprotect (strict overcommit)."""
         flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
-        address = _libc.mmap(None, nbytes, _PROT_READ | _PROT_WRITE, flags, -1, 0)
+        extra = align - PAGE_SIZE
+
+        def aligned(address: int) -> int:
+            start = round_up(address, align)
+            if start > address:
+                _libc.munmap(address, start - address)
+            if address + nbytes + extra > start + nbytes:
+                _libc.munmap(start + nbytes, address + extra - start)
+            return start
+
+        address = _libc.mmap(None, nbytes + extra, _PROT_READ | _PROT_WRITE, flags, -1, 0)
         if address not in (None, _MAP_FAILED):
-            return address, False
+            return aligned(address), False
         first = _os_error("mmap")
         # Strict overcommit (vm.overcommit_memory=2) ignores MAP_NORESERVE: reserve the range
         # inaccessible (not charged) and make each chunk accessible (charged) as it commits.
-        address = _libc.mmap(None, nbytes, _PROT_NONE, flags, -1, 0)
+        address = _libc.mmap(None, nbytes + extra, _PROT_NONE, flags, -1, 0)
         if address not in (None, _MAP_FAILED):
-            return address, True
+            return aligned(address), True
         raise ValueError(f"{what}: {nbytes} bytes of host address space cannot be reserved "
                          f"({first.strerror}); lower the budget or raise the process's address "
                          f"space limit (ulimit -v)")
@@ -342,14 +389,14 @@ class HostRegion:
                 "threads": self.threads, "numa_node": self.numa_node,
                 "numa_strict": self.numa_strict, "numa_error": self.numa_error,
                 "commits": self.commits, "failed_commits": self.failed_commits,
-                "last_error": self.last_error}
+                "last_error": self.last_error, "huge_pages": self.huge_pages,
+                "thp_mode": thp_mode()}
 
     # ---- commit ----
     def pieces(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The ranges cut into page-aligned pieces, one per thread's turn: about
-        total / threads each, at least MIN_PIECE_BYTES."""
-        total = sum(n for _, n in ranges)
-        size = round_up(max(-(-total // self.threads), MIN_PIECE_BYTES), PAGE_SIZE)
+        """The ranges cut into pieces of PIECE_BYTES (whole huge pages when the region has
+        them, else whole pages; the last piece of a range may be shorter)."""
+        size = round_up(PIECE_BYTES, HUGE_PAGE if self.huge_pages else PAGE_SIZE)
         out = []
         for offset, nbytes in ranges:
             end = offset + nbytes
@@ -357,6 +404,46 @@ class HostRegion:
                 out.append((offset, min(size, end - offset)))
                 offset += size
         return out
+
+    def _populate_and_register(self, pieces, registered: list) -> Optional[BaseException]:
+        """Populate ``pieces`` on the region's threads and, on CUDA, register each one on this
+        thread as soon as it is populated (the driver serialises registrations; they overlap
+        the population of later pieces). Appends what it registered to ``registered``; returns
+        the first failure (the remaining pieces are then skipped) or None."""
+        ops, base, device = self.ops, self.address, self.device
+
+        def register(piece):
+            if device is not None:
+                ops.register(base + piece[0], piece[1], device)
+                registered.append(piece)
+
+        def populate(piece):
+            ops.populate(base + piece[0], piece[1])
+            return piece
+
+        try:
+            pool = (ThreadPoolExecutor(max_workers=min(self.threads, len(pieces)),
+                                       thread_name_prefix="kvcm2-host")
+                    if self.threads > 1 and len(pieces) > 1 else None)
+        except RuntimeError:  # e.g. no new threads at interpreter shutdown
+            pool = None
+        if pool is None:
+            for piece in pieces:
+                try:
+                    register(populate(piece))
+                except BaseException as exc:  # noqa: BLE001 -- reported to the caller
+                    return exc
+            return None
+        with pool:
+            futures = [pool.submit(populate, piece) for piece in pieces]
+            for future in as_completed(futures):
+                try:
+                    register(future.result())
+                except BaseException as exc:  # noqa: BLE001 -- reported to the caller
+                    for other in futures:
+                        other.cancel()
+                    return exc  # leaving the block waits for the populates still running
+        return None
 
     def commit(self, ranges: Sequence[tuple[int, int]]) -> bool:
         """Make ``ranges`` (``(offset, nbytes)``, page-aligned, disjoint, not yet committed)
@@ -388,29 +475,18 @@ class HostRegion:
                     return self._failed(f"out of host memory (commit limit): {error}")
                 done.append((offset, nbytes))
 
-        def work(piece):
-            offset, nbytes = piece
-            self.ops.populate(base + offset, nbytes)
-            if self.device is not None:
-                self.ops.register(base + offset, nbytes, self.device)
-                return True
-            return False
-
-        pieces = self.pieces(ranges)
-        results = _run_parallel(work, pieces, self.threads)
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        registered: list[tuple[int, int]] = []
+        failure = self._populate_and_register(self.pieces(ranges), registered)
         if failure is None:
             with mapping.lock:
-                for (offset, nbytes), registered in zip(pieces, results):
-                    if registered:
-                        mapping.registered[offset] = nbytes
+                for offset, nbytes in registered:
+                    mapping.registered[offset] = nbytes
             self.committed_bytes += total
             self.commits += 1
             return True
         # Roll back: unregister what this call registered, give back what it populated.
-        for (offset, nbytes), result in zip(pieces, results):
-            if result is True:
-                self.ops.unregister(base + offset, nbytes, self.device)
+        for offset, nbytes in registered:
+            self.ops.unregister(base + offset, nbytes, self.device)
         for offset, nbytes in ranges:
             self.ops.discard(base + offset, nbytes)
             if mapping.protect_on_commit:
