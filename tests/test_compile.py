@@ -104,3 +104,27 @@ def test_decode_step_compiles_fullgraph_and_equals_eager():
         assert torch.equal(x, y)  # CPU kernels: even the miss list's order is deterministic
     assert counters["stats"]["unique_graphs"] == 1  # one graph across steps and membership changes
     assert [c.history_length for c in eager.caches] == [c.history_length for c in compiled.caches]
+
+
+def test_a_compiled_step_returns_a_copy_of_the_index_table_made_with_arithmetic():
+    """docs/DESIGN.md, known limits: inside one compiled function, ``t + 0`` of the index table
+    resolve just wrote is a fresh tensor per call (``t.clone()`` there is miscompiled by torch
+    2.13's inductor into the state tensor itself, the documented reason for this pattern)."""
+    torch._dynamo.reset()
+    driver = Driver("cpu", seed=5)
+    batch = driver.batch
+    batch.publish()
+    table = batch.groups[0].index_table
+
+    def resolved(selected):
+        return batch.resolve(0, selected) + 0
+
+    fn = torch.compile(resolved, fullgraph=True)
+    outs, expected = [], []
+    for _ in range(3):
+        selected, _ = driver.inputs()
+        outs.append(fn(selected[0]))
+        expected.append(table.clone())  # eager copy of what the call wrote
+    assert all(o.data_ptr() != table.data_ptr() for o in outs)
+    assert all(torch.equal(o, e) for o, e in zip(outs, expected))
+    assert len({tuple(o.flatten().tolist()) for o in outs}) > 1
