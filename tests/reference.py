@@ -592,3 +592,19 @@ def resolve_multi(state: ResidencyState, selected, history, capacity, lease, U, 
         index_table.append([[entry_of.get(u, BAD) if u >= 0 else BAD for u in token]
                             for token in rows])
     return index_table, misses, deltas
+
+
+def flush_watermark(written, declared, new_history, history, capacity, lease, shapes):
+    """OP-FLUSH's SAFE-2 watermark, per row, over Python ints: a seated row's tokens below
+    min(new_history, capacity) are on host pages after the flush when every token below its
+    in-flight range already was (flushed before, or declared written); ``shapes`` holds the
+    (tokens_per_unit, max_inflight_tokens) pairs of the config's selection groups."""
+    out = list(written)
+    for r in range(len(written)):
+        if lease[r] < 0:
+            continue
+        h, c = history[r], capacity[r]
+        starts = [max(h, ((c - I) // U) * U) for U, I in shapes]
+        if max(written[r], declared[r]) >= max([h] + starts):
+            out[r] = max(written[r], min(new_history[r], c))
+    return out

@@ -44,6 +44,8 @@ def op_samples(device):
                           sp.tokens_per_unit, sp.max_inflight_tokens),
         "flush": (flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table,
                   batch.capacity, batch.history, batch.capacity, batch.lease, params),
+        "flush_watermark": (batch.written, batch._declared, batch.capacity, batch.history,
+                            batch.capacity, batch.lease, batch._shape_pairs),
     }
 
 

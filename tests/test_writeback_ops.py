@@ -903,3 +903,52 @@ def test_writeback_ops_cpu_cuda_identical(config):
         assert run_locate(rows, "cpu") == run_locate(rows, "cuda")
         width = I + U - 1 + rng.choice([0, 2])
         assert run_write(rows, "cpu", width) == run_write(rows, "cuda", width)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_flush_watermark_random_matches_reference(device):
+    """OP-FLUSH / SAFE-2: the device watermark op equals the reference rule on random rows
+    (holes, prefills with host-direct ranges declared or not, targets below, inside and past
+    capacity, one to three in-flight shapes); only ``written`` changes."""
+    rng = random.Random(11)
+    moved = kept = 0  # seated rows whose watermark moved / stayed although the target was past it
+    for trial in range(40):
+        R = rng.randint(1, 70)
+        shapes = [(rng.choice([1, 2, 4, 64]), rng.randint(0, 40)) for _ in range(rng.randint(1, 3))]
+        h = [rng.randint(0, 500) for _ in range(R)]
+        c = [x + rng.randint(0, 200) for x in h]
+        written = [rng.randint(0, x) for x in c]
+        declared = [rng.randint(0, x) for x in c]
+        target = [rng.randint(0, x + 20) for x in c]
+        lease = [rng.choice([-1, 0, 1, 2, 5]) for _ in range(R)]
+        want = ref.flush_watermark(written, declared, target, h, c, lease, shapes)
+        t = {name: torch.tensor(v, dtype=torch.int32, device=device)
+             for name, v in (("written", written), ("declared", declared), ("target", target),
+                             ("h", h), ("c", c), ("lease", lease))}
+        before = {k: v.clone() for k, v in t.items()}
+        ops.flush_watermark(t["written"], t["declared"], t["target"], t["h"], t["c"], t["lease"],
+                            [n for shape in shapes for n in shape])
+        assert t["written"].tolist() == want, (trial, shapes)
+        assert all(torch.equal(t[k], before[k]) for k in t if k != "written")
+        moved += sum(a != b for a, b in zip(want, written))
+        kept += sum(a == b and l >= 0 and min(x, y) > b
+                    for a, b, l, x, y in zip(want, written, lease, target, c))
+    assert moved > 30 and kept > 30  # both outcomes of the rule, many times
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_flush_watermark_rejects_bad_arguments(device):
+    """Metadata checks name the argument; nothing changes."""
+    z = lambda n=4, dtype=torch.int32: torch.zeros(n, dtype=dtype, device=device)  # noqa: E731
+    written = z()
+    cases = [
+        ((z(4, torch.int64), z(), z(), z(), z(), z(), [1, 0]), "written must be int32"),
+        ((written, z(3), z(), z(), z(), z(), [1, 0]), "declared must have shape"),
+        ((written, z(), z(), z(), z(), z(), [1]), "shapes must be"),
+        ((written, z(), z(), z(), z(), z(), [0, 4]), "tokens_per_unit > 0"),
+        ((written, z(), z(), z(), z(), z(), [1, 0] * 17), "shapes must be"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.flush_watermark(*args)
+    assert written.tolist() == [0] * 4

@@ -105,6 +105,7 @@ class Batch(LengthsPath):
         self._snapshot_event = None  # recorded after each read-back copy (CUDA)
         self.groups = [self._new_group_state(g, allocated) for g in config.selection_groups]
         self._shapes = rules.shapes_of(config)
+        self._shape_pairs = [n for shape in self._shapes for n in shape]  # flush_watermark
         self._cells: dict[tuple[str, str], torch.Tensor] = {}
         self._fetch_args: dict[str, tuple] = {}
         for group in config.selection_groups:
@@ -561,10 +562,8 @@ class Batch(LengthsPath):
         for pool, positions, cells, resident, slots, table, params in self._flush_args:
             ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
                       self.capacity, self.lease, params)
-        watermark = rules.flushed_watermark(self.history, self.capacity, self.written,
-                                            self._declared, target, self._shapes, torch.maximum,
-                                            torch.minimum, torch.where)
-        self.written.copy_(torch.where(self.lease >= 0, watermark, self.written))
+        ops.flush_watermark(self.written, self._declared, target, self.history, self.capacity,
+                            self.lease, self._shape_pairs)
         if torch.compiler.is_compiling():
             return
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -22,6 +22,7 @@ __all__ = [
     "convert_token_indices",
     "fetch",
     "flush",
+    "flush_watermark",
     "locate_inflight",
     "max_inflight_units",
     "resolve",
@@ -202,6 +203,24 @@ def flush(
                page_table, new_history, history, capacity, lease, list(unit_params))
 
 
+def flush_watermark(
+    written: Tensor,
+    declared: Tensor,
+    new_history: Tensor,
+    history: Tensor,
+    capacity: Tensor,
+    lease: Tensor,
+    shapes: Sequence[int],
+) -> None:
+    """OP-FLUSH's watermark (SAFE-2), int32[rows] tensors: per seated row (``lease >= 0``),
+    ``written = max(written, min(new_history, capacity))`` when every token below the in-flight
+    range is on host pages already (``max(written, declared)`` at least the largest in-flight
+    start over the ``(tokens_per_unit, max_inflight_tokens)`` pairs flattened in ``shapes``);
+    else unchanged. Mutates ``written``.
+    """
+    _ops.flush_watermark(written, declared, new_history, history, capacity, lease, list(shapes))
+
+
 def uva_view(host: Tensor, register: bool = True) -> Tensor:
     """A CUDA tensor aliasing the memory of the CPU tensor ``host`` through its device-mapped
     address. ``register=True`` registers the storage as pinned and mapped when it is not yet;
@@ -271,6 +290,11 @@ def _(host_pool, positions, cells, resident, inflight_slots, page_table, new_his
       capacity, lease, unit_params):
     _check(len(positions) == len(cells) == len(resident) == len(inflight_slots),
            "flush: one entry per buffer")
+
+
+@torch.library.register_fake("torch_kvcm2::flush_watermark")
+def _(written, declared, new_history, history, capacity, lease, shapes):
+    _check(len(shapes) % 2 == 0, "flush_watermark: shapes must be (U, I) pairs")
 
 
 @torch.library.register_fake("torch_kvcm2::uva_view")

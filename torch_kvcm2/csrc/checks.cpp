@@ -202,6 +202,30 @@ void check_fetch(const at::TensorList& cells, const at::TensorList& host_pools,
   }
 }
 
+void check_flush_watermark(const at::Tensor& written, const at::Tensor& declared,
+                           const at::Tensor& new_history, const at::Tensor& history,
+                           const at::Tensor& capacity, const at::Tensor& lease,
+                           at::IntArrayRef shapes) {
+  const char* op = "flush_watermark";
+  TORCH_CHECK(written.dim() == 1, op, ": written must be int32[rows], got ", written.sizes());
+  const int64_t rows = written.size(0);
+  check_int32_1d(written, rows, op, "written");
+  check_int32_1d(declared, rows, op, "declared");
+  check_int32_1d(new_history, rows, op, "new_history");
+  check_same_device(written, declared, op, "declared");
+  check_same_device(written, new_history, op, "new_history");
+  check_lengths(written, rows, history, capacity, lease, op);
+  TORCH_CHECK(shapes.size() % 2 == 0 && shapes.size() <= 2 * kMaxWatermarkShapes, op,
+              ": shapes must be (tokens_per_unit, max_inflight_tokens) pairs, at most ",
+              kMaxWatermarkShapes, ", got ", shapes.size(), " ints");
+  for (size_t i = 0; i < shapes.size(); i += 2) {
+    TORCH_CHECK(shapes[i] > 0 && shapes[i + 1] >= 0 && shapes[i] <= INT32_MAX &&
+                    shapes[i + 1] <= INT32_MAX,
+                op, ": shape ", i / 2, " needs tokens_per_unit > 0 and max_inflight_tokens >= 0, "
+                "got (", shapes[i], ", ", shapes[i + 1], ")");
+  }
+}
+
 void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& resident,
                            const at::Tensor& history, const at::Tensor& capacity,
                            const at::Tensor& lease, int64_t tokens_per_unit,

@@ -22,6 +22,8 @@ constexpr int32_t BAD = -1;
 // host page up in the page table of each buffer's own pool group (a selection group's buffers may
 // live in several sparse pool groups), so one list serves every buffer of every layer of the group.
 constexpr int kMissFields = 4;
+// flush_watermark: most distinct (tokens_per_unit, max_inflight_tokens) pairs of a config.
+constexpr int kMaxWatermarkShapes = 16;
 enum MissField { kMissLease = 0, kMissSlot = 1, kMissRow = 2, kMissUnit = 3 };
 
 // A selection group's miss count is int32[4]: [0] the entries of the last resolve (what fetch
@@ -211,6 +213,32 @@ void check_flush(const at::Tensor& host_pool, at::IntArrayRef positions,
                  const at::Tensor& page_table, const at::Tensor& new_history,
                  const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
                  at::IntArrayRef unit_params);
+
+// The flush watermark's per-row tensors, int32[rows] on one device; shapes = (U, I) pairs.
+void check_flush_watermark(const at::Tensor& written, const at::Tensor& declared,
+                           const at::Tensor& new_history, const at::Tensor& history,
+                           const at::Tensor& capacity, const at::Tensor& lease,
+                           at::IntArrayRef shapes);
+
+// The in-flight start s0 = max(h, floor((c - I) / U) * U), maximised over the (U, I) pairs of
+// shapes (h when there are none): every host-direct token lies below it.
+KVCM2_HD int64_t host_direct_end(int64_t h, int64_t c, const int64_t* shapes, int64_t pairs) {
+  int64_t end = h;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t s = floor_div(c - shapes[2 * i + 1], shapes[2 * i]) * shapes[2 * i];
+    end = s > end ? s : end;
+  }
+  return end;
+}
+
+// The written watermark after a flush to `target` (lengths h, c): see flush_watermark in ops.cpp.
+KVCM2_HD int64_t flushed_watermark(int64_t h, int64_t c, int64_t written, int64_t declared,
+                                   int64_t target, const int64_t* shapes, int64_t pairs) {
+  const int64_t known = written > declared ? written : declared;
+  if (known < host_direct_end(h, c, shapes, pairs)) return written;
+  const int64_t reach = target < c ? target : c;
+  return reach > written ? reach : written;
+}
 
 void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& resident,
                            const at::Tensor& history, const at::Tensor& capacity,

@@ -52,6 +52,12 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "flush(Tensor(a!) host_pool, int[] positions, Tensor[] cells, Tensor[] resident, "
       "Tensor[] inflight_slots, Tensor page_table, Tensor new_history, Tensor history, "
       "Tensor capacity, Tensor lease, int[] unit_params) -> ()");
+  // OP-FLUSH's watermark (SAFE-2) for every seated row: written = max(written, min(new_history, c))
+  // when every token below the in-flight range was on host pages already (max(written, declared)
+  // >= the largest in-flight start s0 over the (U, I) pairs in shapes), else unchanged.
+  m.def(
+      "flush_watermark(Tensor(a!) written, Tensor declared, Tensor new_history, Tensor history, "
+      "Tensor capacity, Tensor lease, int[] shapes) -> ()");
   // Setup only (CUDA builds): a CUDA tensor aliasing a CPU tensor's memory through the
   // device-mapped (UVA) address; register=True registers the memory as pinned+mapped when it is
   // not yet, register=False aliases the host address of memory registered range by range.

@@ -59,8 +59,30 @@ void flush_cpu(const at::Tensor& host_pool, at::IntArrayRef positions, const at:
   }
 }
 
+void flush_watermark_cpu(const at::Tensor& written, const at::Tensor& declared,
+                         const at::Tensor& new_history, const at::Tensor& history,
+                         const at::Tensor& capacity, const at::Tensor& lease,
+                         at::IntArrayRef shapes) {
+  check_flush_watermark(written, declared, new_history, history, capacity, lease, shapes);
+  int32_t* out = written.data_ptr<int32_t>();
+  const int32_t* decl = declared.data_ptr<int32_t>();
+  const int32_t* target = new_history.data_ptr<int32_t>();
+  const int32_t* hist = history.data_ptr<int32_t>();
+  const int32_t* cap = capacity.data_ptr<int32_t>();
+  const int32_t* own = lease.data_ptr<int32_t>();
+  const int64_t pairs = static_cast<int64_t>(shapes.size()) / 2;
+  for (int64_t r = 0; r < written.size(0); ++r) {
+    if (own[r] < 0) continue;
+    out[r] = static_cast<int32_t>(
+        flushed_watermark(hist[r], cap[r], out[r], decl[r], target[r], shapes.data(), pairs));
+  }
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) { m.impl("flush", &flush_cpu); }
+TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) {
+  m.impl("flush", &flush_cpu);
+  m.impl("flush_watermark", &flush_watermark_cpu);
+}
 
 }  // namespace torch_kvcm2

@@ -160,8 +160,53 @@ void flush_cuda(const at::Tensor& host_pool, at::IntArrayRef positions,
   launch_kernel(kernel, dim3(grid), dim3(kFlushThreads), 0, stream, p);
 }
 
+struct WatermarkParams {
+  int32_t* written;
+  const int32_t *declared, *target, *history, *capacity, *lease;
+  int64_t rows, pairs;
+  int64_t shapes[2 * kMaxWatermarkShapes];
+};
+
+constexpr int kWatermarkThreads = 128;
+
+// One thread per row: the flush's SAFE-2 watermark (flushed_watermark in kvcm2.h, as on the CPU).
+__global__ __launch_bounds__(kWatermarkThreads) void flush_watermark_kernel(
+    const __grid_constant__ WatermarkParams p) {
+  pdl_enter();
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWatermarkThreads + threadIdx.x;
+  if (r >= p.rows || p.lease[r] < 0) return;
+  p.written[r] = static_cast<int32_t>(flushed_watermark(p.history[r], p.capacity[r], p.written[r],
+                                                        p.declared[r], p.target[r], p.shapes,
+                                                        p.pairs));
+}
+
+void flush_watermark_cuda(const at::Tensor& written, const at::Tensor& declared,
+                          const at::Tensor& new_history, const at::Tensor& history,
+                          const at::Tensor& capacity, const at::Tensor& lease,
+                          at::IntArrayRef shapes) {
+  check_flush_watermark(written, declared, new_history, history, capacity, lease, shapes);
+  const c10::cuda::CUDAGuard guard(written.device());
+  WatermarkParams p{};
+  p.written = written.data_ptr<int32_t>();
+  p.declared = declared.data_ptr<int32_t>();
+  p.target = new_history.data_ptr<int32_t>();
+  p.history = history.data_ptr<int32_t>();
+  p.capacity = capacity.data_ptr<int32_t>();
+  p.lease = lease.data_ptr<int32_t>();
+  p.rows = written.size(0);
+  p.pairs = static_cast<int64_t>(shapes.size()) / 2;
+  for (size_t i = 0; i < shapes.size(); ++i) p.shapes[i] = shapes[i];
+  if (p.rows == 0) return;
+  const unsigned grid = static_cast<unsigned>((p.rows + kWatermarkThreads - 1) / kWatermarkThreads);
+  launch_kernel(flush_watermark_kernel, dim3(grid), dim3(kWatermarkThreads), 0,
+                c10::cuda::getCurrentCUDAStream(), p);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_kvcm2, CUDA, m) { m.impl("flush", &flush_cuda); }
+TORCH_LIBRARY_IMPL(torch_kvcm2, CUDA, m) {
+  m.impl("flush", &flush_cuda);
+  m.impl("flush_watermark", &flush_watermark_cuda);
+}
 
 }  // namespace torch_kvcm2
