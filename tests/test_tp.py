@@ -1,0 +1,338 @@
+"""TP-1..4: ranks of one host sharing one host pool (docs/TP.md).
+
+Each test spawns 2 or 4 processes (gloo over a file store) that build their managers over one
+host group and run the same randomised decode loop; every rank reads every token back, from the
+cells after its fetches and straight from the shared host pages, bit-exactly. Expected values are
+a function of (request, layer, position), so every rank knows what each token must hold whichever
+rank wrote it. A worker reports through a JSON file; the parent asserts.
+"""
+import json
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import DEVICE_PARAMS
+
+import torch_kvcm2 as kv
+from torch_kvcm2.tp import HEADER_BYTES, HostGroup
+
+P, ROWS, WORDS = 4, 4, 4  # tokens per page, rows, int32 words per token
+
+
+def make_config(device):
+    g0 = kv.SparseSpec(tokens_per_unit=1, width=4, slots=12, max_inflight_tokens=2,
+                       selection_id="g0")
+    g1 = kv.SparseSpec(tokens_per_unit=2, width=3, slots=8, max_inflight_tokens=2,
+                       selection_id="g1")
+    latent = kv.BufferSpec("kv", 4 * WORDS, sparse=True)
+    layers = [kv.LayerSpec("a0", [latent], sparse=g0), kv.LayerSpec("a1", [latent], sparse=g0),
+              kv.LayerSpec("b0", [latent, kv.BufferSpec("k", 8)], sparse=g1)]
+    return kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=ROWS, max_tokens_per_row=64,
+                          gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device)
+
+
+def token_values(request: int, layer: int, positions) -> np.ndarray:
+    """int32[len(positions), WORDS]: what token ``positions`` of ``request``'s ``layer`` holds."""
+    pos = np.asarray(positions, dtype=np.uint64)[:, None]
+    words = np.arange(WORDS, dtype=np.uint64)[None, :]
+    x = (np.uint64(request) * np.uint64(1000003) + np.uint64(layer) * np.uint64(10007)
+         + pos * np.uint64(101) + words + np.uint64(1)) * np.uint64(2654435761)
+    return (x % np.uint64(1 << 32)).astype(np.uint32).view(np.int32)
+
+
+class TPDriver:
+    """One rank's decode loop over a manager on a host group."""
+
+    def __init__(self, device, seed, group):
+        self.device = torch.device(device)
+        self.manager = kv.KVCacheManager(make_config(device), host_group=group,
+                                         host_chunk_bytes=64 << 10)
+        self.group = self.manager.host_group
+        self.batch = kv.Batch(self.manager)
+        self.config = self.manager.config
+        self.layer_index = {layer.name: i for i, layer in enumerate(self.config.layers)}
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.caches = []
+        self.checked_fetches = 0
+
+    def _host_tokens(self, cache, layer: str) -> torch.Tensor:
+        """int32[tokens, WORDS] of the cache's host pages of ``layer`` (host view)."""
+        view = self.manager.buffer_view(layer, "kv", device_side=False)
+        pages = torch.as_tensor(cache.host_pages(layer, "kv").astype(np.int64))
+        return view[pages].view(torch.int32).reshape(-1, WORDS)
+
+    def join(self):
+        """A request with imported history: each rank writes the layers it owns (one writer
+        per host page), then every rank declares the write."""
+        cache = self.manager.create_cache()
+        length = self.rng.randint(3, 14)
+        assert cache.resize(capacity=length + 4)
+        for layer in self.config.layers:
+            place = self.manager.storage.place(layer.name, "kv")
+            if self.group.owns(self.layer_index[layer.name], place.group):
+                tokens = self._host_tokens(cache, layer.name)
+                tokens[:length] = torch.from_numpy(
+                    token_values(cache.request_id, self.layer_index[layer.name], range(length)))
+                view = self.manager.buffer_view(layer.name, "kv", device_side=False)
+                pages = torch.as_tensor(cache.host_pages(layer.name, "kv").astype(np.int64))
+                view[pages] = tokens.view(torch.uint8).view(view[pages].shape)
+        cache.record_host_write(length)
+        assert cache.resize(history=length)
+        assert cache.resize(capacity=length + 1)
+        self.batch.add(cache)
+        self.caches.append(cache)
+
+    def leave(self):
+        cache = self.caches.pop(self.rng.randrange(len(self.caches)))
+        self.batch.remove(cache)
+        cache.close()
+
+    def step(self):
+        batch = self.batch
+        batch.publish()  # membership changes since the last step
+        batch.sync()  # the ordering point: after the last flush, before the first fetch
+        members = batch.members()
+        for group in self.config.selection_groups:
+            sp = group.sparse
+            selected = torch.full((ROWS, sp.width), -1, dtype=torch.int32)
+            for row, cache in members.items():
+                units = cache.history_length // sp.tokens_per_unit
+                selected[row] = torch.randint(0, units, (sp.width,), generator=self.gen,
+                                              dtype=torch.int32)
+            index = batch.resolve(group.index, selected.to(self.device)).cpu()
+            table, start = batch.write_indices(group.index)
+            table, start = table.cpu(), start.cpu()
+            for layer in group.layers:
+                li = self.layer_index[layer]
+                batch.fetch(layer)
+                cells = batch.cells(layer, "kv")
+                tokens = cells.view(-1, P, WORDS * 4).view(torch.int32).view(-1, WORDS)
+                host = tokens.cpu()
+                for row, cache in members.items():  # every fetched unit holds its tokens
+                    for k in range(sp.width):
+                        unit, entry = int(selected[row, k]), int(index[row, k])
+                        if unit < 0 or entry < 0:
+                            continue
+                        U = sp.tokens_per_unit
+                        want = token_values(cache.request_id, li, range(unit * U, unit * U + U))
+                        got = host[entry * U:entry * U + U].numpy()
+                        assert (got == want).all(), (layer, row, unit)
+                        self.checked_fetches += 1
+                for row, cache in members.items():  # the new token, at position history
+                    h = cache.history_length
+                    j = h - int(start[row])
+                    value = torch.from_numpy(token_values(cache.request_id, li, [h]))
+                    tokens[int(table[row, j])] = value.to(self.device)[0]
+        batch.flush()
+        for cache in self.caches:
+            assert cache.resize(history=cache.capacity)
+            assert cache.resize(capacity=cache.capacity + 1)
+        batch.publish()
+
+    def read_back(self) -> int:
+        """Every token below history of every cache and layer, from the shared host pages
+        (call right after a sync). Returns the tokens checked."""
+        checked = 0
+        for cache in self.caches:
+            h = cache.history_length
+            for layer in self.config.layers:
+                got = self._host_tokens(cache, layer.name)[:h].numpy()
+                want = token_values(cache.request_id, self.layer_index[layer.name], range(h))
+                assert (got == want).all(), (cache.request_id, layer.name)
+                checked += h
+        return checked
+
+
+# ---- scenarios (run in every worker) ----
+def scenario_decode(rank, world, device, split):
+    driver = TPDriver(device, seed=1234, group=HostGroup(timeout_s=30, split=split))
+    for _ in range(3):
+        driver.join()
+    read = 0
+    for step in range(24):
+        if driver.rng.random() < 0.15 and len(driver.caches) > 1:
+            driver.leave()
+        if driver.rng.random() < 0.2 and len(driver.caches) < ROWS:
+            driver.join()
+        driver.step()
+        driver.batch.sync()  # the next step's ordering point, taken early to read back
+        read += driver.read_back()
+    manager, batch = driver.manager, driver.batch
+    manager.check_ranks(batch)  # identical calls: no divergence
+    region = manager.storage.region
+    stats = manager.stats()["host_region"]
+    result = {"read": read, "fetched": driver.checked_fetches,
+              "committed": region.committed_bytes, "node_bytes": stats["node_bytes"],
+              "shared": stats["shared"], "counters": driver.group.counters()}
+    # TP-2: one rank allocates a page the others do not; the check names the pool group
+    extra = manager.create_cache()
+    if rank == world - 1:
+        assert extra.resize(capacity=P)
+    try:
+        manager.check_ranks(batch)
+        result["divergence"] = None
+    except kv.tp.RankDivergence as exc:
+        result["divergence"] = str(exc)
+    extra.close()
+    # TP-4: the last rank leaves cleanly; every other rank's next sync raises, naming it
+    if rank == world - 1:
+        batch.close(discard=True)
+        manager.close()
+        result["closed"] = manager.closed
+    else:
+        begin = time.monotonic()
+        try:
+            batch.sync()
+            result["left_error"] = None
+        except RuntimeError as exc:
+            result["left_error"] = str(exc)
+        result["left_seconds"] = time.monotonic() - begin
+        result["failure"] = driver.group.failure()
+        manager.close()
+    return result
+
+
+def scenario_killed(rank, world, device, split):
+    driver = TPDriver(device, seed=99, group=HostGroup(timeout_s=1.5, split=split))
+    for _ in range(3):
+        driver.join()
+    result = {}
+    for step in range(6):
+        if step == 3 and rank == world - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run, before its ordering point
+        begin = time.monotonic()
+        try:
+            driver.step()
+        except RuntimeError as exc:
+            result = {"error": str(exc), "step": step, "seconds": time.monotonic() - begin,
+                      "failure": driver.group.failure()}
+            break
+    if driver.device.type == "cuda":  # the wait trapped: the context is gone, the header is not
+        result.setdefault("failure", driver.group.failure())
+    return result
+
+
+SCENARIOS = {"decode": scenario_decode, "killed": scenario_killed}
+
+
+def _worker(rank, world, init, scenario, device, split, out_dir):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        result = {"ok": True, **SCENARIOS[scenario](rank, world, device, split)}
+    except BaseException as exc:  # noqa: BLE001 -- reported to the parent
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # no destroy_process_group: a dead peer would make it hang
+
+
+def run_ranks(tmp_path, world, scenario, device="cpu", split="layer", timeout=120):
+    ctx = mp.get_context("spawn")
+    init = f"file://{tmp_path}/store"
+    procs = [ctx.Process(target=_worker, args=(r, world, init, scenario, device, split,
+                                               str(tmp_path)))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = {}
+    for r in range(world):
+        path = tmp_path / f"rank{r}.json"
+        results[r] = json.loads(path.read_text()) if path.exists() else None
+    return results, [p.exitcode for p in procs]
+
+
+def shm_leftovers():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("torch_kvcm2-")}
+
+
+@pytest.mark.parametrize("world, split", [(2, "layer"), (4, "layer"), (2, "pool_group")])
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_shared_pool_decode(tmp_path, world, split, device):
+    """TP-1..4 in one run: a randomised decode run read back bit-exactly by every rank, host
+    bytes per node those of one rank, a divergence caught, a rank that leaves reported."""
+    before = shm_leftovers()
+    results, codes = run_ranks(tmp_path, world, "decode", device, split)
+    assert codes == [0] * world, (codes, results)
+    for r, res in results.items():
+        assert res is not None and res["ok"], (r, res)
+        assert res["shared"]
+        assert res["read"] > 500 and res["fetched"] > 100
+        # one copy on the node: the shared file holds the header and one rank's committed bytes
+        assert res["node_bytes"] == HEADER_BYTES + res["committed"], res
+        assert res["committed"] == results[0]["committed"] > 0
+        assert res["divergence"] is not None and "pool group 0" in res["divergence"], res
+        assert f"ranks [{world - 1}] differ" in res["divergence"], res
+        if r == world - 1:
+            assert res["closed"]
+        else:
+            assert res["left_error"] is not None and f"rank {world - 1} left" in res["left_error"]
+            assert res["left_seconds"] < 5
+            assert res["failure"]["reason"] == "left" and res["failure"]["missing"] == world - 1
+    # every rank signalled every generation; nothing is left in /dev/shm
+    assert len({tuple(res["counters"]) for res in results.values()}) == 1
+    assert shm_leftovers() <= before
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_killed_rank_reported(tmp_path, device):
+    """TP-4: a rank killed mid-run makes the others raise within the timeout, naming it."""
+    before = shm_leftovers()
+    results, codes = run_ranks(tmp_path, 2, "killed", device)
+    assert codes[1] == -signal.SIGKILL and results[1] is None
+    res = results[0]
+    assert res is not None and res["ok"], res
+    if device == "cpu":
+        assert "rank 1 did not signal generation" in res["error"], res
+        assert res["step"] == 3 and res["seconds"] < 1.5 + 3, res
+    failure = res["failure"]
+    assert failure["reason"] == "timeout" and failure["waiter"] == 0 and failure["missing"] == 1
+    assert failure["generation"] == failure["last_generation"] + 1
+    assert shm_leftovers() <= before
+
+
+def test_host_group_arguments():
+    """Bad arguments name the argument and the rule; a group needs torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            HostGroup()
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="timeout_s"):
+            HostGroup(timeout_s=0)
+        with pytest.raises(ValueError, match="split"):
+            HostGroup(split="rows")
+        # one rank is a valid group: the same code path, nothing to wait for
+        driver = TPDriver("cpu", seed=5, group=HostGroup(timeout_s=5))
+        for _ in range(2):
+            driver.join()
+        for _ in range(4):
+            driver.step()
+            driver.batch.sync()
+            assert driver.read_back() > 0
+        with pytest.raises(RuntimeError, match="already serves"):
+            kv.KVCacheManager(make_config("cpu"), host_group=driver.group)
+        assert driver.group.counters() == [8]
+        driver.manager.close()
+        assert driver.group.closed and driver.manager.storage.region.closed
+    finally:
+        dist.destroy_process_group()
