@@ -91,7 +91,7 @@ class TPDriver:
 
     def leave(self):
         cache = self.caches.pop(self.rng.randrange(len(self.caches)))
-        self.batch.remove(cache)
+        self.batch.remove(cache, discard=True)
         cache.close()
 
     def step(self):
