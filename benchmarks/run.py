@@ -1215,7 +1215,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FLUSH", "P-INDEX", "P-TORCH", "P-STEP",
-           "P-CAP", "P-HOST", "P-STEP-WALL", "P-START"]
+           "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-TP"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
         parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
@@ -1240,6 +1240,8 @@ def main(argv=None) -> int:
         "P-HOST": lambda: bench_host(device, q),
         "P-STEP-WALL": lambda: bench_step_wall(timer, device, q),
         "P-START": lambda: bench_start(device, q),
+        "P-TP": lambda: (sys.path.insert(0, __file__.rsplit("/", 1)[0]),
+                         __import__("bench_tp"))[1].bench_tp(device, q),
     }
     results = []
     for rid in ids:
