@@ -7,8 +7,8 @@ is unlinked as soon as every rank has mapped it, so nothing outlives the process
 cells and device tables stay private to each rank.
 
 The file starts with one page, the rank header (``csrc/rank_sync.h``): one generation counter
-and one "left" flag per rank, and the failure record. ``signal`` (after a rank's flush) and
-``wait`` (before the next step's first fetch) are per-step ops on it, so the ordering holds in
+and one "left" flag per rank, and the failure record. ``signal`` then ``wait`` (``Batch.sync``, once per step, after the
+previous flush and before the first fetch) are per-step ops on it, so the ordering holds in
 eager code and inside captured CUDA graphs without any collective in the step. Collectives
 (gloo, on CPU tensors) run only at construction, on commits (growth is all or nothing across
 ranks) and in :meth:`check`.
@@ -224,14 +224,15 @@ class HostGroup:
         return key % self.world == self.rank
 
     def signal(self, pools: list) -> None:
-        """After this rank's flush (``pools``: the host pools it wrote): generation += 1, then
-        publish it in the header (per-step op; capturable)."""
+        """This rank's writes to the shared ``pools`` are done (its flush share, host-direct
+        writes): generation += 1, then publish it in the header (per-step op; capturable).
+        ``Batch.sync`` calls it, then :meth:`wait`."""
         self._check_open("signal")
         ops.rank_signal(self.header_device, self.gen, pools, self.rank, self.world)
 
     def wait(self, pools: list) -> None:
-        """Before the next step's first fetch: until every rank has signalled this rank's
-        current generation (per-step op; capturable). On CPU a rank that left or a timeout
+        """After :meth:`signal`, before the step's first fetch: until every rank has signalled
+        this rank's current generation (per-step op; capturable). On CPU a rank that left or a timeout
         raises RuntimeError naming the rank and generation; on CUDA it records the failure in
         the header and traps (see :meth:`failure`)."""
         self._check_open("wait")
