@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from conftest import DEVICE_PARAMS
 
 import torch_kvcm2 as kv
+from torch_kvcm2.host_region import PAGE_SIZE, HostMemoryOps
 from torch_kvcm2.tp import HEADER_BYTES, HostGroup
 
 P, ROWS, WORDS = 4, 4, 4  # tokens per page, rows, int32 words per token
@@ -234,7 +235,43 @@ def close_after_failure(manager):
             raise
 
 
-SCENARIOS = {"decode": scenario_decode, "killed": scenario_killed}
+class FailingOps(HostMemoryOps):
+    """Shared-memory allocation that fails while ``fail`` is set (an out-of-memory on one rank)."""
+
+    fail = False
+
+    def populate_shared(self, fd, file_offset, address, nbytes):
+        if self.fail:
+            raise MemoryError("injected: no shared memory left")
+        super().populate_shared(fd, file_offset, address, nbytes)
+
+
+def scenario_commit_fault(rank, world, device, split):
+    """TP-2: a commit that fails on one rank is undone on every rank; slots stay identical."""
+    host_ops = FailingOps()
+    manager = kv.KVCacheManager(make_config(device), host_group=HostGroup(timeout_s=30),
+                                host_chunk_bytes=PAGE_SIZE, _host_ops=host_ops)
+    region = manager.storage.region
+    first = manager.create_cache()
+    assert first.resize(capacity=64)  # 16 pages: within the first chunks
+    before = (region.committed_bytes, region.node_bytes())
+    host_ops.fail = rank == world - 1
+    second = manager.create_cache()
+    refused = not second.resize(capacity=64)
+    after_failure = (region.committed_bytes, region.node_bytes())
+    manager.check_ranks()  # the failed commit left identical state everywhere
+    host_ops.fail = False
+    granted = second.resize(capacity=64)
+    manager.check_ranks()
+    result = {"refused": refused, "granted": granted, "before": before,
+              "after_failure": after_failure, "last_error": region.last_error,
+              "after": (region.committed_bytes, region.node_bytes())}
+    manager.close()
+    return result
+
+
+SCENARIOS = {"decode": scenario_decode, "killed": scenario_killed,
+             "commit_fault": scenario_commit_fault}
 
 
 def _worker(rank, world, init, scenario, device, split, out_dir):
@@ -322,6 +359,20 @@ def test_killed_rank_reported(tmp_path, device):
     assert failure["reason"] == "timeout" and failure["waiter"] == 0 and failure["missing"] == 1
     assert failure["generation"] == failure["last_generation"] + 1
     assert shm_leftovers() <= before
+
+
+def test_commit_fault_on_one_rank_is_undone_everywhere(tmp_path):
+    """TP-2: growth is all or nothing across ranks: one rank's failed commit makes the resize
+    return False on every rank (its memory given back), and a retry succeeds everywhere."""
+    results, codes = run_ranks(tmp_path, 2, "commit_fault")
+    assert codes == [0, 0], results
+    for r, res in results.items():
+        assert res["ok"], (r, res)
+        assert res["refused"] and res["granted"], res
+        assert res["after_failure"] == res["before"], res  # nothing kept, on any rank
+        assert res["after"][0] > res["before"][0] and res["after"][1] > res["before"][1]
+    assert "injected" in results[1]["last_error"]
+    assert "another process" in results[0]["last_error"]
 
 
 def test_host_group_arguments():

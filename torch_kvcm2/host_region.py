@@ -439,10 +439,15 @@ class HostRegion:
         if self.agree is None:
             return self._commit(ranges)[0]
         ok, undo = self._commit(ranges)
-        if self.agree(ok) or not ok:
-            return ok
-        undo()
-        return self._failed("another process of the host group failed the same commit")
+        if self.agree(ok):
+            return True
+        if ok:
+            undo()
+            self._failed("another process of the host group failed the same commit")
+        # a second agreement: every process has undone its part before any commits again (a
+        # retry's pages must not be punched out under it)
+        self.agree(True)
+        return False
 
     def _commit(self, ranges: Sequence[tuple[int, int]]):
         """``(ok, undo)``: the commit of this process and, when it succeeded, a function that
