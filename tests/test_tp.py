@@ -254,15 +254,19 @@ def scenario_commit_fault(rank, world, device, split):
     region = manager.storage.region
     first = manager.create_cache()
     assert first.resize(capacity=64)  # 16 pages: within the first chunks
+    group = manager.host_group
+    group.barrier()  # node bytes are read while no rank commits
     before = (region.committed_bytes, region.node_bytes())
+    group.barrier()
     host_ops.fail = rank == world - 1
     second = manager.create_cache()
     refused = not second.resize(capacity=64)
     after_failure = (region.committed_bytes, region.node_bytes())
-    manager.check_ranks()  # the failed commit left identical state everywhere
+    manager.check_ranks()  # the failed commit left identical state everywhere (collective)
     host_ops.fail = False
     granted = second.resize(capacity=64)
     manager.check_ranks()
+    group.barrier()
     result = {"refused": refused, "granted": granted, "before": before,
               "after_failure": after_failure, "last_error": region.last_error,
               "after": (region.committed_bytes, region.node_bytes())}
@@ -270,7 +274,107 @@ def scenario_commit_fault(rank, world, device, split):
     return result
 
 
-SCENARIOS = {"decode": scenario_decode, "killed": scenario_killed,
+def captured_step(batch, selected, new_tokens, layer_index):
+    """sync + a decode step as tensor code with fixed shapes (capturable): per group resolve,
+    write_indices, per layer fetch and the new token (position history) into its cell; then
+    flush. ``new_tokens[layer]``: int32[ROWS, WORDS]."""
+    batch.sync()
+    for group in batch.config.selection_groups:
+        batch.resolve(group.index, selected[group.index])
+        table, start = batch.write_indices(group.index)
+        j = (batch.history - start).clamp(0, table.shape[1] - 1).long()
+        index = table.gather(1, j[:, None])[:, 0]
+        for layer in group.layers:
+            batch.fetch(layer)
+            write_tokens(batch.cells(layer, "kv"), index, new_tokens[layer])
+    batch.flush()
+
+
+def write_tokens(cells, index, values):
+    """``values`` int32[R, WORDS] to cell token indices ``index`` int32[R], BAD skipped, with no
+    data-dependent shapes (an exact int32 add of new - old; 0 at BAD, routed to token 0)."""
+    tokens = cells.view(-1, P, WORDS * 4).view(torch.int32).view(-1, WORDS)
+    valid = index >= 0
+    safe = torch.where(valid, index, torch.zeros_like(index)).long()
+    delta = torch.where(valid[:, None], values - tokens[safe], torch.zeros_like(values))
+    tokens.index_put_((safe,), delta, accumulate=True)
+
+
+def scenario_graph(rank, world, device, split):
+    """TP-3 inside a captured graph (CUDA; eager on CPU): the sync, fetches and the flush share
+    replayed; every rank checks every fetched unit after each replay and reads every token back
+    from the shared pages at the end."""
+    driver = TPDriver(device, seed=4321, group=HostGroup(timeout_s=30, split=split))
+    for _ in range(3):
+        driver.join()
+    batch, config = driver.batch, driver.config
+    batch.publish()
+    selected = [torch.zeros((ROWS, g.sparse.width), dtype=torch.int32, device=device)
+                for g in config.selection_groups]
+    tokens = {layer.name: torch.zeros((ROWS, WORDS), dtype=torch.int32, device=device)
+              for layer in config.layers}
+
+    def inputs():
+        for g, sel in zip(config.selection_groups, selected):
+            host = torch.full(sel.shape, -1, dtype=torch.int32)
+            for row, cache in batch.members().items():
+                units = cache.history_length // g.sparse.tokens_per_unit
+                host[row] = torch.randint(0, units, (sel.shape[1],), generator=driver.gen,
+                                          dtype=torch.int32)
+            sel.copy_(host)
+        for layer in config.layers:
+            host = torch.zeros((ROWS, WORDS), dtype=torch.int32)
+            for row, cache in batch.members().items():
+                host[row] = torch.from_numpy(token_values(
+                    cache.request_id, driver.layer_index[layer.name], [cache.history_length]))[0]
+            tokens[layer.name].copy_(host)
+
+    def advance():
+        for cache in driver.caches:
+            assert cache.resize(history=cache.capacity)
+            assert cache.resize(capacity=cache.capacity + 1)
+        batch.publish()
+
+    inputs()
+    captured_step(batch, selected, tokens, driver.layer_index)  # warm-up, eager
+    batch.record_flush()
+    advance()
+    replay = lambda: captured_step(batch, selected, tokens, driver.layer_index)  # noqa: E731
+    if device == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured_step(batch, selected, tokens, driver.layer_index)
+        replay = graph.replay
+    checked = 0
+    for _ in range(12):
+        inputs()
+        replay()
+        batch.record_flush()  # the host bookkeeping a replay cannot do
+        for group, sel in zip(config.selection_groups, selected):  # the fetched units
+            index = batch.group(group.index).index_table.cpu()
+            U = group.sparse.tokens_per_unit
+            for layer in group.layers:
+                host = batch.cells(layer, "kv").view(-1, P, WORDS * 4).view(torch.int32)
+                host = host.view(-1, WORDS).cpu()
+                for row, cache in batch.members().items():
+                    for k in range(sel.shape[1]):
+                        unit, entry = int(sel[row, k]), int(index[row, k])
+                        if entry < 0:
+                            continue
+                        want = token_values(cache.request_id, driver.layer_index[layer],
+                                            range(unit * U, unit * U + U))
+                        assert (host[entry * U:entry * U + U].numpy() == want).all(), layer
+                        checked += 1
+        advance()
+    batch.sync()
+    read = driver.read_back()
+    counters = driver.group.counters()
+    batch.close(discard=True)
+    driver.manager.close()
+    return {"fetched": checked, "read": read, "counters": counters}
+
+
+SCENARIOS = {"graph": scenario_graph, "decode": scenario_decode, "killed": scenario_killed,
              "commit_fault": scenario_commit_fault}
 
 
@@ -342,6 +446,18 @@ def test_shared_pool_decode(tmp_path, world, split, device):
     # every rank signalled every generation; nothing is left in /dev/shm
     assert len({tuple(res["counters"]) for res in results.values()}) == 1
     assert shm_leftovers() <= before
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_ordering_inside_captured_graphs(tmp_path, device):
+    """TP-3 with the step captured (CUDA graph; the same calls eager on CPU): two ranks, each
+    flushing half the layers, read every token back bit-exactly after every replay."""
+    results, codes = run_ranks(tmp_path, 2, "graph", device)
+    assert codes == [0, 0], results
+    for r, res in results.items():
+        assert res["ok"], (r, res)
+        assert res["fetched"] > 100 and res["read"] > 100, res
+        assert res["counters"] == [14, 14], res  # warm-up + 12 replays + the final sync
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
