@@ -374,7 +374,34 @@ def scenario_graph(rank, world, device, split):
     return {"fetched": checked, "read": read, "counters": counters}
 
 
-SCENARIOS = {"graph": scenario_graph, "decode": scenario_decode, "killed": scenario_killed,
+def scenario_dropped(rank, world, device, split):
+    """TP-4: a rank that drops its manager without close() (or exits) has left: the others'
+    next sync raises at once instead of waiting for the timeout."""
+    import gc
+
+    driver = TPDriver(device, seed=3, group=HostGroup(timeout_s=20, split=split))
+    driver.join()
+    driver.step()
+    driver.group.barrier()
+    if rank == world - 1:
+        del driver
+        gc.collect()
+        return {"dropped": True}
+    begin = time.monotonic()
+    try:
+        driver.step()
+        if driver.device.type == "cuda":
+            torch.cuda.synchronize()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    result = {"error": error, "seconds": time.monotonic() - begin,
+              "failure": driver.group.failure()}
+    close_after_failure(driver.manager)
+    return result
+
+
+SCENARIOS = {"dropped": scenario_dropped, "graph": scenario_graph, "decode": scenario_decode, "killed": scenario_killed,
              "commit_fault": scenario_commit_fault}
 
 
@@ -475,6 +502,19 @@ def test_killed_rank_reported(tmp_path, device):
     assert failure["reason"] == "timeout" and failure["waiter"] == 0 and failure["missing"] == 1
     assert failure["generation"] == failure["last_generation"] + 1
     assert shm_leftovers() <= before
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_dropped_manager_counts_as_left(tmp_path, device):
+    """TP-4: a manager collected without close() marks its rank as left."""
+    results, codes = run_ranks(tmp_path, 2, "dropped", device)
+    assert codes == [0, 0], results
+    assert results[1] == {"ok": True, "dropped": True}
+    res = results[0]
+    assert res["ok"] and res["error"] is not None and res["seconds"] < 10, res
+    assert res["failure"]["reason"] == "left" and res["failure"]["missing"] == 1, res
+    if device == "cpu":
+        assert "rank 1 left the host group" in res["error"]
 
 
 def test_commit_fault_on_one_rank_is_undone_everywhere(tmp_path):

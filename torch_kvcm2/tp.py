@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import weakref
 from typing import Optional
 
 import torch
@@ -173,6 +174,8 @@ class HostGroup:
             self.header_device = view[:HEADER_WORDS * 8].view(torch.int64)
         else:
             self.header_device = self.header
+        # a rank whose process exits (or drops its manager) without close() has left too
+        self._leave = weakref.finalize(self, _mark_left, self.header, header, self.rank)
         self.gen = torch.zeros(1, dtype=torch.int64, device=device)
         for t in (self.header_device, self.gen):
             torch._dynamo.mark_static_address(t, guard=True)
@@ -275,15 +278,20 @@ class HostGroup:
         if self.closed:
             return
         self.closed = True
-        if self.header_region is not None and not self.header_region.closed:
-            self.header[_LEFT + self.rank] = 1
-            self.header_region.close()
+        if self.header_region is not None:
+            self._leave()  # marks this rank as left, then releases the header mapping
 
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise RuntimeError(f"HostGroup.{what}: the group is closed")
         if self.header is None:
             raise RuntimeError(f"HostGroup.{what}: the group serves no manager yet")
+
+
+def _mark_left(header: torch.Tensor, region: HostRegion, rank: int) -> None:
+    if not region.closed:
+        header[_LEFT + rank] = 1
+        region.close()
 
 
 def digest(*arrays) -> str:
