@@ -612,3 +612,26 @@ def test_rank_ops_opcheck_and_argument_checks(device, one_rank_group):
             kv.ops.rank_wait(header, pools, gen, 0, 2, 10_000_000)
     manager.close()
     assert group.closed
+
+
+def test_sync_compiles_fullgraph_in_place(one_rank_group):
+    """INT-2 for the ordering point: sync + flush trace with fullgraph=True, run in place (each
+    call advances the generation and publishes it) and read back what the flush wrote."""
+    driver = TPDriver("cpu", seed=8, group=HostGroup(timeout_s=5))
+    for _ in range(2):
+        driver.join()
+    batch = driver.batch
+    batch.publish()
+
+    def body():
+        batch.sync()
+        batch.flush()
+
+    compiled = torch.compile(body, fullgraph=True)
+    for n in (1, 2, 3):
+        compiled()
+        batch.record_flush()
+        assert int(driver.group.gen.item()) == n and driver.group.counters() == [n]
+    batch.sync()
+    assert driver.read_back() > 0
+    driver.manager.close()
