@@ -18,12 +18,11 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import DEVICE_PARAMS
+from stepping import P, ROWS, WORDS, write_tokens  # tokens per page, rows, int32 words per token
 
 import torch_kvcm2 as kv
 from torch_kvcm2.host_region import PAGE_SIZE, HostMemoryOps
 from torch_kvcm2.tp import HEADER_BYTES, HostGroup
-
-P, ROWS, WORDS = 4, 4, 4  # tokens per page, rows, int32 words per token
 
 
 def make_config(device):
@@ -288,16 +287,6 @@ def captured_step(batch, selected, new_tokens, layer_index):
             batch.fetch(layer)
             write_tokens(batch.cells(layer, "kv"), index, new_tokens[layer])
     batch.flush()
-
-
-def write_tokens(cells, index, values):
-    """``values`` int32[R, WORDS] to cell token indices ``index`` int32[R], BAD skipped, with no
-    data-dependent shapes (an exact int32 add of new - old; 0 at BAD, routed to token 0)."""
-    tokens = cells.view(-1, P, WORDS * 4).view(torch.int32).view(-1, WORDS)
-    valid = index >= 0
-    safe = torch.where(valid, index, torch.zeros_like(index)).long()
-    delta = torch.where(valid[:, None], values - tokens[safe], torch.zeros_like(values))
-    tokens.index_put_((safe,), delta, accumulate=True)
 
 
 def scenario_graph(rank, world, device, split):
