@@ -167,7 +167,7 @@ def bench_tp(device, quick, ranks=(1, 2), repeats=None) -> list:
     """P-TP rows: per TP, host bytes per node and the slowest rank's flush, for each split."""
     repeats = repeats or (3 if quick else 20)
     sz = run.step_sizes(quick)
-    shape = f"{sz['rows']} rows, {sum(sz['groups'])} layers, history {sz['history']}"
+    shape = f"{sz['rows']} rows x {sum(sz['groups'])} layers, history {sz['history']}"
     private = private_host_bytes(device, quick)
     run.release(device)
     out, base = [], None
@@ -188,8 +188,9 @@ def bench_tp(device, quick, ranks=(1, 2), repeats=None) -> list:
                     f"({ratio:.2f}x TP=1, target <= {1.1 / world:.2f}x); flush + sync per "
                     f"step {step:.1f} us; buffers flushed by rank: "
                     f"{[r[split]['buffers_flushed'] for r in res]}")
-            out.append(run.Result("P-TP", f"TP={world} {split}: {shape}", flush,
-                                  target="bytes 1/TP, flush <= 1/TP+10%", passed=passed,
+            by = "layer" if split == "layer" else "pool"
+            out.append(run.Result("P-TP", f"TP={world} by {by}: {shape}", flush,
+                                  target="1/TP bytes, <=1/TP+10%", passed=passed,
                                   extra={"note": note, "node_bytes": node,
                                          "private_bytes": private, "step_us": step,
                                          "world": world, "split": split}))
