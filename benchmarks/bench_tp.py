@@ -167,7 +167,7 @@ def bench_tp(device, quick, ranks=(1, 2), repeats=None) -> list:
     """P-TP rows: per TP, host bytes per node and the slowest rank's flush, for each split."""
     repeats = repeats or (3 if quick else 20)
     sz = run.step_sizes(quick)
-    shape = f"{sz['rows']} rows x {sum(sz['groups'])} layers, history {sz['history']}"
+    shape = f"{sz['rows']} rows x {sum(sz['groups'])} layers, h={sz['history']}"
     private = private_host_bytes(device, quick)
     run.release(device)
     out, base = [], None
