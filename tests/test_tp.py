@@ -68,9 +68,18 @@ class TPDriver:
         pages = torch.as_tensor(cache.host_pages(layer, "kv").astype(np.int64))
         return view[pages].view(torch.int32).reshape(-1, WORDS)
 
+    def settle(self):
+        """The host waits for the device (CUDA): a sync's wait has completed on the GPU once
+        this returns, so host reads and writes of shared pages are ordered with it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def join(self):
         """A request with imported history: each rank writes the layers it owns (one writer
-        per host page), then every rank declares the write."""
+        per host page), then every rank declares the write. Called after a sync (the pages may
+        have been another request's, read by some rank before that sync) and read only after
+        the next one (docs/TP.md: host-direct writes go between two syncs)."""
+        self.settle()
         cache = self.manager.create_cache()
         length = self.rng.randint(3, 14)
         assert cache.resize(capacity=length + 4)
@@ -139,6 +148,7 @@ class TPDriver:
     def read_back(self) -> int:
         """Every token below history of every cache and layer, from the shared host pages
         (call right after a sync). Returns the tokens checked."""
+        self.settle()
         checked = 0
         for cache in self.caches:
             h = cache.history_length
@@ -165,6 +175,7 @@ def scenario_decode(rank, world, device, split):
         driver.batch.sync()  # the next step's ordering point, taken early to read back
         read += driver.read_back()
     manager, batch = driver.manager, driver.batch
+    driver.settle()
     manager.check_ranks(batch)  # identical calls: no divergence
     region = manager.storage.region
     stats = manager.stats()["host_region"]

@@ -563,7 +563,9 @@ class Batch(LengthsPath):
         write after it. Each rank writes back only its share of the sparse buffers
         (``HostGroup.split``), so the rule a model follows is: exactly one ``sync()`` per step,
         after the previous step's ``flush`` (and host-direct writes) and before this step's
-        first ``resolve``/``fetch``; every rank makes the same calls. A rank that died or left
+        first ``resolve``/``fetch``; every rank makes the same calls. Host-direct writes go
+        between two syncs (after one, read only after the next; from the CPU on CUDA, after the
+        first has completed on the device: docs/TP.md). A rank that died or left
         makes it raise RuntimeError naming the rank and generation (CPU), or trap (CUDA;
         ``KVCacheManager.check_ranks`` then reports the rank), within the group's timeout."""
         self.manager._check_open("Batch.sync")
