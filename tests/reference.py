@@ -554,3 +554,41 @@ def flush(host_pages, cells, resident, inflight_slots, page_table, new_history, 
                         copies.append((b, r, u, host, t0, t1))
                 u += 1
     return copies
+
+
+# --------------------------------------------------------------------------------------------
+# MTP: multi-token steps (REQUIREMENTS §13, MTP-2 / MTP-3)
+# --------------------------------------------------------------------------------------------
+
+# Written from MTP-3 as a rule about the union, not from the kernels: a row's T' selections
+# are merged into one union of distinct non-negative ordinals, ordered by first occurrence in
+# (query token, column) order; that union is resolved once, exactly as a single-token selection
+# (so each of its units is one hit, one miss or one invalid ordinal, in one slot); then every
+# query token's column takes the union's entry for its ordinal, BAD for padding.
+
+
+def selection_union(selection_rows) -> list:
+    """The union of one row's query-token selections (a list of T' lists of ordinals): distinct
+    ordinals >= 0 in first-occurrence order over (query token, column). Padding is left out."""
+    union, seen = [], set()
+    for token in selection_rows:
+        for u in token:
+            if u >= 0 and u not in seen:
+                seen.add(u)
+                union.append(u)
+    return union
+
+
+def resolve_multi(state: ResidencyState, selected, history, capacity, lease, U, P, I, window=0):
+    """OP-RESOLVE for a multi-token step: ``selected`` is one list per row of T' lists of K
+    ordinals (the same T' and K for every row). Mutates ``state`` like ``resolve``. Returns
+    ``(index_table, misses, deltas)`` with ``index_table`` one list per row of T' lists of K
+    entries; ``misses`` and ``deltas`` as ``resolve`` returns them for the unions."""
+    unions = [selection_union(rows) for rows in selected]
+    union_table, misses, deltas = resolve(state, unions, history, capacity, lease, U, P, I, window)
+    index_table = []
+    for rows, union, line in zip(selected, unions, union_table):
+        entry_of = dict(zip(union, line))  # empty for a hole, whose entries are all BAD
+        index_table.append([[entry_of.get(u, BAD) if u >= 0 else BAD for u in token]
+                            for token in rows])
+    return index_table, misses, deltas

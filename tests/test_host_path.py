@@ -135,6 +135,28 @@ def test_a_decode_step_publishes_only_what_changed():
     assert sizes == [4 * LENGTH_ROWS + extra for extra in crossing]
 
 
+def test_a_publish_whose_upload_fails_is_redone_whole_by_the_next():
+    """BAT-3: an upload that raises (a CUDA error, say) leaves nothing marked as published: the
+    next publish sends the whole delta again and the tables match a full restage."""
+    manager = kv.KVCacheManager(dsa_config())
+    batch = kv.Batch(manager)
+    caches = [manager.create_cache() for _ in range(3)]
+    for cache in caches:
+        batch.add(cache)
+        assert cache.resize(capacity=9)
+    original = batch._mirror._upload
+
+    def failing(*args):
+        raise RuntimeError("injected: upload failed")
+
+    batch._mirror._upload = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        batch.publish()
+    batch._mirror._upload = original
+    batch.publish()
+    assert_tables_match(batch)
+
+
 def test_publish_does_not_wait_on_busy_staging():
     """HOST-2: a staging buffer still in use is never waited for; another one is taken."""
     manager = kv.KVCacheManager(dsa_config())
@@ -281,6 +303,46 @@ def test_advance_equals_the_host_rule(device):
                     assert cache.resize(capacity=cache.history_length + T)
                     m[1] = cache.capacity
     assert shorts > 0 and min(m[0] for m in model) > 30
+
+
+def test_reserve_top_ups_come_in_batches_and_never_starve_a_row(device):
+    """HOST-3: rows decoding one token per step at staggered lengths, each keeping a reserve of
+    two pages, are topped up in batches (once a row has used half its reserve, every row that
+    used any of it), so publishes with page work are rare; no row ever runs short and the
+    tables match a full restage at every step."""
+    P = 4
+    config = dsa_config(device, window_layer=False, max_rows=8, tokens_per_page=P,
+                        max_inflight_tokens=2, slots=16, max_tokens_per_row=512,
+                        host_budget_bytes=8 << 20)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    caches = []
+    for row in range(8):  # staggered: row r starts r tokens in
+        cache = manager.create_cache()
+        cache.set_reserve(2 * P)
+        batch.add(cache)
+        assert cache.resize(capacity=row + 2)  # the last max_inflight_tokens (2) are in flight
+        if row:
+            cache.record_host_write(row)  # a prefill wrote its first tokens to host pages
+            assert cache.resize(history=row, capacity=row + 1)
+        caches.append(cache)
+    batch.publish()
+    ones = torch.ones(8, dtype=torch.int32, device=device)
+    page_work, steps = 0, 96
+    for _ in range(steps):
+        before = batch.host_tables()["lengths"][ALLOCATED].copy()
+        batch.publish()
+        after = batch.host_tables()["lengths"][ALLOCATED]
+        page_work += bool((after != before).any())
+        remaining = after - batch.host_tables()["lengths"][1]
+        assert (remaining >= P).all()  # at least half the reserve is left after each publish
+        assert_tables_match(batch)
+        batch.flush(batch.history + ones)
+        batch.advance(ones)
+    assert batch.advance_counters.tolist() == [0, 0]  # nothing refused, no row ran short
+    assert [c.history_length for c in caches] == [row + steps for row in range(8)]
+    # one top-up per row every P steps would be a publish with page work at nearly every step
+    assert page_work <= steps // P + 2
 
 
 def test_advance_refuses_bad_rows_and_never_passes_the_flush(device):

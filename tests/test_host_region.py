@@ -91,8 +91,10 @@ def test_a_host_budget_beyond_physical_memory_starts_at_once_and_commits_nothing
 
 
 def chunked_manager(chunk=PAGE_SIZE, ops=None, **kwargs):
+    """Chunks of single pages (base pages: huge pages would make every piece 2 MiB)."""
     return kv.KVCacheManager(dsa_config(host_budget_bytes=1 << 21, gpu_budget_bytes=1 << 21),
-                             host_chunk_bytes=chunk, host_threads=2, _host_ops=ops, **kwargs)
+                             host_chunk_bytes=chunk, host_threads=2, _host_ops=ops,
+                             host_huge_pages=False, **kwargs)
 
 
 def test_growth_commits_whole_chunks_and_keeps_addresses_and_bytes():
@@ -145,18 +147,47 @@ def test_resize_across_a_chunk_boundary_uses_the_pages_and_keeps_their_bytes():
     manager.close()
 
 
+# ---- huge pages: aligned reservation, whole huge pages per piece, refusal tolerated ----
+
+class NoHugeOps(HostMemoryOps):
+    def advise_huge(self, address, nbytes):
+        return False
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_region_is_huge_page_aligned_and_works_when_huge_pages_are_refused(refused):
+    huge = host_region.HUGE_PAGE
+    region = HostRegion(3 * huge + PAGE_SIZE, chunk_bytes=huge, threads=2,
+                        ops=NoHugeOps() if refused else None)
+    assert region.address % huge == 0 and region.nbytes == 4 * huge
+    # exactly the reservation is mapped: the over-mapped ends were trimmed
+    spans = mappings_overlapping(region.address - huge, region.nbytes + 2 * huge)
+    inside = [(max(a, region.address), min(b, region.address + region.nbytes))
+              for a, b, _ in spans if a < region.address + region.nbytes and b > region.address]
+    assert sum(b - a for a, b in inside) == region.nbytes
+    assert region.stats()["huge_pages"] is (not refused)
+    assert region.stats()["thp_mode"] in ("always", "madvise", "never", "unknown")
+    assert all(n % (huge if not refused else PAGE_SIZE) == 0
+               for _, n in region.pieces([(0, 4 * huge)]))
+    assert region.commit([(huge, 2 * huge)])
+    region.tensor[huge:3 * huge] = 5
+    assert int(region.tensor[huge:3 * huge].sum()) == 5 * 2 * huge
+    region.close()
+
+
 # ---- STO-7: faults part-way roll back, nothing leaks ----
 
 @pytest.mark.parametrize("fault", ["populate", "register", "available"])
 def test_a_failed_commit_rolls_back_and_the_region_stays_usable(fault, monkeypatch):
-    monkeypatch.setattr(host_region, "MIN_PIECE_BYTES", PAGE_SIZE)  # many pieces per commit
+    monkeypatch.setattr(host_region, "PIECE_BYTES", PAGE_SIZE)  # many pieces per commit
     ops = CountingOps(fail_populate=3 if fault == "populate" else None,
                       fail_register=3 if fault == "register" else None,
                       available=PAGE_SIZE if fault == "available" else None)
-    region = HostRegion(64 * PAGE_SIZE, chunk_bytes=PAGE_SIZE, threads=4, device=0, ops=ops)
+    region = HostRegion(64 * PAGE_SIZE, chunk_bytes=PAGE_SIZE, threads=4, device=0, ops=ops,
+                        huge_pages=False)  # pieces of single pages
     assert region.commit([(0, 2 * PAGE_SIZE)]) is (fault != "available")
     before = (dict(ops.live), region.committed_bytes, region.registered_bytes)
-    assert len(region.pieces([(2 * PAGE_SIZE, 8 * PAGE_SIZE)])) == 4
+    assert len(region.pieces([(2 * PAGE_SIZE, 8 * PAGE_SIZE)])) == 8
     assert region.commit([(2 * PAGE_SIZE, 8 * PAGE_SIZE)]) is False
     assert (dict(ops.live), region.committed_bytes, region.registered_bytes) == before
     reason = {"populate": "injected: out of memory while populating",
@@ -359,7 +390,7 @@ def test_a_refused_strict_binding_raises_and_releases_the_reservation():
 
 
 def test_prefill_commits_that_much_at_start_in_parallel(monkeypatch):
-    monkeypatch.setattr(host_region, "MIN_PIECE_BYTES", PAGE_SIZE)
+    monkeypatch.setattr(host_region, "PIECE_BYTES", 5 * PAGE_SIZE)
     ops = CountingOps()
     manager = chunked_manager(ops=ops, prefill_host_bytes=10 * PAGE_SIZE)
     stats = manager.stats()

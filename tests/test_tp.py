@@ -51,8 +51,9 @@ class TPDriver:
 
     def __init__(self, device, seed, group):
         self.device = torch.device(device)
+        # small pages: node bytes are then exact (shared huge pages depend on shmem_enabled)
         self.manager = kv.KVCacheManager(make_config(device), host_group=group,
-                                         host_chunk_bytes=64 << 10)
+                                         host_chunk_bytes=64 << 10, host_huge_pages=False)
         self.group = self.manager.host_group
         self.batch = kv.Batch(self.manager)
         self.config = self.manager.config
@@ -260,7 +261,8 @@ def scenario_commit_fault(rank, world, device, split):
     """TP-2: a commit that fails on one rank is undone on every rank; slots stay identical."""
     host_ops = FailingOps()
     manager = kv.KVCacheManager(make_config(device), host_group=HostGroup(timeout_s=30),
-                                host_chunk_bytes=PAGE_SIZE, _host_ops=host_ops)
+                                host_chunk_bytes=PAGE_SIZE, host_huge_pages=False,
+                                _host_ops=host_ops)
     region = manager.storage.region
     first = manager.create_cache()
     assert first.resize(capacity=64)  # 16 pages: within the first chunks
@@ -401,7 +403,8 @@ def scenario_dropped(rank, world, device, split):
     return result
 
 
-SCENARIOS = {"dropped": scenario_dropped, "graph": scenario_graph, "decode": scenario_decode, "killed": scenario_killed,
+SCENARIOS = {"dropped": scenario_dropped, "graph": scenario_graph, "decode": scenario_decode,
+             "killed": scenario_killed,
              "commit_fault": scenario_commit_fault}
 
 

@@ -38,12 +38,18 @@ class GroupState:
     resident: torch.Tensor  # int32[max_rows, S]: unit held by each slot, -1 when empty
     recency: torch.Tensor  # int32[max_rows, S]: slots, least to most recently used
     index_table: torch.Tensor  # int32[max_rows, K]: entries lease*S + slot, BAD
+    # index_views[t - 1]: int32[max_rows, t, K], the index table of a step of t query tokens
+    # (MTP-2); every view, index_table included, starts at the one buffer's address
+    index_views: tuple
     miss_list: torch.Tensor  # int32[rows, 4]: (lease, slot, row, unit)
     miss_count: torch.Tensor  # int32[4]: [0] the count (ops.MISS_COUNT_WORDS)
     counters: torch.Tensor  # int64[3]: cumulative hits, misses, invalid
     inflight_slots: torch.Tensor  # int32[max_rows, ceil(I/U)+1]: slot of in-flight unit k, BAD
     write_table: torch.Tensor  # int32[max_rows, I+U-1]: write_indices' output
     inflight_start: torch.Tensor  # int32[max_rows]: s0 per row (BAD for unseated rows)
+    # uint8: the CUDA resolve's table region for rows too wide for shared memory (CUDA groups
+    # of more than one query token; docs/MTP.md), else None
+    resolve_scratch: Optional[torch.Tensor] = None
 
 
 class Batch(LengthsPath):
@@ -117,6 +123,8 @@ class Batch(LengthsPath):
         self._settle: set[int] = set()  # rows advanced on the device, page work pending
         self._stale: set[int] = set()  # rows whose cache has not taken the advanced lengths
         self._reserve_tokens = np.zeros(max_rows, dtype=np.int64)  # as published, per row
+        # per row, the capacity from which its reserve top-up is urgent (lengths_path)
+        self._urgent_at = np.full(max_rows, np.iinfo(np.int64).max, dtype=np.int64)
         self._windowed = any(g.window is not None for g in storage.groups)
         self._closed = False
         for tensor in self.state_tensors():
@@ -124,20 +132,30 @@ class Batch(LengthsPath):
             # attributes (guarded by identity, which never changes) instead of lifted inputs, so
             # cudagraph trees neither copy them nor count their mutation as an input mutation.
             torch._dynamo.mark_static_address(tensor, guard=True)
+        for state in self.groups:
+            # the multi-token index tables (views of the index table's buffer; not listed by
+            # state_tensors, whose tensors never overlap): fixed addresses too
+            for view in state.index_views:
+                torch._dynamo.mark_static_address(view, guard=True)
 
     def _new_group_state(self, group: SelectionGroup, allocated: dict) -> GroupState:
         g, rows, sp = group.index, self.max_rows, group.sparse
+        index_buffer = allocated[f"index_table{g}"].fill_(BAD)  # int32[max_rows, T*K]
         state = GroupState(
             spec=group,
             resident=allocated[f"resident{g}"].fill_(BAD),
             recency=allocated[f"recency{g}"],
-            index_table=allocated[f"index_table{g}"].fill_(BAD),
+            index_table=index_buffer if sp.max_query_tokens == 1
+            else index_buffer.view(-1)[:rows * sp.width].view(rows, sp.width),
+            index_views=tuple(index_buffer.view(-1)[:rows * t * sp.width].view(rows, t, sp.width)
+                              for t in range(1, sp.max_query_tokens + 1)),
             miss_list=allocated[f"miss_list{g}"],
             miss_count=allocated[f"miss_count{g}"],
             counters=allocated[f"counters{g}"],
             inflight_slots=allocated[f"inflight_slots{g}"].fill_(BAD),
             write_table=allocated[f"write_table{g}"].fill_(BAD),
             inflight_start=allocated[f"inflight_start{g}"].fill_(BAD),
+            resolve_scratch=allocated.get(f"resolve_scratch{g}"),
         )
         state.recency.copy_(torch.arange(sp.slots, dtype=INT32).expand(rows, sp.slots))
         return state
@@ -168,6 +186,8 @@ class Batch(LengthsPath):
             tensors += [state.resident, state.recency, state.index_table, state.miss_list,
                         state.miss_count, state.counters, state.inflight_slots, state.write_table,
                         state.inflight_start]
+            if state.resolve_scratch is not None:
+                tensors.append(state.resolve_scratch)
         for cells, pools, _, _ in self._fetch_args.values():
             tensors += cells + pools
         tensors += [args[0] for args in self._flush_args]
@@ -377,6 +397,7 @@ class Batch(LengthsPath):
         leases = sorted(self._granted)
         self._mirror.publish(rows, owners, values, leases, self._clear_leases)
         self._reserve_tokens[rows] = reserves
+        self._urgent_at[rows] = self.urgent_capacity(values, np.asarray(reserves, dtype=np.int64))
         if self._reserve_rows:
             self._reserve_rows.difference_update(rows)
         self._dirty.clear()
@@ -421,23 +442,29 @@ class Batch(LengthsPath):
     def resolve(self, group: Union[int, str], selected: torch.Tensor,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """OP-RESOLVE for one selection group: ``selected`` int32[max_rows, K] unit ordinals
-        (negative = padding). Returns the index table int32[max_rows, K] of entries
-        ``lease*S + slot`` (BAD for padding and invalid ordinals), the batch's own unless ``out``
-        is given. Updates residency, the group's miss list and counters."""
+        (negative = padding), or int32[max_rows, T', K] for a step of ``1 <= T' <= T`` query
+        tokens per row (T = ``max_query_tokens``; MTP-2). Returns the index table of the same
+        shape, entries ``lease*S + slot`` (BAD for padding and invalid ordinals): the batch's own
+        unless ``out`` is given. Updates residency, the group's miss list and counters.
+
+        A multi-token step resolves the union of each row's T' selections once (MTP-3, docs/MTP.md):
+        a unit selected by several query tokens is one hit or one miss, in one slot, and every
+        token's entry for it is the same. The batch's own tables for every T' share one address
+        (fixed, BAT-1); T' is part of the shape, so a captured graph serves one T'."""
         state = self.group(group)
         self._check_step("Batch.resolve")
         sp = state.spec.sparse
-        self._check_index_tensor("selected", selected, sp.width)
-        table = state.index_table
+        tokens = self._check_selection("selected", selected, sp)
+        table = state.index_table if selected.dim() == 2 else state.index_views[tokens - 1]
         if out is not None:
-            self._check_index_tensor("out", out, sp.width)
+            self._check_index_tensor("out", out, 0, tuple(selected.shape))
             table = out
         if self._fetch_events:
             self._wait_fetches(state)
         ops.resolve(state.resident, state.recency, table, state.miss_list, state.miss_count,
                     state.counters, state.inflight_slots, selected, self.history, self.capacity,
                     self.lease, sp.tokens_per_unit, self.config.tokens_per_page,
-                    sp.max_inflight_tokens, state.spec.window or 0)
+                    sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch)
         return table
 
     def fetch(self, *layers: str) -> None:
@@ -465,7 +492,9 @@ class Batch(LengthsPath):
     def fetch_sparse_pages(self, layer: str, selected: torch.Tensor,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """OP-FETCH-FUSED: resolve + fetch for a layer alone in its selection group (a shared
-        group raises ValueError: resolve once, then fetch per layer). Returns the index table."""
+        group raises ValueError: resolve once, then fetch per layer). ``selected`` and the
+        returned index table have ``resolve``'s shapes: int32[max_rows, K] or
+        int32[max_rows, T', K]."""
         self._layer_args(layer)
         group = self.config.group_of(layer)
         if len(group.layers) != 1:
@@ -814,7 +843,30 @@ class Batch(LengthsPath):
                 raise ValueError(f"{name} values must be in [0, 2**31 - 1], got {v}")
         return [int(v) for v in values]
 
-    def _check_index_tensor(self, name: str, t: torch.Tensor, width: int) -> None:
+    def _check_selection(self, name: str, t: torch.Tensor, sp) -> int:
+        """Checks a selection for ``resolve`` (int32 [max_rows, K] or [max_rows, T', K] with
+        1 <= T' <= max_query_tokens, on the device, contiguous); returns its T'."""
+        if isinstance(t, torch.Tensor) and t.dim() == 2:
+            self._check_index_tensor(name, t, sp.width)
+            return 1
+        T = sp.max_query_tokens
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            self._check_index_tensor(name, t, 0, ())  # a non-tensor, a wrong dtype or device
+            raise ValueError(f"{name} must be 2-D ({self.max_rows}, {sp.width}) or 3-D "
+                             f"({self.max_rows}, query tokens 1..{T}, {sp.width}), got "
+                             f"{t.dim()}-D shape {tuple(t.shape)}")
+        tokens = t.shape[1]
+        if not 1 <= tokens <= T:
+            self._check_index_tensor(name, t, 0, ())
+            raise ValueError(f"{name} has {tokens} query tokens per row (shape {tuple(t.shape)}) "
+                             f"but the selection group allows 1..{T} (max_query_tokens, MTP-2)")
+        self._check_index_tensor(name, t, 0, (self.max_rows, tokens, sp.width))
+        return tokens
+
+    def _check_index_tensor(self, name: str, t: torch.Tensor, width: int,
+                            shape: Optional[tuple] = None) -> None:
+        """Checks an int32 device tensor of shape (max_rows, width), or ``shape`` when given
+        (``()`` checks everything but the shape)."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         self._check_not_meta(name, t)
@@ -823,7 +875,8 @@ class Batch(LengthsPath):
         dev = self.config.device
         if t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index):
             raise ValueError(f"{name} must be on {self.config.device}, got {t.device}")
-        if tuple(t.shape) != (self.max_rows, width):
-            raise ValueError(f"{name} must have shape ({self.max_rows}, {width}), got {tuple(t.shape)}")
+        want = (self.max_rows, width) if shape is None else shape
+        if want != () and tuple(t.shape) != want:
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")

@@ -54,13 +54,22 @@ class BufferSpec:
 @dataclass(frozen=True)
 class SparseSpec:
     """Sparse settings of a layer (CFG-3): unit size U, selection width K, slots S per row,
-    the in-flight token budget I per row, and an optional shared ``selection_id`` (CFG-4)."""
+    the in-flight token budget I per row, an optional shared ``selection_id`` (CFG-4), and
+    ``max_query_tokens`` T, the most query tokens of a row one step resolves together (MTP-1;
+    1 for plain decoding, 1 + drafts for speculative decoding)."""
 
     tokens_per_unit: int
     width: int
     slots: int
     max_inflight_tokens: int
     selection_id: Optional[str] = None
+    max_query_tokens: int = 1
+
+    @property
+    def max_selected_columns(self) -> int:
+        """T·K: a row's selected columns over all its query tokens, the widest union one resolve
+        seats (MTP-3)."""
+        return self.max_query_tokens * self.width
 
     @property
     def max_inflight_units(self) -> int:
@@ -239,6 +248,13 @@ class CacheConfig:
             value = getattr(sp, attr)
             if not _is_int(value) or value <= 0:
                 _fail("CFG-3", f"{attr} must be a positive int, got {value!r}", layer.name, role)
+        T = sp.max_query_tokens
+        if not _is_int(T) or T <= 0:
+            _fail("MTP-1", f"max_query_tokens must be a positive int, got {T!r}", layer.name, role)
+        if sp.max_inflight_tokens < T:
+            _fail("MTP-1", f"max_inflight_tokens ({sp.max_inflight_tokens}) must be >= "
+                  f"max_query_tokens ({T}): every query token of a step is in flight",
+                  layer.name, role)
         if self.tokens_per_page % sp.tokens_per_unit:
             _fail("CFG-3", f"tokens_per_unit ({sp.tokens_per_unit}) must divide tokens_per_page "
                   f"({self.tokens_per_page})", layer.name, role)
@@ -246,10 +262,14 @@ class CacheConfig:
         if sp.slots % units_per_page:
             _fail("CFG-3", f"slots ({sp.slots}) must be a multiple of units per page "
                   f"({units_per_page})", layer.name, role)
-        need = sp.width + sp.max_inflight_units
-        if sp.slots < need:
+        need = sp.max_selected_columns + sp.max_inflight_units
+        if sp.slots < need and T == 1:
             _fail("CFG-3", f"slots ({sp.slots}) must be >= width + ceil(max_inflight_tokens / "
                   f"tokens_per_unit) + 1 = {need}", layer.name, role)
+        if sp.slots < need:
+            _fail("MTP-1", f"slots ({sp.slots}) must be >= max_query_tokens * width + "
+                  f"ceil(max_inflight_tokens / tokens_per_unit) + 1 = {T} * {sp.width} + "
+                  f"{sp.max_inflight_units} = {need}", layer.name, role)
         if sp.slots > 65535:
             _fail("CFG-3", f"slots ({sp.slots}) must be at most 65535", layer.name, role)
         if self.max_rows * sp.slots > INT32_MAX:
@@ -272,7 +292,8 @@ class CacheConfig:
             first = layers[0]
             for other in layers[1:]:
                 a, b = first.sparse, other.sparse
-                for attr in ("tokens_per_unit", "width", "slots", "max_inflight_tokens"):
+                for attr in ("tokens_per_unit", "width", "slots", "max_inflight_tokens",
+                             "max_query_tokens"):
                     if getattr(a, attr) != getattr(b, attr):
                         _fail("CFG-4", f"{attr} ({getattr(b, attr)}) differs from layer "
                               f"{first.name!r} ({getattr(a, attr)}) in selection group "

@@ -29,24 +29,30 @@ import os
 import platform
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Optional, Sequence
 
 import torch
 
 PAGE_SIZE = mmap.PAGESIZE
+#: Transparent huge page size (x86-64 and arm64 with 4 KiB base pages). The region is reserved
+#: aligned to it and asks for huge pages (MADV_HUGEPAGE): first touch then faults 2 MiB at a time
+#: and registration pins 512x fewer pages (docs/HOST_MEMORY.md has the H200 measurements).
+HUGE_PAGE = 2 << 20
 #: Default commit step: a few hundred MiB keeps the first-touch pause of a growing pool short
 #: (tens of ms on many cores) while 64 GiB needs only 256 registrations.
 DEFAULT_CHUNK_BYTES = 256 << 20
-#: Smallest range one thread populates and registers: below it thread hand-off costs dominate.
-MIN_PIECE_BYTES = 32 << 20
+#: The range one thread populates per turn (whole huge pages). Many pieces per commit keep every
+#: thread busy: on the H200 host (16 cores, 2026-12-01) 32 MiB pieces populated 4 GiB with huge
+#: pages at 21.9 GB/s on 16 threads, 256 MiB pieces at 10.1 GB/s (benchmarks/host_growth.py).
+PIECE_BYTES = 32 << 20
 
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
 _MAP_SHARED = 0x01
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x10, 0x20, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
+_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 4, 14, 23
 _MPOL_PREFERRED, _MPOL_BIND = 1, 2
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235}.get(platform.machine())
 
@@ -117,6 +123,10 @@ class HostMemoryOps:
                                   f"{os.strerror(code)}")
             type(self)._populate_write = False
         ctypes.memset(address, 0, nbytes)  # fresh pages are zero: writing zeros changes nothing
+
+    def advise_huge(self, address: int, nbytes: int) -> bool:
+        """Ask for transparent huge pages over a range (MADV_HUGEPAGE); False when refused."""
+        return _libc.madvise(address, nbytes, _MADV_HUGEPAGE) == 0
 
     def discard(self, address: int, nbytes: int) -> None:
         """Give the pages of a range back (its contents become zero; it stays mapped)."""
@@ -225,12 +235,33 @@ def _run_parallel(fn, items: Sequence, threads: int) -> list:
         return [guarded(item) for item in items]
 
 
-def default_threads() -> int:
+def thp_mode() -> str:
+    """The system's transparent huge page mode ("always", "madvise", "never"), or "unknown"."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+#: Default populate threads: at most this many. On the H200 host (16 cores, 2026-12-01) growth
+#: by 8 GiB ran at 25.7 GB/s on 8 threads and 17.8 GB/s on 16 (they then contend with the
+#: registering thread and with each other's page faults).
+MAX_DEFAULT_THREADS = 8
+
+
+def available_cores() -> int:
     """Cores this process may run on."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def default_threads() -> int:
+    """Populate threads when none are given: the cores this process may use, at most
+    MAX_DEFAULT_THREADS."""
+    return min(available_cores(), MAX_DEFAULT_THREADS)
 
 
 def online_numa_nodes() -> list[int]:
@@ -301,6 +332,8 @@ class HostRegion:
     ``tensor`` is ``uint8[nbytes]`` over the whole reservation; its address never changes.
     ``device`` (a CUDA device index, or None) is where committed ranges get registered.
     ``numa_node``/``numa_strict`` set the placement of every page the region ever commits.
+    ``huge_pages``: reserve 2 MiB aligned and ask for transparent huge pages (``huge_pages``
+    in ``stats()`` says whether the kernel accepted, ``thp_mode`` what the system allows).
     Raises ValueError when the address space cannot be reserved and RuntimeError when a strict
     NUMA binding is refused.
 
@@ -315,23 +348,25 @@ class HostRegion:
                  threads: Optional[int] = None, numa_node: Optional[int] = None,
                  numa_strict: bool = False, device: Optional[int] = None,
                  ops: Optional[HostMemoryOps] = None, what: str = "host_budget_bytes",
-                 shared_fd: Optional[int] = None, file_offset: int = 0, agree=None):
+                 huge_pages: bool = True, shared_fd: Optional[int] = None, file_offset: int = 0,
+                 agree=None):
         threads = default_threads() if threads is None else threads
         check_options(chunk_bytes, threads)
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"{what}: a host region needs a positive size, got {nbytes!r}")
         self.ops = ops if ops is not None else HostMemoryOps()
         self.chunk_bytes, self.threads, self.device = chunk_bytes, threads, device
-        self.nbytes = round_up(nbytes, PAGE_SIZE)
+        align = HUGE_PAGE if huge_pages else PAGE_SIZE
+        self.nbytes = round_up(nbytes, align)
         self.shared, self.file_offset, self.agree = shared_fd is not None, file_offset, agree
         if self.shared:
-            if not isinstance(file_offset, int) or file_offset < 0 or file_offset % PAGE_SIZE:
-                raise ValueError(f"file_offset must be a non-negative multiple of the page size "
-                                 f"({PAGE_SIZE}), got {file_offset!r}")
-            address, protect = self._map_shared(shared_fd, file_offset, self.nbytes, what), False
-            fd = os.dup(shared_fd)
+            if not isinstance(file_offset, int) or file_offset < 0 or file_offset % align:
+                raise ValueError(f"file_offset must be a non-negative multiple of {align} bytes "
+                                 f"(the region's alignment), got {file_offset!r}")
+            address = self._map_shared(shared_fd, file_offset, self.nbytes, what, align)
+            protect, fd = False, os.dup(shared_fd)
         else:
-            (address, protect), fd = self._reserve(self.nbytes, what), None
+            (address, protect), fd = self._reserve(self.nbytes, what, align), None
         self._mapping = _Mapping(address, self.nbytes, self.ops, device, fd)
         self._mapping.protect_on_commit = protect
         self.address = address
@@ -341,6 +376,7 @@ class HostRegion:
         # ranges are unregistered and the mapping goes. At exit the process's memory goes anyway.
         weakref.finalize(buffer, self._mapping.unmap).atexit = False
         self.tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+        self.huge_pages = huge_pages and self.ops.advise_huge(address, self.nbytes)
         self.committed_bytes = 0
         self.commits = self.failed_commits = 0
         self.last_error: Optional[str] = None
@@ -356,31 +392,47 @@ class HostRegion:
                 self.numa_node, self.numa_error = None, str(exc)  # "auto" is best effort
 
     @staticmethod
-    def _reserve(nbytes: int, what: str) -> tuple[int, bool]:
+    def _reserve(nbytes: int, what: str, align: int) -> tuple[int, bool]:
+        """``nbytes`` of address space starting at a multiple of ``align`` (mapped ``align``
+        bytes larger, the ends trimmed), and whether commits must mprotect (strict overcommit)."""
         flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
-        address = _libc.mmap(None, nbytes, _PROT_READ | _PROT_WRITE, flags, -1, 0)
+        extra = align - PAGE_SIZE
+
+        def aligned(address: int) -> int:
+            start = round_up(address, align)
+            if start > address:
+                _libc.munmap(address, start - address)
+            if address + nbytes + extra > start + nbytes:
+                _libc.munmap(start + nbytes, address + extra - start)
+            return start
+
+        address = _libc.mmap(None, nbytes + extra, _PROT_READ | _PROT_WRITE, flags, -1, 0)
         if address not in (None, _MAP_FAILED):
-            return address, False
+            return aligned(address), False
         first = _os_error("mmap")
         # Strict overcommit (vm.overcommit_memory=2) ignores MAP_NORESERVE: reserve the range
         # inaccessible (not charged) and make each chunk accessible (charged) as it commits.
-        address = _libc.mmap(None, nbytes, _PROT_NONE, flags, -1, 0)
+        address = _libc.mmap(None, nbytes + extra, _PROT_NONE, flags, -1, 0)
         if address not in (None, _MAP_FAILED):
-            return address, True
+            return aligned(address), True
         raise ValueError(f"{what}: {nbytes} bytes of host address space cannot be reserved "
                          f"({first.strerror}); lower the budget or raise the process's address "
                          f"space limit (ulimit -v)")
 
-    @staticmethod
-    def _map_shared(fd: int, file_offset: int, nbytes: int, what: str) -> int:
+    @classmethod
+    def _map_shared(cls, fd: int, file_offset: int, nbytes: int, what: str, align: int) -> int:
+        """``nbytes`` of the file at ``file_offset`` mapped shared at a multiple of ``align``:
+        an aligned reservation, then the file mapped over it."""
         size = os.fstat(fd).st_size
         if size < file_offset + nbytes:
             raise ValueError(f"{what}: the shared file holds {size} bytes, fewer than the "
                              f"{file_offset + nbytes} the region needs")
-        address = _libc.mmap(None, nbytes, _PROT_READ | _PROT_WRITE,
-                             _MAP_SHARED | _MAP_NORESERVE, fd, file_offset)
+        start, _ = cls._reserve(nbytes, what, align)
+        address = _libc.mmap(start, nbytes, _PROT_READ | _PROT_WRITE,
+                             _MAP_SHARED | _MAP_NORESERVE | _MAP_FIXED, fd, file_offset)
         if address in (None, _MAP_FAILED):
             error = _os_error("mmap")
+            _libc.munmap(start, nbytes)
             raise ValueError(f"{what}: {nbytes} bytes of the shared file cannot be mapped "
                              f"({error.strerror})")
         return address
@@ -405,8 +457,8 @@ class HostRegion:
                 "threads": self.threads, "numa_node": self.numa_node,
                 "numa_strict": self.numa_strict, "numa_error": self.numa_error,
                 "commits": self.commits, "failed_commits": self.failed_commits,
-                "last_error": self.last_error, "shared": self.shared,
-                "node_bytes": self.node_bytes()}
+                "last_error": self.last_error, "huge_pages": self.huge_pages,
+                "thp_mode": thp_mode(), "shared": self.shared, "node_bytes": self.node_bytes()}
 
     def node_bytes(self) -> int:
         """Memory the region's pages hold on this host, counted once however many processes
@@ -418,10 +470,9 @@ class HostRegion:
 
     # ---- commit ----
     def pieces(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The ranges cut into page-aligned pieces, one per thread's turn: about
-        total / threads each, at least MIN_PIECE_BYTES."""
-        total = sum(n for _, n in ranges)
-        size = round_up(max(-(-total // self.threads), MIN_PIECE_BYTES), PAGE_SIZE)
+        """The ranges cut into pieces of PIECE_BYTES (whole huge pages when the region has
+        them, else whole pages; the last piece of a range may be shorter)."""
+        size = round_up(PIECE_BYTES, HUGE_PAGE if self.huge_pages else PAGE_SIZE)
         out = []
         for offset, nbytes in ranges:
             end = offset + nbytes
@@ -429,6 +480,51 @@ class HostRegion:
                 out.append((offset, min(size, end - offset)))
                 offset += size
         return out
+
+    def _populate_and_register(self, pieces, registered: list) -> Optional[BaseException]:
+        """Populate ``pieces`` on the region's threads and, on CUDA, register each one on this
+        thread as soon as it is populated (the driver serialises registrations; they overlap
+        the population of later pieces). Appends what it registered to ``registered``; returns
+        the first failure (the remaining pieces are then skipped) or None."""
+        ops, base, device = self.ops, self.address, self.device
+
+        def register(piece):
+            if device is not None:
+                ops.register(base + piece[0], piece[1], device)
+                registered.append(piece)
+
+        fd = self._mapping.fd
+
+        def populate(piece):
+            if fd is not None:  # shared backing: allocate the file's pages, change no byte
+                ops.populate_shared(fd, self.file_offset + piece[0], base + piece[0], piece[1])
+            else:
+                ops.populate(base + piece[0], piece[1])
+            return piece
+
+        try:
+            pool = (ThreadPoolExecutor(max_workers=min(self.threads, len(pieces)),
+                                       thread_name_prefix="kvcm2-host")
+                    if self.threads > 1 and len(pieces) > 1 else None)
+        except RuntimeError:  # e.g. no new threads at interpreter shutdown
+            pool = None
+        if pool is None:
+            for piece in pieces:
+                try:
+                    register(populate(piece))
+                except BaseException as exc:  # noqa: BLE001 -- reported to the caller
+                    return exc
+            return None
+        with pool:
+            futures = [pool.submit(populate, piece) for piece in pieces]
+            for future in as_completed(futures):
+                try:
+                    register(future.result())
+                except BaseException as exc:  # noqa: BLE001 -- reported to the caller
+                    for other in futures:
+                        other.cancel()
+                    return exc  # leaving the block waits for the populates still running
+        return None
 
     def commit(self, ranges: Sequence[tuple[int, int]]) -> bool:
         """Make ``ranges`` (``(offset, nbytes)``, page-aligned, disjoint, not yet committed)
@@ -480,21 +576,6 @@ class HostRegion:
 
         fd = mapping.fd
 
-        def work(piece):
-            offset, nbytes = piece
-            if fd is not None:
-                self.ops.populate_shared(fd, self.file_offset + offset, base + offset, nbytes)
-            else:
-                self.ops.populate(base + offset, nbytes)
-            if self.device is not None:
-                self.ops.register(base + offset, nbytes, self.device)
-                return True
-            return False
-
-        pieces = self.pieces(ranges)
-        results = _run_parallel(work, pieces, self.threads)
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-
         def roll_back(registered_pieces):
             """Unregister what this call registered, give back what it populated."""
             for offset, nbytes in registered_pieces:
@@ -507,24 +588,25 @@ class HostRegion:
                 if mapping.protect_on_commit:
                     _libc.mprotect(base + offset, nbytes, _PROT_NONE)
 
+        registered: list[tuple[int, int]] = []
+        failure = self._populate_and_register(self.pieces(ranges), registered)
         if failure is None:
-            done = [piece for piece, registered in zip(pieces, results) if registered]
             with mapping.lock:
-                for offset, nbytes in done:
+                for offset, nbytes in registered:
                     mapping.registered[offset] = nbytes
             self.committed_bytes += total
             self.commits += 1
 
             def undo():
                 with mapping.lock:
-                    for offset, _ in done:
+                    for offset, _ in registered:
                         mapping.registered.pop(offset, None)
-                roll_back(done)
+                roll_back(registered)
                 self.committed_bytes -= total
                 self.commits -= 1
 
             return True, undo
-        roll_back([piece for piece, result in zip(pieces, results) if result is True])
+        roll_back(registered)
         if isinstance(failure, (MemoryError, OSError, HostCommitError, RuntimeError)):
             return self._failed(f"{type(failure).__name__}: {failure}"), None
         raise failure  # a bug, not a resource failure: never swallowed

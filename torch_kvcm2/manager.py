@@ -25,10 +25,12 @@ class KVCacheManager:
 
     Host memory (docs/HOST_MEMORY.md): every pool in CPU memory is reserved as address space at
     start and committed ``host_chunk_bytes`` at a time as slots are first handed out (STO-6),
-    populated and, on CUDA, registered on ``host_threads`` threads (default: the cores this
-    process may use) and placed by ``numa`` ("auto": the GPU's NUMA node, preferred; None: no
-    policy; an int: bound strictly to that node) (STO-7). ``prefill_host_bytes`` commits that
-    much of the host pools at start. ``close()`` releases it all (STO-9). ``_host_ops`` (tests
+    populated on ``host_threads`` threads (default: the cores this process may use, at most 8)
+    and, on CUDA, registered piece by piece as they are populated, and placed by ``numa``
+    ("auto": the GPU's NUMA node, preferred; None: no policy; an int: bound strictly to that
+    node) (STO-7). ``prefill_host_bytes`` commits that
+    much of the host pools at start. ``host_huge_pages`` backs the region with transparent huge
+    pages (faster first touch and registration, and GPU reads of host pages). ``close()`` releases it all (STO-9). ``_host_ops`` (tests
     only) replaces the region's system calls, to inject faults.
 
     ``host_group`` (docs/TP.md): a ``torch.distributed`` process group of ranks on this host, or
@@ -40,7 +42,7 @@ class KVCacheManager:
 
     def __init__(self, config: CacheConfig, *, host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  host_threads: Optional[int] = None, numa="auto", prefill_host_bytes: int = 0,
-                 host_group=None, _host_ops=None):
+                 host_huge_pages: bool = True, host_group=None, _host_ops=None):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         refuse_during_capture(config.device, "KVCacheManager()")
@@ -48,8 +50,10 @@ class KVCacheManager:
         host_threads = default_threads() if host_threads is None else host_threads
         check_options(host_chunk_bytes, host_threads)
         numa_node, numa_strict = resolve_numa(numa, config.device)
+        if not isinstance(host_huge_pages, bool):
+            raise TypeError(f"host_huge_pages must be a bool, got {host_huge_pages!r}")
         host = HostOptions(host_chunk_bytes, host_threads, numa_node, numa_strict,
-                           prefill_host_bytes, _host_ops)
+                           prefill_host_bytes, _host_ops, host_huge_pages)
         self.config = config
         if host_group is not None:
             from .tp import HostGroup

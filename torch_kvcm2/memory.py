@@ -47,7 +47,25 @@ class TensorSpec:
 
 
 def miss_list_rows(group: SelectionGroup, max_rows: int) -> int:
-    return max_rows * (group.sparse.width + group.sparse.max_inflight_units)
+    """Miss-list entries one resolve may write: per row, every distinct unit of its union of
+    T query tokens' selections (T·K) and every admission (ceil(I/U) + 1)."""
+    return max_rows * (group.sparse.max_selected_columns + group.sparse.max_inflight_units)
+
+
+def resolve_scratch_bytes(columns: int) -> int:
+    """Bytes per row of the CUDA resolve's global table region for rows of ``columns`` selected
+    columns (T·K) too wide for shared memory: a hash of 2^ceil(log2(2·columns)) entries of three
+    int32 arrays, each 16-byte aligned (cuda/resolve.cuh ResolveLayout, global_table)."""
+    entries = 1 << max(1, (2 * columns - 1).bit_length())
+    return 3 * (-(-4 * entries // 16) * 16)
+
+
+def resolve_scratch_rows_bytes(config: CacheConfig, group: SelectionGroup, max_rows: int) -> int:
+    """The resolve scratch a batch allocates for a group: on CUDA, for groups of more than one
+    query token (their T·K columns may exceed the shared layout, docs/MTP.md); else none."""
+    if config.device.type != "cuda" or group.sparse.max_query_tokens == 1:
+        return 0
+    return max_rows * resolve_scratch_bytes(group.sparse.max_selected_columns)
 
 
 def sparse_buffers(config: CacheConfig, layer: str):
@@ -82,7 +100,8 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
         specs += [
             TensorSpec(f"resident{g}", (max_rows, sp.slots), INT32),
             TensorSpec(f"recency{g}", (max_rows, sp.slots), INT32),
-            TensorSpec(f"index_table{g}", (max_rows, sp.width), INT32),
+            # for T query tokens: Batch.resolve returns a [max_rows, T', K] view of its prefix
+            TensorSpec(f"index_table{g}", (max_rows, sp.max_selected_columns), INT32),
             TensorSpec(f"miss_list{g}", (miss_list_rows(group, max_rows), ops.MISS_FIELDS), INT32),
             TensorSpec(f"miss_count{g}", (ops.MISS_COUNT_WORDS,), INT32),
             TensorSpec(f"counters{g}", (ops.NUM_COUNTERS,), INT64),
@@ -91,6 +110,9 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
                        INT32),
             TensorSpec(f"inflight_start{g}", (max_rows,), INT32),
         ]
+        scratch = resolve_scratch_rows_bytes(config, group, max_rows)
+        if scratch:
+            specs.append(TensorSpec(f"resolve_scratch{g}", (scratch,), UINT8))
         for layer in group.layers:
             for buf in sparse_buffers(config, layer):
                 cells = max_rows * sp.slots // group.units_per_page

@@ -6,7 +6,7 @@ metadata the native checks check (so a compile-time error reads like the eager o
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -95,21 +95,28 @@ def resolve(
     tokens_per_page: int,
     max_inflight_tokens: int,
     window: int = 0,
+    scratch: Optional[Tensor] = None,
 ) -> None:
     """OP-RESOLVE for one selection group over every row (REQUIREMENTS §8; docs/DESIGN.md).
 
     State ``resident``/``recency`` int32[num_leases, S]; ``selected`` and ``index_table``
-    int32[R, K]; ``miss_list`` int32[>= R*(K + max_inflight_units), 4] is overwritten with this
+    int32[R, K], or int32[R, T', K] for T' query tokens per row (MTP-2): a row's T'*K columns are
+    resolved as one selection in (query token, column) order, which resolves the union of its
+    tokens' selections once (MTP-3; docs/MTP.md), and ``K`` below means T'*K.
+    ``miss_list`` int32[>= R*(K + max_inflight_units), 4] is overwritten with this
     call's misses and ``miss_count[0]`` with their number (``miss_count`` int32[4], 8-byte
     aligned, created zeroed: ``[2:4]`` is the CUDA kernel's reservation word, which every
     resolve leaves zero); ``counters`` int64[3] (hits, misses, invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
     ``inflight_slots`` int32[R, ceil(I/U)+1] is overwritten with each row's in-flight slot
     records (as ``locate_inflight`` computes them), which write_indices and flush read.
-    ``window`` is 0 for full attention.
+    ``window`` is 0 for full attention. ``scratch`` (CUDA only; ignored on CPU) is uint8 of at
+    least ``R * memory.resolve_scratch_bytes(T'*K)`` bytes: the table region of rows whose
+    resolve does not fit shared memory (docs/MTP.md); without it such rows raise.
     """
     _ops.resolve(
         resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
         history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
+        scratch,
     )
 
 
@@ -247,8 +254,19 @@ def _(out, selected, page_table, capacity, scale, pos, tokens_per_page):
 
 @torch.library.register_fake("torch_kvcm2::resolve")
 def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
-      history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window):
+      history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
+      scratch=None):
+    for name, t in (("selected", selected), ("index_table", index_table)):
+        _check(t.dtype == torch.int32, f"resolve: {name} must be int32, got {t.dtype}")
+        _check(t.dim() in (2, 3), f"resolve: {name} must be 2-D [rows, K] or 3-D "
+               f"[rows, query tokens, K], got {t.dim()}-D")
     _check(index_table.shape == selected.shape, "resolve: index_table and selected differ in shape")
+    _check(selected.dim() == 2 or selected.shape[1] >= 1,
+           "resolve: selected must have at least one query token")
+    width = selected.shape[1] * (selected.shape[2] if selected.dim() == 3 else 1)
+    _check(miss_list.dim() == 2 and miss_list.shape[0] >= selected.shape[0] * (
+        width + max_inflight_units(max_inflight_tokens, tokens_per_unit)),
+        "resolve: miss_list has fewer rows than rows x (query tokens x K + in-flight units)")
     _check(recency.shape == resident.shape, "resolve: recency and resident differ in shape")
     _check(miss_count.shape == (MISS_COUNT_WORDS,), "resolve: miss_count must have shape [4]")
 

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from .config import CacheConfig, INT32_MAX
-from .host_region import DEFAULT_CHUNK_BYTES, PAGE_SIZE, HostMemoryOps, HostRegion, round_up
+from .host_region import (DEFAULT_CHUNK_BYTES, HUGE_PAGE, PAGE_SIZE, HostMemoryOps, HostRegion,
+                          round_up)
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,9 @@ class HostOptions:
 
     ``chunk_bytes``: commit step (a positive page multiple); ``threads``: populate/register
     threads (None: the cores this process may use); ``numa_node``/``numa_strict``: placement
-    (from ``numa``); ``prefill_bytes``: host-medium bytes committed at start; ``ops``: the
-    system-call object (tests inject faults through it).
+    (from ``numa``); ``prefill_bytes``: host-medium bytes committed at start; ``huge_pages``:
+    back the region with transparent huge pages; ``ops``: the system-call object (tests inject
+    faults through it).
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -37,6 +39,7 @@ class HostOptions:
     numa_strict: bool = False
     prefill_bytes: int = 0
     ops: Optional[HostMemoryOps] = None
+    huge_pages: bool = True
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,8 @@ class Storage:
         for group in self.groups:  # every medium validated: lay out, then allocate
             if self.in_region(group) and slots[group.medium]:
                 layout.append((group, end))
-                end = round_up(end + slots[group.medium] * group.slot_bytes, PAGE_SIZE)
+                # slices start on huge-page boundaries, so chunks are whole huge pages
+                end = round_up(end + slots[group.medium] * group.slot_bytes, HUGE_PAGE)
         host_pool_bytes = sum(slots["host"] * g.slot_bytes for g in self.groups if g.sparse)
         prefill = host.prefill_bytes
         if not isinstance(prefill, int) or isinstance(prefill, bool) or prefill < 0:
@@ -241,7 +245,7 @@ class Storage:
                 numa_node=host.numa_node, numa_strict=host.numa_strict,
                 device=(device.index if device.index is not None else torch.cuda.current_device())
                 if device.type == "cuda" else None,
-                ops=host.ops, what=what)
+                ops=host.ops, what=what, huge_pages=host.huge_pages)
             if self.host_group is not None:
                 self.region = self.host_group.create_region(end, device, **options)
             else:

@@ -117,11 +117,12 @@ class TableMirror:
         or suspended row, and its six length values: int32[len(rows), 6]) and clear the
         residency of ``leases`` (``clear_leases(device int64 tensor)``)."""
         index_parts, value_parts = [], []
+        published = []  # (row, owner, live ranges) whose page state this delta publishes
         for row, owner in zip(rows, owners):
             previous = self.published_owner[row]
             if owner is previous and (owner is None or owner.lengths_published()):
                 continue  # lengths only: no page entry can differ
-            live = self.published_live[row]
+            live = list(self.published_live[row])
             for g in range(self.G):
                 first, end, lowest = owner.live_range(g) if owner is not None else (0, 0, 0)
                 new, old = (first, end), live[g]
@@ -138,10 +139,7 @@ class TableMirror:
                     value_parts.append(owner.page_row(g)[lo:hi] if owner is not None
                                        else np.full(hi - lo, BAD, dtype=np.int32))
                 live[g] = new
-            self.published_owner[row] = owner
-            self.active[row] = owner is not None
-            if owner is not None:
-                owner.mark_published()
+            published.append((row, owner, live))
         if rows:
             index_parts.append((self._length_index + np.asarray(rows, dtype=np.int64)).ravel())
             value_parts.append(values.T.ravel())
@@ -153,6 +151,12 @@ class TableMirror:
             index, value = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int32)
         self._upload(index, value, np.asarray(leases, dtype=np.int64), clear_leases)
         self.host[index] = value
+        for row, owner, live in published:  # only once the delta is on its way
+            self.published_live[row] = live
+            self.published_owner[row] = owner
+            self.active[row] = owner is not None
+            if owner is not None:
+                owner.mark_published()
 
     def _upload(self, index: np.ndarray, value: np.ndarray, leases: np.ndarray,
                 clear_leases) -> None:

@@ -6,10 +6,10 @@ creates in ``/dev/shm`` and every rank maps (``MAP_SHARED``) and, on CUDA, regis
 is unlinked as soon as every rank has mapped it, so nothing outlives the processes. Dense pools,
 cells and device tables stay private to each rank.
 
-The file starts with one page, the rank header (``csrc/rank_sync.h``): one generation counter
-and one "left" flag per rank, and the failure record. ``signal`` then ``wait`` (``Batch.sync``, once per step, after the
-previous flush and before the first fetch) are per-step ops on it, so the ordering holds in
-eager code and inside captured CUDA graphs without any collective in the step. Collectives
+The file ends with one page, the rank header (``csrc/rank_sync.h``): one generation counter
+and one "left" flag per rank, and the failure record. ``signal`` then ``wait`` (``Batch.sync``,
+once per step, after the previous flush and before the first fetch) are per-step ops on it, so
+the ordering holds in eager code and inside captured CUDA graphs without any collective in the step. Collectives
 (gloo, on CPU tensors) run only at construction, on commits (growth is all or nothing across
 ranks) and in :meth:`check`.
 """
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from . import ops
-from .host_region import PAGE_SIZE, HostRegion, round_up
+from .host_region import HUGE_PAGE, PAGE_SIZE, HostRegion, round_up
 
 #: The rank header's layout (mirrors csrc/rank_sync.h).
 HEADER_WORDS = 512
@@ -33,7 +33,8 @@ MAGIC = 0x6B76636D32545031  # "kvcm2TP1"
 _MAGIC, _WORLD, _FAILED, _FAIL_WAITER, _FAIL_MISSING, _FAIL_GEN, _FAIL_REASON, _FAIL_SEEN = range(8)
 _COUNTERS, _LEFT = 16, 16 + MAX_WORLD
 _REASONS = {1: "timeout", 2: "left"}
-#: Bytes of the header at the start of the shared file (a whole page).
+#: Bytes of the header at the end of the shared file (a whole page; the pools come first, so
+#: they start huge-page aligned in the file as in memory).
 HEADER_BYTES = round_up(HEADER_WORDS * 8, PAGE_SIZE)
 SPLITS = ("layer", "pool_group")
 SHM_DIR = "/dev/shm"
@@ -101,7 +102,7 @@ class HostGroup:
     def create_region(self, nbytes: int, torch_device: torch.device,
                       **region_kwargs) -> HostRegion:
         """The shared host region of ``nbytes`` (collective: every rank calls it with the same
-        size). Rank 0 creates the file (header page + region, sparse: nothing allocated),
+        size). Rank 0 creates the file (region + header page, sparse: nothing allocated),
         every rank maps it, then the name is unlinked. ``region_kwargs`` go to
         :class:`HostRegion` (``device`` there is the CUDA index to register for, or None).
         Raises ValueError (on every rank) when the ranks' sizes differ or
@@ -117,11 +118,12 @@ class HostGroup:
             raise ValueError(f"host_group: the ranks' host pools differ in size (bytes by rank: "
                              f"{sizes}); every rank must build its manager from the same config")
         path, error, fd = None, None, None
+        header_offset = round_up(nbytes, HUGE_PAGE)  # past the region, whatever its alignment
         if self.rank == 0:
             path = os.path.join(SHM_DIR, f"torch_kvcm2-{os.getpid()}-{secrets.token_hex(8)}")
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.ftruncate(fd, HEADER_BYTES + nbytes)
+                os.ftruncate(fd, header_offset + HEADER_BYTES)
             except OSError as exc:
                 error = f"rank 0 cannot create {path}: {exc}"
         shared = [path, error]
@@ -136,9 +138,10 @@ class HostGroup:
                     header = HostRegion(HEADER_BYTES, chunk_bytes=HEADER_BYTES, threads=1,
                                         device=region_kwargs.get("device"),
                                         ops=region_kwargs.get("ops"), what="host_group header",
-                                        shared_fd=fd, file_offset=0)
-                    region = HostRegion(nbytes, shared_fd=fd, file_offset=HEADER_BYTES,
-                                        agree=self.agree, **region_kwargs)
+                                        huge_pages=False, shared_fd=fd,
+                                        file_offset=header_offset)
+                    region = HostRegion(nbytes, shared_fd=fd, file_offset=0, agree=self.agree,
+                                        **region_kwargs)
                 except (OSError, ValueError, RuntimeError) as exc:
                     error = f"rank {self.rank} cannot map {path}: {exc}"
             errors = [None] * self.world
@@ -235,9 +238,9 @@ class HostGroup:
 
     def wait(self, pools: list) -> None:
         """After :meth:`signal`, before the step's first fetch: until every rank has signalled
-        this rank's current generation (per-step op; capturable). On CPU a rank that left or a timeout
-        raises RuntimeError naming the rank and generation; on CUDA it records the failure in
-        the header and traps (see :meth:`failure`)."""
+        this rank's current generation (per-step op; capturable). On CPU a rank that left or a
+        timeout raises RuntimeError naming the rank and generation; on CUDA it records the
+        failure in the header and traps (see :meth:`failure`)."""
         self._check_open("wait")
         ops.rank_wait(self.header_device, pools, self.gen, self.rank, self.world,
                       int(self.timeout_s * 1e6))

@@ -13,6 +13,17 @@ void check_int32_2d(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+// A selection or its index table: int32 [rows, K] (one query token) or [rows, T', K] (T' query
+// tokens, MTP-2), contiguous, so that row r's T'*K columns are one run in (token, column) order.
+void check_int32_selection(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, op, ": ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 || t.dim() == 3, op, ": ", name,
+              " must be 2-D [rows, K] or 3-D [rows, query tokens, K], got ", t.dim(), "-D");
+  TORCH_CHECK(t.dim() == 2 || t.size(1) >= 1, op, ": ", name,
+              " must have at least one query token, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
 void check_int32_1d(const at::Tensor& t, int64_t n, const char* op, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kInt, op, ": ", name, " must be int32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", name, " must have shape [", n, "], got ",
@@ -122,9 +133,9 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
   const char* op = "resolve";
   check_int32_2d(resident, op, "resident");
   check_int32_2d(recency, op, "recency");
-  check_int32_2d(index_table, op, "index_table");
+  check_int32_selection(index_table, op, "index_table");
   check_int32_2d(miss_list, op, "miss_list");
-  check_int32_2d(selected, op, "selected");
+  check_int32_selection(selected, op, "selected");
   const int64_t rows = selected.size(0);
   check_int32_1d(miss_count, kMissCountWords, op, "miss_count");
   check_lengths(resident, rows, history, capacity, lease, op);
@@ -149,7 +160,11 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
   TORCH_CHECK(slots > 0 && slots % units_per_page == 0, op, ": slots (", slots,
               ") must be a positive multiple of units per page (", units_per_page, ")");
   TORCH_CHECK(slots <= 65535, op, ": at most 65535 slots per lease, got ", slots);
-  const int64_t per_row = selected.size(1) + max_inflight_units(max_inflight_tokens, tokens_per_unit);
+  // A row's columns over all its query tokens: the union is resolved as one selection (MTP-3).
+  const int64_t width = selected.dim() == 3 ? selected.size(1) * selected.size(2) : selected.size(1);
+  TORCH_CHECK(width <= 65535, op, ": at most 65535 selected columns per row (query tokens x K), "
+              "got ", width);
+  const int64_t per_row = width + max_inflight_units(max_inflight_tokens, tokens_per_unit);
   TORCH_CHECK(miss_list.size(1) == kMissFields && miss_list.size(0) >= rows * per_row, op,
               ": miss_list must have shape [>= ", rows * per_row, ", ", kMissFields, "], got ",
               miss_list.sizes());

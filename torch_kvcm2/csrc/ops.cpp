@@ -22,12 +22,15 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "convert_token_indices(Tensor(a!) out, Tensor selected, Tensor page_table, "
       "Tensor capacity, int scale, int pos, int tokens_per_page) -> ()");
   // OP-RESOLVE: one selection group, every seated row. Also records, per row, the slot of each
-  // in-flight unit (column k: unit floor(s0/U) + k) for write_indices and flush.
+  // in-flight unit (column k: unit floor(s0/U) + k) for write_indices and flush. selected and
+  // index_table are [rows, K] or [rows, T', K] (MTP-2). scratch: the CUDA kernel's table region
+  // for rows too wide for shared memory (ignored on CPU; docs/MTP.md).
   m.def(
       "resolve(Tensor(a!) resident, Tensor(b!) recency, Tensor(c!) index_table, "
       "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "
       "Tensor(g!) inflight_slots, Tensor selected, Tensor history, Tensor capacity, Tensor lease, "
-      "int tokens_per_unit, int tokens_per_page, int max_inflight_tokens, int window) -> ()");
+      "int tokens_per_unit, int tokens_per_page, int max_inflight_tokens, int window, "
+      "Tensor(h!)? scratch=None) -> ()");
   // OP-FETCH: layers of one selection group, every missed unit of each of their sparse buffers,
   // host page -> cell. A buffer's host pages are (its pool group's whole pool, its position in a
   // slot): ops never take two views of one pool, which would alias (see HostPages in kvcm2.h).
@@ -56,13 +59,14 @@ TORCH_LIBRARY(torch_kvcm2, m) {
   // Setup only: cudaHostRegister / cudaHostUnregister of one host range (the host region).
   m.def("host_register(int address, int nbytes, int device, bool register) -> ()");
   // TP-3/TP-4 (docs/TP.md): the step ordering of the ranks of a host group. header is the shared
-  // rank header (int64[512]); gen this rank's generation (int64[1]). rank_signal runs after this
-  // rank's flush: gen += 1, then header's counter of `rank` = gen (release, system scope); the
-  // pools are read (it orders after the flush that wrote them). rank_wait runs before the next
-  // step's first fetch: until every rank's counter >= gen (bounded by timeout_us; a rank that
-  // left or a timeout writes the header's failure record, then raises on CPU and traps on CUDA);
-  // the pools are declared written so that every later read of them orders after the wait.
-  m.def("rank_signal(Tensor(a!) header, Tensor(b!) gen, Tensor[] pools, int rank, int world) -> ()");
+  // rank header (int64[512]); gen this rank's generation (int64[1]). Batch.sync runs both, once
+  // per step, after the last flush and before the first fetch. rank_signal: gen += 1, then
+  // header's counter of `rank` = gen (release, system scope); the pools are read (it orders after
+  // the writes to them). rank_wait: until every rank's counter >= gen (bounded by timeout_us; a
+  // rank that left or a timeout writes the header's failure record, then raises on CPU and traps
+  // on CUDA); the pools are declared written so that every later read of them orders after it.
+  m.def(
+      "rank_signal(Tensor(a!) header, Tensor(b!) gen, Tensor[] pools, int rank, int world) -> ()");
   m.def(
       "rank_wait(Tensor(a!) header, Tensor(b!)[] pools, Tensor gen, int rank, int world, "
       "int timeout_us) -> ()");

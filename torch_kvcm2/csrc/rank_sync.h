@@ -1,5 +1,5 @@
 // The rank header of a tensor-parallel host group (docs/TP.md, TP-3/TP-4): one page of int64
-// words at the start of the group's shared-memory file, mapped by every rank (and, on CUDA,
+// words at the end of the group's shared-memory file, mapped by every rank (and, on CUDA,
 // registered and device-mapped). rank_signal / rank_wait (cpu/rank_sync.cpp, cuda/rank_sync.cu)
 // and torch_kvcm2/tp.py share this layout.
 #pragma once

@@ -121,13 +121,17 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
                  const at::Tensor& inflight_slots, const at::Tensor& selected,
                  const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
                  int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
-                 int64_t window) {
+                 int64_t window, const std::optional<at::Tensor>& /*scratch: CUDA's only*/) {
   check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                 selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
                 max_inflight_tokens, window);
   const int64_t miu = inflight_slots.size(1);
   int32_t* located = inflight_slots.data_ptr<int32_t>();
-  const int64_t rows = selected.size(0), K = selected.size(1);
+  // K: a row's columns over all its query tokens ([rows, T', K] is [rows, T'*K] in memory), the
+  // width of the one selection their union is resolved as (MTP-3): duplicates across tokens are
+  // duplicates within the row.
+  const int64_t rows = selected.size(0);
+  const int64_t K = selected.dim() == 3 ? selected.size(1) * selected.size(2) : selected.size(1);
   const int64_t leases = resident.size(0), S = resident.size(1);
   int32_t* res = resident.data_ptr<int32_t>();
   int32_t* rec = recency.data_ptr<int32_t>();

@@ -5,7 +5,9 @@
 // pieces of >= 32 KiB go by bulk copies (TMA) through shared memory instead (fetch_tma_kernel).
 // The defaults were measured on an H200 (docs/DEVELOPMENT.md has the sweep): ILP 2 was at or
 // above ILP 4 on every shape; bulk copies gained 3-4% on 42-KB pages and lost on 656-B rows
-// (-40%), 5-KB units (1.6-1.9x slower) and 21-KB units.
+// (-40%), 5-KB units (1.6-1.9x slower) and 21-KB units. Development builds also hold
+// fetch_warp_kernel, one warp per missed unit (optionally in host-address order, optionally with
+// whole-line reads), chosen by launch.cuh's KVCM2_FETCH_WARP knobs for the sweep.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -54,6 +56,7 @@ struct FetchParams {
   bool list_aligned;  // miss_list rows are 16-byte aligned: one int4 load per entry
   int64_t slots;
   int32_t stage_bytes;  // fetch_tma_kernel: bytes per shared-memory stage
+  int32_t warp_misses;  // fetch_warp_kernel (development builds): misses a warp copies together
 };
 
 __device__ __forceinline__ uint4 load_vec(const uint8_t* src, int vec) {
@@ -258,6 +261,122 @@ __global__ void fetch_tma_kernel(const __grid_constant__ FetchParams p) {
 #endif
 }
 
+#ifdef KVCM2_DEV
+// ------------------------------------------------------------------------------------------------
+// Development variants (Tuning::fetch_warp, fetch_warp_misses, fetch_lines): one warp per missed
+// unit. Each CTA takes a contiguous chunk of the miss list at a time (consecutive misses: mostly
+// one row's, so mostly one row's host pages), sized so that every CTA of the grid has a chunk;
+// its warps split the chunk into contiguous runs and copy warp_misses misses together, the lanes
+// striding the misses' parts (16-byte vectors for aligned buffers), kWarpIlp loads in flight per
+// lane before any store, so the loads of the next miss are out before the stores of the last.
+// SORT: the chunk's misses are taken in host-address order (of the launch's first buffer),
+// sorted in shared memory, so misses that share host lines or pages are read together.
+// LINES: buffers of 16-byte vectors read every 128-byte line under a piece whole (clamped to the
+// buffer's host page) and store only the piece's bytes.
+constexpr int kWarpThreads = 256;
+constexpr int kWarpChunk = kWarpThreads;  // most misses per chunk: one sort key per thread
+constexpr int kWarpIlp = 4;
+constexpr int kWarpsPerCta = kWarpThreads / 32;
+
+template <bool SORT, bool LINES>
+__global__ __launch_bounds__(kWarpThreads) void fetch_warp_kernel(const __grid_constant__ FetchParams p) {
+  __shared__ int4 s_entry[SORT ? kWarpChunk : 1];
+  __shared__ unsigned long long s_key[SORT ? kWarpChunk : 1];  // host address << 8 | chunk index
+  pdl_enter();
+  const int64_t count =
+      min(max(static_cast<int64_t>(*p.miss_count), int64_t{0}), p.list_rows);
+  if (count == 0) return;
+  const int64_t per_cta = (count + gridDim.x - 1) / gridDim.x;
+  const int chunk = static_cast<int>(min(static_cast<int64_t>(kWarpChunk), per_cta));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t per_miss = p.per_miss;
+  for (int64_t c0 = static_cast<int64_t>(blockIdx.x) * chunk; c0 < count;
+       c0 += static_cast<int64_t>(gridDim.x) * chunk) {
+    const int n = static_cast<int>(min(static_cast<int64_t>(chunk), count - c0));
+    if constexpr (SORT) {
+      __syncthreads();  // the previous chunk's entries are read
+      const int t = threadIdx.x;
+      unsigned long long key = ~0ull;
+      int4 e = make_int4(-1, -1, -1, -1);
+      if (t < n) {
+        e = load_entry(p, c0 + t);
+        const int64_t h = host_slot_of(p, p.buf[0], e);
+        if (h >= 0)
+          key = static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(part_src(p.buf[0], e, h, 0)));
+      }
+      s_entry[t] = e;
+      s_key[t] = (key << 8) | static_cast<unsigned long long>(t);  // the index survives any key
+      __syncthreads();
+      for (int k = 2; k <= kWarpChunk; k <<= 1) {  // bitonic sort, ascending
+        for (int j = k >> 1; j > 0; j >>= 1) {
+          const int partner = t ^ j;
+          if (partner > t) {
+            const unsigned long long a = s_key[t], b = s_key[partner];
+            if ((a > b) == ((t & k) == 0)) s_key[t] = b, s_key[partner] = a;
+          }
+          __syncthreads();
+        }
+      }
+    }
+    const int lo = warp * n / kWarpsPerCta, hi = (warp + 1) * n / kWarpsPerCta;
+    for (int g = lo; g < hi; g += p.warp_misses) {
+      const int64_t items = static_cast<int64_t>(min(p.warp_misses, hi - g)) * per_miss;
+      const bool narrow = items <= INT32_MAX;  // warp-uniform: 32-bit divisions
+      for (int64_t base = lane; base < items; base += 32 * kWarpIlp) {
+        uint4 val[kWarpIlp];
+        uint8_t* dst[kWarpIlp];
+        int vec[kWarpIlp];
+#pragma unroll
+        for (int i = 0; i < kWarpIlp; ++i) {
+          dst[i] = nullptr;
+          vec[i] = 16;
+          const int64_t t = base + 32 * i;
+          if (t >= items) continue;
+          const int q = narrow ? static_cast<int>(static_cast<uint32_t>(t) / static_cast<uint32_t>(per_miss))
+                               : static_cast<int>(t / per_miss);
+          const int ww = static_cast<int>(t - q * per_miss);
+          int b = 0;
+          while (b + 1 < p.nb && ww >= p.buf[b + 1].begin) ++b;
+          const FetchBuffer& B = p.buf[b];
+          const int w = ww - B.begin;
+          int4 e;
+          if constexpr (SORT) e = s_entry[s_key[g + q] & 0xFF];
+          else e = load_entry(p, c0 + g + q);
+          const int64_t h = host_slot_of(p, B, e);
+          if (h < 0) continue;
+          vec[i] = B.vec;
+          if (LINES && B.vec == 16) {
+            const int k = w / B.vpp;  // chunk; the part is the (w % vpp)-th vector of its lines
+            const int64_t start = k * B.chunk_bytes;
+            const uint8_t* const src = part_src(B, e, h, start);
+            const uint8_t* const page_lo = B.host + h * B.host_stride;
+            const uint8_t* const page_hi = page_lo + B.page_bytes;
+            const uintptr_t s0 = reinterpret_cast<uintptr_t>(src);
+            const uint8_t* line_lo = reinterpret_cast<const uint8_t*>(s0 & ~uintptr_t{127});
+            const uint8_t* line_hi =
+                reinterpret_cast<const uint8_t*>((s0 + B.piece + 127) & ~uintptr_t{127});
+            if (line_lo < page_lo) line_lo = page_lo;
+            if (line_hi > page_hi) line_hi = page_hi;
+            const uint8_t* const a = line_lo + static_cast<int64_t>(w - k * B.vpp) * 16;
+            if (a >= line_hi) continue;
+            val[i] = load_vec(a, 16);
+            const int64_t off = a - src;
+            if (off >= 0 && off < B.piece) dst[i] = part_dst(p, B, e, start) + off;
+          } else {
+            const int64_t inner = part_offset(B, w);
+            val[i] = load_vec(part_src(B, e, h, inner), vec[i]);
+            dst[i] = part_dst(p, B, e, inner);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kWarpIlp; ++i)
+          if (dst[i] != nullptr) store_vec(dst[i], val[i], vec[i]);
+      }
+    }
+  }
+}
+#endif  // KVCM2_DEV
+
 // ------------------------------------------------------------------------------------------------
 // host wrapper
 
@@ -336,9 +455,44 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
                   stream, p);
     return true;
   };
+  // Development builds: the warp-per-miss variants (launch.cuh's KVCM2_FETCH_WARP), for
+  // launches that do not take bulk copies.
+  auto launch_warp = [&]() -> bool {
+#ifdef KVCM2_DEV
+    const int mode = tuning().fetch_warp;
+    if (mode == 0) return false;
+    const bool lines = tuning().fetch_lines;
+    if (lines) {  // 16-byte buffers: parts are the vectors of the lines a piece can touch
+      int64_t per_miss = 0;
+      for (int b = 0; b < p.nb; ++b) {
+        FetchBuffer& B = p.buf[b];
+        if (B.vec == 16) B.vpp = static_cast<int32_t>((B.piece + 112 + 127) / 128 * 8);
+        B.begin = static_cast<int32_t>(per_miss);
+        per_miss += B.page_bytes / B.chunk_bytes * B.vpp;
+      }
+      TORCH_CHECK(per_miss <= INT32_MAX, "fetch: too many bytes per unit");
+      p.per_miss = static_cast<int32_t>(per_miss);
+    }
+    p.warp_misses = tuning().fetch_warp_misses;
+    const FetchKernel kernel = mode == 2 ? (lines ? fetch_warp_kernel<true, true>
+                                                  : fetch_warp_kernel<true, false>)
+                                         : (lines ? fetch_warp_kernel<false, true>
+                                                  : fetch_warp_kernel<false, false>);
+    const int fit_warp = std::max(1, blocks_per_sm(kernel_id(kernel), device, kWarpThreads, 0));
+    const int per_sm_warp = tuning().fetch_blocks_per_sm > 0
+                                ? std::min(tuning().fetch_blocks_per_sm, fit_warp)
+                                : fit_warp;
+    launch_kernel(kernel, dim3(static_cast<unsigned>(info.sms * per_sm_warp)), dim3(kWarpThreads),
+                  0, stream, p);
+    return true;
+#else
+    return false;
+#endif
+  };
   auto launch = [&]() {
     if (p.nb == 0) return;
-    if (!launch_tma()) launch_kernel(vector_kernel, dim3(grid), dim3(kFetchThreads), 0, stream, p);
+    if (!launch_tma() && !launch_warp())
+      launch_kernel(vector_kernel, dim3(grid), dim3(kFetchThreads), 0, stream, p);
     p.nb = 0;
     p.per_miss = 0;
   };

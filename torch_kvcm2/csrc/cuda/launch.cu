@@ -68,6 +68,11 @@ Tuning read_tuning() {
   t.fetch_tma = tma == 0 ? 0 : tma == 1 ? 1 : -1;
   const int stage = env_int("KVCM2_FETCH_TMA_STAGE", t.fetch_tma_stage);
   t.fetch_tma_stage = (stage < 16 ? 16 : stage > 32768 ? 32768 : stage) / 16 * 16;
+  const int warp = env_int("KVCM2_FETCH_WARP", 0);
+  t.fetch_warp = (warp == 1 || warp == 2) ? warp : 0;
+  const int misses = env_int("KVCM2_FETCH_WARP_MISSES", t.fetch_warp_misses);
+  t.fetch_warp_misses = (misses == 1 || misses == 2 || misses == 8) ? misses : 4;
+  t.fetch_lines = env_int("KVCM2_FETCH_LINES", 0) != 0;
   t.resolve_force_stale = env_int("KVCM2_RESOLVE_FORCE_STALE", 0) != 0;
   return t;
 }

@@ -102,7 +102,9 @@ __device__ __forceinline__ void preamble(const ResolveParams& p, const Arrays& A
   // Then the shared-memory init that reads no global memory (16 bytes per store; every array
   // starts 16-byte aligned).
   static_assert(kEmptyKey == -1, "one fill serves key, first and the direct table");
-  fill_words(A.key, static_cast<int>(p.L.table_words), -1);
+  // (A table region in global scratch is filled after the PDL wait, in resolve_kernel: the
+  // previous kernel may be a resolve still using it.)
+  if (p.table_scratch == nullptr) fill_words(A.key, static_cast<int>(p.L.table_words), -1);
   static_assert(kUntouched == 0, "cls starts zeroed");
   fill_words(reinterpret_cast<int32_t*>(A.cls), S / 4, 0);
   for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) A.cls[s] = 0;
@@ -797,13 +799,21 @@ __device__ __forceinline__ void resolve_row(const ResolveParams& p, const Arrays
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   KVCM2_PROF_BEGIN();
-  const Arrays A(smem, p.L);
+  unsigned char* const table =
+      p.table_scratch != nullptr
+          ? p.table_scratch + static_cast<size_t>(blockIdx.x) * p.L.table_bytes
+          : smem;
+  const Arrays A(smem, table, p.L);
   Row row;
   row.r = blockIdx.x;
   row.S = p.S, row.K = p.K, row.bits = p.hash_bits;
   preamble(p, A, row);
   KVCM2_PROF(1);
   pdl_enter();
+  if (p.table_scratch != nullptr) {  // wide rows: the table region in global scratch
+    fill_words(A.key, static_cast<int>(p.L.table_words), -1);
+    __syncthreads();  // filled before any thread inserts into it
+  }
   KVCM2_PROF(2);
   start_loads(p, A, row);
   bool use_direct;
@@ -829,13 +839,17 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                   const at::Tensor& inflight_slots, const at::Tensor& selected,
                   const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
                   int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
-                  int64_t window) {
+                  int64_t window, const std::optional<at::Tensor>& scratch) {
   check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                 selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
                 max_inflight_tokens, window);
   const c10::cuda::CUDAGuard guard(resident.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t rows = selected.size(0), K = selected.size(1), S = resident.size(1);
+  // K: a row's columns over all its query tokens ([rows, T', K] is [rows, T'*K] in memory); the
+  // kernel resolves them as one selection, which is MTP-3's union (duplicates across tokens are
+  // duplicates within the row: one hash entry, first column kept).
+  const int64_t rows = selected.size(0), S = resident.size(1);
+  const int64_t K = selected.dim() == 3 ? selected.size(1) * selected.size(2) : selected.size(1);
   int32_t* const count = miss_count.data_ptr<int32_t>();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(count) % 8 == 0,
               "resolve: miss_count must be 8-byte aligned (its reservation word is 64-bit)");
@@ -853,13 +867,33 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   int bits = std::max(1, ceil_log2(4 * K));
   if (ResolveLayout<int64_t>(S, K, int64_t{1} << bits, MI).bytes > 200 * 1024)
     bits = std::max(1, ceil_log2(2 * K));
-  const ResolveLayout<int64_t> layout(S, K, int64_t{1} << bits, MI);
+  ResolveLayout<int64_t> layout(S, K, int64_t{1} << bits, MI);
   const int device = resident.get_device();
   const int static_bytes = static_smem(kernel_id(resolve_kernel), device);
   const int smem_optin = device_info(device).smem_optin;
-  TORCH_CHECK(layout.bytes + static_bytes <= smem_optin, "resolve: S=", S, ", K=", K,
-              ", max in-flight units=", MI, " need ", layout.bytes + static_bytes,
-              " bytes of shared memory per row; the device allows ", smem_optin);
+  // Rows too wide for the shared layout (multi-token selections) take the table region from
+  // `scratch`: the hash of >= 2K entries, resolve_scratch_bytes in torch_kvcm2/memory.py.
+  unsigned char* table_scratch = nullptr;
+  if (layout.bytes + static_bytes > smem_optin && scratch.has_value() && scratch->defined()) {
+    bits = std::max(1, ceil_log2(2 * K));
+    layout = ResolveLayout<int64_t>(S, K, int64_t{1} << bits, MI, true);
+    const at::Tensor& t = *scratch;
+    TORCH_CHECK(t.device() == resident.device() && t.scalar_type() == at::kByte &&
+                    t.is_contiguous() && t.numel() >= rows * layout.table_bytes,
+                "resolve: scratch must be a contiguous uint8 tensor on ", resident.device(),
+                " of >= rows x ", layout.table_bytes, " = ", rows * layout.table_bytes,
+                " bytes for ", K, " selected columns per row, got ", t.scalar_type(), " ",
+                t.sizes(), " on ", t.device());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "resolve: scratch must be 16-byte aligned");
+    table_scratch = static_cast<unsigned char*>(t.data_ptr());
+  }
+  TORCH_CHECK(layout.bytes + static_bytes <= smem_optin, "resolve: S=", S,
+              ", selected columns per row (query tokens x K)=", K, ", max in-flight units=", MI,
+              " need ", layout.bytes + static_bytes,
+              " bytes of shared memory per row; the device allows ", smem_optin,
+              table_scratch == nullptr ? " (pass a scratch tensor for wide rows: docs/MTP.md)"
+                                       : " (docs/MTP.md)");
   const size_t smem = static_cast<size_t>(layout.bytes);
   allow_dynamic_smem(kernel_id(resolve_kernel), device, smem);
   ResolveParams p{};
@@ -888,8 +922,10 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
 #ifdef KVCM2_DEV
   p.force_stale = tuning().resolve_force_stale ? 1 : 0;
 #endif
+  p.table_scratch = table_scratch;
   p.L = ResolveLayout<uint32_t>(static_cast<uint32_t>(S), static_cast<uint32_t>(K),
-                                uint32_t{1} << bits, static_cast<uint32_t>(MI));
+                                uint32_t{1} << bits, static_cast<uint32_t>(MI),
+                                table_scratch != nullptr);
   launch_kernel(resolve_kernel, dim3(static_cast<unsigned>(rows)), dim3(kResolveThreads), smem,
                 stream, p);
 }

@@ -29,19 +29,24 @@ constexpr uint8_t kPending = 4;  // ckind flag: a selectable unit's column witho
 // first: the hash (key, hslot, first) or, for a row whose live unit range fits, the direct unit
 // table (one word per unit over the whole region); it is dead after the index phase, so newrec
 // (uint16, written by scan 2) reuses it.
+// Wide rows (global_table: the shared layout does not fit, e.g. multi-token selections of
+// T·K > 4096 columns) keep the table region in a global scratch of table_bytes per CTA
+// (key, hslot, first at those offsets in it) and newrec in shared memory of its own: the
+// per-slot and per-column arrays stay in shared memory, only the table moves.
 template <typename I>
 struct ResolveLayout {
-  I key, hslot, first;  // int32 arrays of H entries (the hash)
+  I key, hslot, first;  // int32 arrays of H entries (the hash), offsets in the table region
   I table_words;        // words in the table region: the longest unit range a direct table takes
+  I table_bytes;        // bytes of the table region (global_table: the scratch per CTA)
   I res, infl, admit;   // int32 arrays
   I rec, vlist;         // uint16 arrays
   I vk, cls, pclass, ckind;  // uint8 arrays
   I col_entry, miss_entry;  // int32 arrays
   I newrec;
-  I bytes;
+  I bytes;  // shared memory
 
   ResolveLayout() = default;
-  KVCM2_HD ResolveLayout(I S, I K, I H, I MI) {
+  KVCM2_HD ResolveLayout(I S, I K, I H, I MI, bool global_table = false) {
     I at = 0;
     auto take = [&at](I n) {
       const I off = at;
@@ -51,9 +56,17 @@ struct ResolveLayout {
     key = take(4 * H);
     hslot = take(4 * H);
     first = take(4 * H);
-    if (at < 2 * S) at = (2 * S + 15) / 16 * 16;
-    table_words = at / 4;
-    newrec = 0;
+    if (global_table) {
+      table_bytes = at;
+      table_words = at / 4;
+      at = 0;
+      newrec = take(2 * S);
+    } else {
+      if (at < 2 * S) at = (2 * S + 15) / 16 * 16;
+      table_bytes = at;
+      table_words = at / 4;
+      newrec = 0;
+    }
     res = take(4 * S);
     infl = take(4 * MI);
     admit = take(4 * MI);
@@ -85,6 +98,9 @@ struct ResolveParams {
   int64_t leases, tokens_per_unit, tokens_per_page, max_inflight_tokens, window;
   int32_t rows, S, K, MI;
   int32_t hash_bits;  // hash table of 1 << hash_bits entries, >= 2K: load factor <= 1/2
+  // The table regions of wide rows, L.table_bytes per CTA (ResolveLayout's global_table);
+  // nullptr: the table region is in shared memory.
+  unsigned char* table_scratch;
 #ifdef KVCM2_DEV
   int32_t force_stale;  // Tuning::resolve_force_stale (launch.cuh)
 #endif
@@ -362,9 +378,11 @@ struct Arrays {
   int32_t* miss_entry;
   uint16_t* newrec;
 
-  __device__ __forceinline__ Arrays(unsigned char* smem, const ResolveLayout<uint32_t>& L)
-      : key(reinterpret_cast<int32_t*>(smem + L.key)),
-        hslot(reinterpret_cast<int32_t*>(smem + L.hslot)),
+  // `table`: where the table region is (smem, or this CTA's part of the global scratch).
+  __device__ __forceinline__ Arrays(unsigned char* smem, unsigned char* table,
+                                    const ResolveLayout<uint32_t>& L)
+      : key(reinterpret_cast<int32_t*>(table + L.key)),
+        hslot(reinterpret_cast<int32_t*>(table + L.hslot)),
         res(reinterpret_cast<int32_t*>(smem + L.res)),
         infl(reinterpret_cast<int32_t*>(smem + L.infl)),
         admit(reinterpret_cast<int32_t*>(smem + L.admit)),
@@ -374,8 +392,8 @@ struct Arrays {
         cls(smem + L.cls),
         pclass(smem + L.pclass),
         ckind(smem + L.ckind),
-        first(reinterpret_cast<uint32_t*>(smem + L.first)),
-        word(reinterpret_cast<uint32_t*>(smem + L.key)),
+        first(reinterpret_cast<uint32_t*>(table + L.first)),
+        word(reinterpret_cast<uint32_t*>(table + L.key)),
         col_entry(reinterpret_cast<int32_t*>(smem + L.col_entry)),
         miss_entry(reinterpret_cast<int32_t*>(smem + L.miss_entry)),
         newrec(reinterpret_cast<uint16_t*>(smem + L.newrec)) {}
