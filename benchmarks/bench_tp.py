@@ -33,15 +33,28 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_kvcm2 as kv
+from torch_kvcm2.tp import HostGroup
 
-import run  # noqa: E402  (benchmarks/run.py: the shapes, helpers and Result)
-import torch_kvcm2 as kv  # noqa: E402
-from torch_kvcm2.tp import HostGroup  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned workers import "run"
+_RUN = None  # benchmarks/run.py: the shapes, helpers and Result
+
+
+def _run():
+    """benchmarks/run.py as a module: the one that called ``bench_tp``, or (in a spawned worker,
+    or when this file runs as the script) imported here; not at import time, since run.py
+    imports this module."""
+    global _RUN
+    if _RUN is None:
+        import run
+
+        _RUN = run
+    return _RUN
 
 
 def build(device, quick, host_group):
     """P-STEP's manager, batch and steady state; returns (manager, batch, H, layers)."""
+    run = _run()
     sz = run.step_sizes(quick)
     R, K, S, H, groups = sz["rows"], sz["K"], sz["S"], sz["history"], sz["groups"]
     config = run.sparse_config(device, rows=R, width=K, slots=S, unit=1, page=run.PAGE,
@@ -64,6 +77,7 @@ def pattern(layer_index: int, rows: int, device) -> torch.Tensor:
 
 def write_patterns(batch, layers, device) -> None:
     """The in-flight token of every layer's cells: a per-(layer, row) byte pattern."""
+    run = _run()
     for li, layer in enumerate(layers):
         gi = batch.config.group_of(layer).index
         write = batch.groups[gi].write_table[:, 0].long()
@@ -73,6 +87,7 @@ def write_patterns(batch, layers, device) -> None:
 
 
 def check_patterns(manager, batch, layers, H, device) -> None:
+    run = _run()
     host_slot = batch.page_tables[0][:, H // run.PAGE].long()
     for li, layer in enumerate(layers):
         pages = manager.storage.slot_pages(layer, "kv")
@@ -94,6 +109,7 @@ def worker(rank, world, init, device, quick, repeats, out_dir):
     import torch.distributed as dist
 
     torch.set_num_threads(1 if quick else max(1, (os.cpu_count() or 1) // world))
+    run = _run()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     result = {"rank": rank}
     try:
@@ -163,8 +179,13 @@ def run_world(world, device, quick, repeats, timeout=1200) -> list:
     return results
 
 
-def bench_tp(device, quick, ranks=(1, 2), repeats=None) -> list:
-    """P-TP rows: per TP, host bytes per node and the slowest rank's flush, for each split."""
+def bench_tp(device, quick, ranks=(1, 2), repeats=None, run_module=None) -> list:
+    """P-TP rows: per TP, host bytes per node and the slowest rank's flush, for each split.
+    ``run_module``: the benchmarks/run.py module calling it (its Result class and helpers)."""
+    global _RUN
+    if run_module is not None:
+        _RUN = run_module
+    run = _run()
     repeats = repeats or (3 if quick else 20)
     sz = run.step_sizes(quick)
     shape = f"{sz['rows']} rows x {sum(sz['groups'])} layers, h={sz['history']}"

@@ -12,7 +12,7 @@ knob, so every variant would measure the defaults.
 
 Kernel variants (docs/DEVELOPMENT.md; Tuning in torch_kvcm2/csrc/cuda/launch.cuh):
 KVCM2_FETCH_ILP, KVCM2_FETCH_BLOCKS_PER_SM, KVCM2_FETCH_TMA, KVCM2_FETCH_TMA_STAGE (the vector-item
-sweep and the bulk copies), KVCM2_FETCH_WARP (1: one warp per missed unit over contiguous chunks
+sweep and the bulk copies), KVCM2_FETCH_WARP (0: the vector-item sweep; 1, the default: one warp per missed unit over contiguous chunks
 of the miss list; 2: the same in host-address order), KVCM2_FETCH_WARP_MISSES, KVCM2_FETCH_LINES
 (whole 128-byte line reads). Shapes: ``run.bench_fetch`` (the fetch alone, P-FETCH-ROW /
 P-FETCH-PAGE) and ``run.fetch_hs_point`` (resolve + fetch from a full resident set, P-FETCH-HS at
@@ -39,17 +39,14 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NO_TMA = {"KVCM2_FETCH_TMA": "0"}  # the warp variants take pages too (their PAGE column)
 VARIANTS = [
-    {},  # the defaults (vector-item sweep, ILP 2, every CTA that fits, bulk copies for >= 32 KiB)
+    {},  # the defaults: one warp per missed unit, every CTA that fits, no bulk copies
+    {"KVCM2_FETCH_WARP": "0", "KVCM2_FETCH_TMA": "2"},  # the vector-item sweep, TMA >= 32 KiB
+    {"KVCM2_FETCH_WARP": "0"},  # the vector-item sweep, no bulk copies
     {"KVCM2_FETCH_BLOCKS_PER_SM": "1"},
-    {"KVCM2_FETCH_WARP": "1"} | NO_TMA,
-    {"KVCM2_FETCH_WARP": "1", "KVCM2_FETCH_BLOCKS_PER_SM": "1"} | NO_TMA,
-    {"KVCM2_FETCH_WARP": "1", "KVCM2_FETCH_BLOCKS_PER_SM": "1", "KVCM2_FETCH_WARP_MISSES": "1"} | NO_TMA,
-    {"KVCM2_FETCH_WARP": "2", "KVCM2_FETCH_BLOCKS_PER_SM": "1"} | NO_TMA,
-    {"KVCM2_FETCH_WARP": "2", "KVCM2_FETCH_BLOCKS_PER_SM": "2", "KVCM2_FETCH_WARP_MISSES": "8"} | NO_TMA,
-    {"KVCM2_FETCH_WARP": "1", "KVCM2_FETCH_BLOCKS_PER_SM": "1", "KVCM2_FETCH_LINES": "1"} | NO_TMA,
-    {"KVCM2_FETCH_WARP": "2", "KVCM2_FETCH_BLOCKS_PER_SM": "1", "KVCM2_FETCH_LINES": "1"} | NO_TMA,
+    {"KVCM2_FETCH_BLOCKS_PER_SM": "1", "KVCM2_FETCH_WARP_MISSES": "1"},
+    {"KVCM2_FETCH_WARP": "2", "KVCM2_FETCH_BLOCKS_PER_SM": "1"},  # host-address order
+    {"KVCM2_FETCH_LINES": "1"},  # whole-line reads
 ]
 # (label, kind, args): "fetch" = run.bench_fetch(units, tokens per unit, bytes per token) on pages
 # of 64 tokens; "step" = run.fetch_hs_point(rows, K, S, miss rate)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -39,6 +40,11 @@ import torch_kvcm2 as kv
 from torch_kvcm2 import ops
 from torch_kvcm2.memory import batch_memory_bytes
 from torch_kvcm2.storage import Storage
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mtp import bench_mtp  # noqa: E402  (P-RES-MTP)
+from bench_prefix import bench_prefix  # noqa: E402  (P-PFX)
+from bench_tp import bench_tp  # noqa: E402  (P-TP)
 
 MLA_ROW = 656  # bytes per token of DeepSeek's FP8 MLA latent row
 PAGE = 64  # tokens per page in every benchmark
@@ -1265,17 +1271,6 @@ def bench_start(device, quick) -> list:
     return results
 
 
-def _sibling(name: str):
-    """The benchmark module ``benchmarks/<name>.py``, loaded by path (run.py may itself be)."""
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"kvcm2_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small CPU smoke run of the harness")
@@ -1294,8 +1289,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX",
-           "P-TORCH", "P-STEP",
-           "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-TP"]
+           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
         parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
@@ -1304,8 +1298,7 @@ def main(argv=None) -> int:
     q = args.quick
     benches = {
         "P-RES": lambda: [bench_resolve(timer, device, q)],
-        "P-RES-MTP": lambda: _sibling("bench_mtp").bench_mtp(sys.modules[__name__], timer, device,
-                                                             q, results),
+        "P-RES-MTP": lambda: bench_mtp(sys.modules[__name__], timer, device, q, results),
         "P-FETCH-ROW": lambda: [bench_fetch(timer, device, q, units=64 if q else 2048,
                                             unit_tokens=1, page=64, rid="P-FETCH-ROW",
                                             target_pct=75, ceil=ceil)],
@@ -1323,8 +1316,8 @@ def main(argv=None) -> int:
         "P-HOST": lambda: bench_host(device, q),
         "P-STEP-WALL": lambda: bench_step_wall(timer, device, q),
         "P-START": lambda: bench_start(device, q),
-        "P-TP": lambda: (sys.path.insert(0, __file__.rsplit("/", 1)[0]),
-                         __import__("bench_tp"))[1].bench_tp(device, q),
+        "P-PFX": lambda: bench_prefix(timer, device, q, Result),
+        "P-TP": lambda: bench_tp(device, q, run_module=sys.modules[__name__]),
     }
     results = []
     for rid in ids:

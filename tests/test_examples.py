@@ -43,6 +43,7 @@ def output(result):
     ("quickstart.py", [], "all history verified on host pages"),
     ("sparse_decode.py", ["--steps", "16"], "decode attention outputs match the dense reference"),
     ("sparse_decode.py", ["--steps", "4", "--compile"], "and eager;"),
+    ("shared_prefix.py", [], "checks passed: "),
 ])
 def test_example_runs_and_its_checks_pass(script, args, expect):
     result = run_example(script, *args,
@@ -77,6 +78,8 @@ def test_sparse_decode_graph_replays_the_whole_step_and_its_checks_pass():
     ("sparse_decode.py", ["--reserve-pages", "0"], "--reserve-pages"),
     ("quickstart.py", ["--steps", "0"], "--steps"),
     ("quickstart.py", ["--prompt-lengths", "40,x"], "--prompt-lengths"),
+    ("shared_prefix.py", ["--requests", "0"], "--requests"),
+    ("shared_prefix.py", ["--prefix", "-5"], "--prefix"),
 ])
 def test_bad_flag_is_a_usage_error_naming_it(script, args, flag):
     result = run_example(script, *args)
@@ -99,6 +102,8 @@ def test_sparse_decode_works_for_short_prompts():
     ("sparse_decode.py", ["--rows ROWS", "(default: 4)", "(default: 100,250,500,1000)",
                           "(default: auto)"]),
     ("quickstart.py", ["(default: 40,70)", "(default: 6)", "(default: auto)"]),
+    ("shared_prefix.py", ["(default: 16)", "(default: 1024)", "(default: 64)", "(default: 4)",
+                          "(default: auto)"]),
 ])
 def test_help_shows_defaults(script, defaults):
     result = run_example(script, "--help")

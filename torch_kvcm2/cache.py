@@ -1,8 +1,10 @@
 """Requests (REQUIREMENTS §5, REQ-1..4): one ``KVCache`` per request.
 
-A cache owns its pages (one preallocated int32 row per pool group: page ordinal -> slot id, BAD
+A cache holds its pages (one preallocated int32 row per pool group: page ordinal -> slot id, BAD
 outside the live range ``[first_live, allocated)``), its lengths and its write watermarks (the
-write contract, docs/HOST_PATH.md). Every call validates before it changes anything; a
+write contract, docs/HOST_PATH.md). Each page it holds is one reference to its slot: a cache
+created from a committed prefix (``create_cache(token_ids)``) starts with references to shared
+slots, and every write path reaches only pages at or above its history (docs/PREFIX.md). Every call validates before it changes anything; a
 ``resize`` that cannot be satisfied returns False and leaves the cache exactly as it was. A
 resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
 
@@ -21,6 +23,7 @@ import numpy as np
 from . import lengths as rules
 from ._util import check_int, refuse_during_capture
 from .config import BAD
+from .prefix import page_keys, token_array
 
 ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
 
@@ -53,6 +56,7 @@ class KVCache:
         self._page_tokens, self._max_tokens = config.tokens_per_page, config.max_tokens_per_row
         self._batch = None  # the Batch this cache is seated in
         self._row: Optional[int] = None
+        self.reused_tokens = 0  # tokens shared from committed pages at creation (PFX-2)
 
     def __repr__(self):
         return (f"KVCache(request_id={self.request_id}, capacity={self.capacity}, "
@@ -182,18 +186,11 @@ class KVCache:
             if changed and self._batch is not None:
                 self._batch.seat_changed(self._row)
             return True
-        taken = []
-        for group, (first, keep) in zip(groups, plans):
-            need = keep - max(self._live[group.index][1], first)
-            if need > 0:
-                slots = group.allocate(need)
-                if slots is None:
-                    for g, s in taken:
-                        g.release(s)
-                    return False
-                taken.append((group, slots))
-            else:
-                taken.append((group, None))
+        needs = [max(keep - max(live[1], first), 0) for (first, keep), live in zip(plans, self._live)]
+        allocated = self.manager.storage.allocate_slots(needs)
+        if allocated is None:
+            return False
+        taken = [(group, slots if n else None) for group, slots, n in zip(groups, allocated, needs)]
         changed = (h, c) != (self._h, self._c)
         for (group, slots), (first, keep) in zip(taken, plans):
             row, live = self._pages[group.index], self._live[group.index]
@@ -201,11 +198,11 @@ class KVCache:
             changed = changed or (first, keep) != (old_first, old_keep)
             front_end = min(first, old_keep)
             if front_end > old_first:  # REQ-3: wholly before h - window
-                group.release(row[old_first:front_end].tolist())
+                group.release(row[old_first:front_end])
                 row[old_first:front_end] = BAD
             if keep < old_keep:
                 lo = max(keep, old_first)
-                group.release(row[lo:old_keep].tolist())
+                group.release(row[lo:old_keep])
                 row[lo:old_keep] = BAD
             if slots is not None:
                 row[max(old_keep, first):keep] = slots
@@ -276,6 +273,52 @@ class KVCache:
         self._flushed = rules.flushed_watermark(h, c, self._flushed, self._declared, target,
                                                 self._shapes, max, min, rules.pick)
 
+    # ---- prefix sharing (PFX-1..3, docs/PREFIX.md) ----
+    def commit(self, token_ids) -> int:
+        """Offer this request's whole pages of ``token_ids`` for reuse (PFX-1): page ``i``,
+        under the key of ``token_ids[:(i+1)*P]``, in every pool group that holds it (a windowed
+        group's pages behind its window are gone and are not offered). ``token_ids`` are the
+        request's token ids from position 0 (a list of ints, a CPU integer tensor or a numpy
+        integer array); its whole pages must lie within ``history_length`` (final tokens, on
+        their host pages); a partial last page is not committed. Committed pages are never
+        written again (PFX-3: history only grows, so nothing writes below it). Idempotent and
+        copy-free; a page whose content another cache already committed stays private.
+        Returns the number of tokens committed (whole pages). Raises TypeError / ValueError
+        (wrong type or dtype, negative ids, pages beyond history, ids disagreeing with the
+        ones a page was shared or committed under) and RuntimeError (closed cache, closed
+        manager, stream capture), each with nothing changed."""
+        self._check_open()
+        refuse_during_capture(self.manager.config.device, "KVCache.commit")
+        ids = token_array("token_ids", token_ids)
+        self._sync()
+        P = self._page_tokens
+        pages = len(ids) // P
+        if pages * P > self._h:
+            raise ValueError(
+                f"commit: token_ids has {pages} whole pages ({pages * P} tokens) but history holds "
+                f"{self._h} tokens ({self._h // P} whole pages); commit at most "
+                f"token_ids[:history_length]")
+        storage = self.manager.storage
+        storage.prefix.commit(page_keys(ids, pages, P), self._pages, self._live)
+        return pages * P
+
+    def _start_shared(self, pages: int, entries: np.ndarray) -> None:
+        """Take ``pages`` committed pages (``entries``, page order) as this new cache's first
+        pages: a reference to each slot, lengths and watermarks at the shared length (PFX-2).
+        The match guaranteed every slot the lengths need; nothing is allocated."""
+        storage = self.manager.storage
+        h = pages * self._page_tokens
+        for group in storage.groups:
+            first, keep = self._plan(group, h, h)
+            slots = storage.prefix.slots_of(entries[first:keep], group.index)
+            group.reference(slots)
+            self._pages[group.index, first:keep] = slots
+            self._live[group.index][:] = first, keep
+        storage.prefix.touch(entries)
+        self._h = self._c = self._flushed = self._declared = h
+        self.reused_tokens = h
+        self._pages_moved = True
+
     # ---- REQ-4 ----
     def suspend(self) -> None:
         """Give up the cells (lease); the row publishes BAD / 0; pages stay. Refused while
@@ -310,7 +353,7 @@ class KVCache:
         if self._batch is not None:
             self._batch.remove(self, discard=True)
         for group, row, live in zip(self.manager.storage.groups, self._pages, self._live):
-            group.release(row[live[0]:live[1]].tolist())
+            group.release(row[live[0]:live[1]])
             row[:] = BAD
             live[0] = live[1] = 0
         self._h = self._c = 0

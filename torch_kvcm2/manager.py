@@ -12,6 +12,7 @@ from .cache import KVCache
 from .config import CacheConfig
 from .host_region import DEFAULT_CHUNK_BYTES, check_options, default_threads, resolve_numa
 from .memory import BatchReserve, batch_memory_bytes
+from .prefix import token_array
 from .storage import HostOptions, Storage
 
 
@@ -80,10 +81,46 @@ class KVCacheManager:
         self._ids = itertools.count()
         self._closed = False
 
-    def create_cache(self) -> KVCache:
-        """A new, empty request cache (capacity 0, history 0)."""
+    def create_cache(self, token_ids=None) -> KVCache:
+        """A new request cache. Without ``token_ids``: empty (capacity 0, history 0). With the
+        request's token ids (a list of ints, a CPU integer tensor or a numpy integer array;
+        an int64 array or tensor avoids a conversion): its longest committed prefix of whole
+        pages is shared (PFX-2, docs/PREFIX.md): the page lists point at the committed slots
+        (one more reference each; nothing copied, nothing allocated), and ``history_length``,
+        ``capacity``, the flushed watermark and ``cache.reused_tokens`` start at the shared
+        length; the caller prefills only the rest. Sharing takes no pool memory, so it cannot
+        fail for lack of it. Residency starts empty (PFX-6). Raises TypeError / ValueError
+        for bad ``token_ids`` (wrong type or dtype, negative ids, more than
+        ``max_tokens_per_row`` tokens), with nothing changed."""
         self._check_open("KVCacheManager.create_cache")
-        return KVCache(self, next(self._ids))
+        if token_ids is None:
+            return KVCache(self, next(self._ids))
+        refuse_during_capture(self.config.device, "KVCacheManager.create_cache(token_ids)")
+        ids = self._token_ids("create_cache", token_ids)
+        prefix = self.storage.prefix
+        pages, entries = prefix.match(ids, self.config.max_pages_per_row)
+        cache = KVCache(self, next(self._ids))
+        if pages:
+            cache._start_shared(pages, entries)
+        prefix.queried_tokens += len(ids)
+        prefix.matched_tokens += cache.reused_tokens
+        return cache
+
+    def match(self, token_ids) -> int:
+        """How many tokens of ``token_ids`` ``create_cache(token_ids)`` would share now (a
+        multiple of ``tokens_per_page``), changing nothing (not even recency). Same arguments
+        and errors as ``create_cache``."""
+        self._check_open("KVCacheManager.match")
+        ids = self._token_ids("match", token_ids)
+        pages, _ = self.storage.prefix.match(ids, self.config.max_pages_per_row)
+        return pages * self.config.tokens_per_page
+
+    def _token_ids(self, what: str, token_ids):
+        ids = token_array("token_ids", token_ids)
+        if len(ids) > self.config.max_tokens_per_row:
+            raise ValueError(f"{what}: token_ids has {len(ids)} tokens, more than "
+                             f"max_tokens_per_row ({self.config.max_tokens_per_row})")
+        return ids
 
     def create_batch(self, max_rows=None) -> Batch:
         """Same as ``Batch(manager, max_rows)``."""
@@ -100,8 +137,10 @@ class KVCacheManager:
 
     def stats(self) -> dict:
         """Pool usage per pool group and per medium, plus the batch reserve in use (STO-4);
-        ``stats()["host_region"]``: reserved, committed, registered and used bytes of the host
-        region (None without pools in CPU memory)."""
+        per group used / shared / cached / free slots (PFX-4); ``stats()["host_region"]``:
+        reserved, committed, registered and used bytes of the host region (None without pools
+        in CPU memory); ``stats()["prefix"]``: committed entries, the tokens
+        ``create_cache(token_ids)`` was asked for and shared, and their ratio (``hit_rate``)."""
         self._check_open("KVCacheManager.stats")
         stats = self.storage.stats()
         for medium in ("gpu", "host"):
@@ -115,7 +154,8 @@ class KVCacheManager:
         pool group: its prefill allocates the whole prompt's pages before history advances, so a
         windowed group releases the pages behind its window only afterwards. Free slots include
         those in chunks not committed yet: a commit that then fails for lack of memory makes
-        ``resize`` return False."""
+        ``resize`` return False. Cached pages (committed, unreferenced: PFX-4) count as free,
+        since allocation evicts them when it needs their slots."""
         self._check_open("KVCacheManager.can_fit")
         tokens, count = check_int("tokens", tokens), check_int("count", count)
         config = self.config
@@ -123,14 +163,15 @@ class KVCacheManager:
             raise ValueError(f"can_fit: tokens ({tokens}) exceeds max_tokens_per_row "
                              f"({config.max_tokens_per_row})")
         pages = ceil_div(tokens, config.tokens_per_page) * count
-        if any(pages > group.free_slots for group in self.storage.groups):
+        if any(pages > group.free_slots + group.cached_slots for group in self.storage.groups):
             return False
         return True
 
     def check_ranks(self, *batches) -> None:
         """TP-2 debug check (collective over the host group; every rank passes its batches in
         the same order): compares across ranks each pool group's allocation state (slots handed
-        out, free list, committed bytes) and each given batch's host tables (page tables,
+        out, free list, committed bytes, page reference counts, cached prefix pages) and each
+        given batch's host tables (page tables,
         lengths); raises ``tp.RankDivergence`` naming the first that differs. First raises
         RuntimeError when the group's header records a failed rank (TP-4). Without a host group
         it does nothing."""
@@ -144,7 +185,8 @@ class KVCacheManager:
         entries = []
         for g in self.storage.groups:
             entries.append((f"pool group {g.index} ({g.medium})",
-                            digest(g.num_slots, g._next, sorted(g._free), g.committed_bytes)))
+                            digest(g.num_slots, g._next, sorted(g._free), g.committed_bytes,
+                                   g.refs, g.cached_slots)))
         for i, batch in enumerate(batches):
             batch.catch_up()
             tables = batch.host_tables()

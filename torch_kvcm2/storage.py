@@ -8,6 +8,9 @@ device everything is CPU memory and the same code paths run.
 Every pool in CPU memory (the sparse groups; on a CPU device every group) is a contiguous,
 page-aligned slice of one :class:`~torch_kvcm2.host_region.HostRegion`: reserved whole at start,
 committed chunk by chunk as slots are first handed out (STO-6, docs/HOST_MEMORY.md).
+
+Slots are reference-counted (PFX-4, docs/PREFIX.md): a committed slot without references stays
+cached until an allocation that finds no free slot evicts it, least recently used first.
 """
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .config import CacheConfig, INT32_MAX
 from .host_region import (DEFAULT_CHUNK_BYTES, HUGE_PAGE, PAGE_SIZE, HostMemoryOps, HostRegion,
                           round_up)
+from .prefix import PrefixIndex
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,12 @@ class PoolGroup:
     the committed part is a prefix that grows one chunk (or more) at a time when an allocation
     first reaches past it. Free slots are the released ones below ``_next`` (a heap) plus every
     slot from ``_next`` on, so start-up never builds a list of all slots.
+
+    Prefix sharing (PFX-4, docs/PREFIX.md): ``refs[s]`` counts the caches whose page lists hold
+    slot ``s``; ``owner[s]`` is its committed entry + 1 (0: not committed); ``stamp[s]`` its last
+    use. A slot is *free* (in the free list), *used* (refs > 0) or *cached* (refs == 0 and
+    committed: reclaimable, least recently used first, through ``_lru``, a heap of (stamp,
+    slot) checked lazily). The arrays are zero-filled, so start-up touches none of their memory.
     """
 
     def __init__(self, index: int, window: Optional[int], sparse: bool, page_bytes: int):
@@ -83,6 +94,10 @@ class PoolGroup:
         self.committed_bytes = 0
         self._free: list[int] = []  # released slots below _next, a heap
         self._next = 0  # every slot from here on is free and was never handed out
+        self.refs = self.owner = self.stamp = None
+        self.cached_slots = 0
+        self._lru: list[tuple[int, int]] = []
+        self.prefix = None  # the PrefixIndex of the storage (set by it)
 
     @property
     def scale(self) -> int:
@@ -117,6 +132,7 @@ class PoolGroup:
         self.device_data = self.data
         self.committed_bytes = self.nbytes
         self._free, self._next = [], 0
+        self._init_slots()
 
     def place_in_region(self, num_slots: int, region: HostRegion, offset: int,
                         device_view: Optional[torch.Tensor]) -> None:
@@ -129,6 +145,14 @@ class PoolGroup:
                             else device_view[offset:offset + self.nbytes].view(shape))
         self.committed_bytes = 0
         self._free, self._next = [], 0
+        self._init_slots()
+
+    def _init_slots(self) -> None:
+        """Every slot free, unreferenced and uncommitted."""
+        self.refs = np.zeros(self.num_slots, dtype=np.int32)
+        self.owner = np.zeros(self.num_slots, dtype=np.int32)
+        self.stamp = np.zeros(self.num_slots, dtype=np.int64)
+        self.cached_slots, self._lru = 0, []
 
     def commit_target(self, end_bytes: int) -> int:
         """The committed prefix needed to cover ``end_bytes`` of the slice: whole chunks from
@@ -161,16 +185,88 @@ class PoolGroup:
                 self.committed_bytes += grow[1]
             taken.extend(range(self._next, self._next + fresh))
             self._next += fresh
+        if taken:
+            self.refs[taken] = 1
         return taken
 
     def release(self, slots) -> None:
-        """Give slots back. Slots just below ``_next`` lower it instead of entering the heap, so
-        an allocation undone at once (a failed resize) leaves the free list as it was."""
+        """Drop one reference to each of ``slots`` (distinct). A slot left without references is
+        cached when committed, else free again. Freed slots just below ``_next`` lower it
+        instead of entering the heap, so an allocation undone at once (a failed resize) leaves
+        the free list as it was."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if not len(slots):
+            return
+        refs = self.refs
+        left = refs[slots] - 1
+        if (left < 0).any():
+            raise AssertionError(f"pool group {self.index}: released a slot with no reference")
+        refs[slots] = left
+        unused = slots[left == 0]
+        if not len(unused):
+            return
+        committed = self.owner[unused] != 0
+        for slot in unused[committed].tolist():
+            heapq.heappush(self._lru, (int(self.stamp[slot]), slot))
+        self.cached_slots += int(committed.sum())
+        self._free_slots(unused[~committed].tolist())
+        if len(self._lru) > 2 * self.cached_slots + 1024:
+            self._compact_lru()
+
+    def _free_slots(self, slots: list) -> None:
         for slot in sorted(slots, reverse=True):
             if slot == self._next - 1:
                 self._next = slot
             else:
                 heapq.heappush(self._free, slot)
+
+    def _compact_lru(self) -> None:
+        """Drop the heap's stale items (slots used again, evicted or restamped since)."""
+        self._lru = [(st, s) for st, s in self._lru if self._is_cached(st, s)]
+        heapq.heapify(self._lru)
+
+    def _is_cached(self, stamp: int, slot: int) -> bool:
+        return self.refs[slot] == 0 and self.owner[slot] != 0 and self.stamp[slot] == stamp
+
+    def pop_lru(self) -> int:
+        """The least recently used cached slot (there must be one), taken off the heap."""
+        while self._lru:
+            stamp, slot = heapq.heappop(self._lru)
+            if self._is_cached(stamp, slot):
+                return slot
+        raise AssertionError(f"pool group {self.index}: no cached slot to evict")
+
+    def restamp(self, slots: np.ndarray, stamps: np.ndarray) -> None:
+        """New last-use stamps for committed ``slots``; cached ones re-enter the LRU heap under
+        their new stamp (the old heap items go stale)."""
+        self.stamp[slots] = stamps
+        cached = self.refs[slots] == 0
+        for slot, stamp in zip(slots[cached].tolist(), stamps[cached].tolist()):
+            heapq.heappush(self._lru, (stamp, slot))
+
+    def reference(self, slots: np.ndarray) -> None:
+        """One more reference to each of ``slots`` (distinct, all committed or used): a cached
+        slot becomes used."""
+        if not len(slots):
+            return
+        self.cached_slots -= int(np.count_nonzero(self.refs[slots] == 0))
+        self.refs[slots] += 1
+
+    def uncommit(self, slots: np.ndarray) -> None:
+        """The slots leave the prefix index: cached ones become free, used ones stay used
+        (private to the caches holding them)."""
+        self.owner[slots] = 0
+        unused = slots[self.refs[slots] == 0]
+        self.cached_slots -= len(unused)
+        self._free_slots(unused.tolist())
+
+    def usage(self) -> tuple[int, int, int, int]:
+        """(used, shared, cached, free) slots: referenced, referenced by more than one cache,
+        committed without references, and free."""
+        free = self.free_slots
+        used = self.num_slots - free - self.cached_slots
+        shared = int(np.count_nonzero(self.refs > 1)) if self.refs is not None else 0
+        return used, shared, self.cached_slots, free
 
 
 class Storage:
@@ -206,6 +302,7 @@ class Storage:
         self.reserved = {"gpu": 0, "host": 0}
         self.region: Optional[HostRegion] = None
         self.closed = False
+        self.prefix = PrefixIndex(self.groups, P)
 
     def in_region(self, group: PoolGroup) -> bool:
         """Whether the group lives in the host region: sparse groups, and on a CPU device all
@@ -316,6 +413,34 @@ class Storage:
         limit = INT32_MAX // (max(g.scale for g in groups) * self.config.tokens_per_page)
         return min(slots, limit)
 
+    # ---- slots ----
+    def allocate_slots(self, needs) -> Optional[list[list[int]]]:
+        """``needs[g]`` new slots of every pool group ``g`` (one reference each), or None with
+        nothing changed (PFX-4, STO-5). Free slots are taken first, lowest first; only when a
+        group runs out are its cached slots evicted, least recently used first, and only once
+        every group's free slots (and the memory they commit) are in hand, so a failure never
+        evicts anything. Evicting a full-attention page frees its cached slots in the other
+        groups too, which they then take before evicting more."""
+        groups = self.groups
+        if any(n > g.free_slots + g.cached_slots for g, n in zip(groups, needs)):
+            return None
+        taken: list[list[int]] = []
+        for group, n in zip(groups, needs):
+            k = min(n, group.free_slots)
+            slots = group.allocate(k) if k else []
+            if slots is None:
+                for g, done in zip(groups, taken):
+                    g.release(done)
+                return None
+            taken.append(slots)
+        for group, n, slots in zip(groups, needs, taken):
+            while len(slots) < n:
+                if not group.free_slots:
+                    self.prefix.evict(group)
+                # slots freed by eviction are committed memory: this never fails
+                slots.extend(group.allocate(min(n - len(slots), group.free_slots)))
+        return taken
+
     # ---- views ----
     def place(self, layer: str, role: str) -> BufferPlace:
         try:
@@ -363,28 +488,38 @@ class Storage:
     # ---- accounting ----
     def stats(self) -> dict:
         """Used/free bytes and slots per pool group and per medium (STO-4), committed bytes per
-        group and medium, and the host region's reserved/committed/registered bytes (STO-9)."""
+        group and medium, and the host region's reserved/committed/registered bytes (STO-9).
+        Per group and medium also the prefix-sharing counts (PFX-4): ``used_slots`` are
+        referenced by a cache, ``shared_slots`` by more than one, ``cached_slots`` are committed
+        pages no cache references (reclaimable: allocation evicts them when no slot is free),
+        ``free_slots`` hold nothing. ``stats()["prefix"]``: committed entries and the tokens
+        ``create_cache(token_ids)`` asked for and shared."""
         groups = []
         media = {m: {"budget_bytes": self.budget[m], "reserved_bytes": self.reserved[m],
-                     "used_bytes": 0, "free_bytes": 0, "committed_bytes": 0}
+                     "used_bytes": 0, "shared_bytes": 0, "cached_bytes": 0, "free_bytes": 0,
+                     "committed_bytes": 0}
                  for m in ("gpu", "host")}
         for g in self.groups:
-            used = g.num_slots - g.free_slots
+            used, shared, cached, free = g.usage()
             committed = min(g.committed_bytes, g.nbytes)
             groups.append({
                 "index": g.index, "medium": g.medium, "window": g.window, "sparse": g.sparse,
                 "page_bytes": g.page_bytes, "scale": g.scale, "buffers": list(g.buffers),
-                "slots": g.num_slots, "used_slots": used, "free_slots": g.free_slots,
-                "used_bytes": used * g.slot_bytes, "free_bytes": g.free_slots * g.slot_bytes,
+                "slots": g.num_slots, "used_slots": used, "shared_slots": shared,
+                "cached_slots": cached, "free_slots": free,
+                "used_bytes": used * g.slot_bytes, "shared_bytes": shared * g.slot_bytes,
+                "cached_bytes": cached * g.slot_bytes, "free_bytes": free * g.slot_bytes,
                 "committed_bytes": committed, "in_host_region": g.region is not None,
             })
-            media[g.medium]["used_bytes"] += used * g.slot_bytes
-            media[g.medium]["free_bytes"] += g.free_slots * g.slot_bytes
+            for name, n in (("used", used), ("shared", shared), ("cached", cached), ("free", free)):
+                media[g.medium][f"{name}_bytes"] += n * g.slot_bytes
             media[g.medium]["committed_bytes"] += committed
         region = None
         if self.region is not None:
             region = self.region.stats()
+            # slots holding data: referenced or cached
             region["used_bytes"] = sum((g.num_slots - g.free_slots) * g.slot_bytes
                                        for g in self.groups if g.region is not None)
             region["closed"] = self.region.closed
-        return {"pool_groups": groups, **media, "host_region": region}
+        return {"pool_groups": groups, **media, "host_region": region,
+                "prefix": self.prefix.stats()}

@@ -1,13 +1,17 @@
 // CUDA kernels of OP-FETCH. They reproduce cpu/fetch.cpp bit for bit.
 //
-// A fixed grid sweeps (miss, buffer, chunk, vector) work items, several vector loads in flight
-// per thread before any store, loads through the device-mapped view of pinned host memory;
-// pieces of >= 32 KiB go by bulk copies (TMA) through shared memory instead (fetch_tma_kernel).
-// The defaults were measured on an H200 (docs/DEVELOPMENT.md has the sweep): ILP 2 was at or
-// above ILP 4 on every shape; bulk copies gained 3-4% on 42-KB pages and lost on 656-B rows
-// (-40%), 5-KB units (1.6-1.9x slower) and 21-KB units. Development builds also hold
-// fetch_warp_kernel, one warp per missed unit (optionally in host-address order, optionally with
-// whole-line reads), chosen by launch.cuh's KVCM2_FETCH_WARP knobs for the sweep.
+// fetch_warp_kernel: one warp per missed unit. A fixed grid of CTAs takes contiguous chunks of
+// the miss list (consecutive misses: mostly one row's, so mostly one row's host pages); each
+// warp copies a few misses together, its lanes striding 16-byte vectors (narrower for
+// unaligned buffers) loaded through the device-mapped view of pinned host memory, several loads
+// in flight per lane before any store. Measured on an H200 against the development variants
+// (2026-12-01, benchmarks/fetch_sweep.py, two rounds, % of the copy engine's H2D rate in the
+// same process): 42-KB pages 88% vs 64-77% for bulk copies (TMA) through shared memory and the
+// vector-item sweep; 656-B rows, 5-KB units and resolve + fetch at 64 rows x 20% misses equal
+// to or slightly ahead of the sweep (386-391 us against 387-401 us at 64 x 20%).
+// Development builds (launch.cuh) also hold the vector-item sweep (fetch_kernel: consecutive
+// threads take consecutive vectors across miss boundaries), the bulk-copy kernel
+// (fetch_tma_kernel) and warp variants in host-address order or with whole-line reads.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,14 +27,16 @@
 namespace torch_kvcm2 {
 namespace {
 
+#ifdef KVCM2_DEV
 constexpr int kFetchThreads = 256;
 constexpr int kFetchIlp = 2;  // vector loads in flight per thread (Tuning::fetch_ilp)
-// fetch_tma_kernel: used for pieces of >= kTmaMinPiece bytes, stages of up to
-// Tuning::fetch_tma_stage bytes (8192; measured on an H200), one CTA per SM with up to
-// kTmaSmemBudget bytes of stages and kTmaMaxThreads threads.
+// fetch_tma_kernel: used for pieces of >= kTmaMinPiece bytes (KVCM2_FETCH_TMA=2), stages of up to
+// Tuning::fetch_tma_stage bytes (8192), one CTA per SM with up to kTmaSmemBudget bytes of stages
+// and kTmaMaxThreads threads.
 constexpr int64_t kTmaMinPiece = 32768;
 constexpr int kTmaSmemBudget = 200 * 1024;
 constexpr int kTmaMaxThreads = 256;
+#endif
 constexpr int kMaxFetchBuffers = 8;  // buffers per launch; more are split over several launches
 
 struct FetchBuffer {
@@ -85,18 +91,6 @@ __device__ __forceinline__ void store_vec(uint8_t* dst, const uint4& v, int vec)
   }
 }
 
-// Work item v = (miss m, buffer b, w = chunk * vpp + part), m-major so that consecutive items are
-// consecutive parts of one piece. A part is one vector (fetch_kernel) or one stage of a
-// shared-memory staged copy (fetch_tma_kernel).
-__device__ __forceinline__ void split_item(const FetchParams& p, int64_t v, int64_t& m, int& b,
-                                           int& w) {
-  m = v / p.per_miss;
-  int ww = static_cast<int>(v - m * p.per_miss);
-  int bb = 0;
-  while (bb + 1 < p.nb && ww >= p.buf[bb + 1].begin) ++bb;
-  b = bb;
-  w = ww - p.buf[bb].begin;
-}
 
 __device__ __forceinline__ int4 load_entry(const FetchParams& p, int64_t m) {
   const int32_t* const entry = p.miss_list + m * kMissFields;
@@ -127,6 +121,20 @@ __device__ __forceinline__ uint8_t* part_dst(const FetchParams& p, const FetchBu
                                              const int4& e, int64_t inner) {
   const int64_t entry = static_cast<int64_t>(e.x) * p.slots + e.y;
   return cell_address(B.cells, entry, B.E, B.page_bytes, B.piece, inner);
+}
+
+#ifdef KVCM2_DEV
+// Work item v = (miss m, buffer b, w = chunk * vpp + part), m-major so that consecutive items are
+// consecutive parts of one piece. A part is one vector (fetch_kernel) or one stage of a
+// shared-memory staged copy (fetch_tma_kernel).
+__device__ __forceinline__ void split_item(const FetchParams& p, int64_t v, int64_t& m, int& b,
+                                           int& w) {
+  m = v / p.per_miss;
+  int ww = static_cast<int>(v - m * p.per_miss);
+  int bb = 0;
+  while (bb + 1 < p.nb && ww >= p.buf[bb + 1].begin) ++bb;
+  b = bb;
+  w = ww - p.buf[bb].begin;
 }
 
 // One vector per work item. A thread handles ILP items per round in stages (miss entries, then
@@ -261,9 +269,11 @@ __global__ void fetch_tma_kernel(const __grid_constant__ FetchParams p) {
 #endif
 }
 
-#ifdef KVCM2_DEV
+#endif  // KVCM2_DEV
+
 // ------------------------------------------------------------------------------------------------
-// Development variants (Tuning::fetch_warp, fetch_warp_misses, fetch_lines): one warp per missed
+// fetch_warp_kernel<false, false> is the production kernel; the other instantiations are
+// development variants (Tuning::fetch_warp, fetch_warp_misses, fetch_lines). One warp per missed
 // unit. Each CTA takes a contiguous chunk of the miss list at a time (consecutive misses: mostly
 // one row's, so mostly one row's host pages), sized so that every CTA of the grid has a chunk;
 // its warps split the chunk into contiguous runs and copy warp_misses misses together, the lanes
@@ -375,27 +385,23 @@ __global__ __launch_bounds__(kWarpThreads) void fetch_warp_kernel(const __grid_c
     }
   }
 }
-#endif  // KVCM2_DEV
 
 // ------------------------------------------------------------------------------------------------
 // host wrapper
 
 using FetchKernel = void (*)(FetchParams);
 
-// fetch_kernel with `ilp` loads in flight per thread; production builds instantiate kFetchIlp
-// only (Tuning::fetch_ilp is a development knob).
-FetchKernel fetch_kernel_for(int ilp) {
 #ifdef KVCM2_DEV
+// fetch_kernel with `ilp` loads in flight per thread (Tuning::fetch_ilp).
+FetchKernel fetch_kernel_for(int ilp) {
   switch (ilp) {
     case 1: return fetch_kernel<1>;
     case 4: return fetch_kernel<4>;
     case 8: return fetch_kernel<8>;
-    default: break;
+    default: return fetch_kernel<kFetchIlp>;
   }
-#endif
-  (void)ilp;
-  return fetch_kernel<kFetchIlp>;
 }
+#endif
 
 void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
                 at::IntArrayRef positions, const at::TensorList& page_tables,
@@ -408,24 +414,50 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   if (miss_list.size(0) == 0) return;
   const int device = miss_list.get_device();
   const DeviceInfo& info = device_info(device);
-  const FetchKernel vector_kernel = fetch_kernel_for(tuning().fetch_ilp);
-  // The fixed grid: every CTA that fits on each SM (or the development knob's number, at most).
-  const int fit = std::max(1, blocks_per_sm(kernel_id(vector_kernel), device, kFetchThreads, 0));
-  const int per_sm = tuning().fetch_blocks_per_sm > 0 ? std::min(tuning().fetch_blocks_per_sm, fit)
-                                                      : fit;
-  const unsigned grid = static_cast<unsigned>(info.sms * per_sm);
-  // Bulk copies for launches whose every piece has at least tma_min_piece bytes (INT64_MAX:
-  // never), through stages of up to tuning().fetch_tma_stage bytes.
-  const int tma = tuning().fetch_tma;
-  const int64_t tma_min_piece =
-      (info.cc_major < 9 || tma == 0) ? INT64_MAX : tma == 1 ? 0 : kTmaMinPiece;
-  const int smem_budget = std::min(info.smem_optin, kTmaSmemBudget);
   FetchParams p{};
   p.miss_list = miss_list.data_ptr<int32_t>();
   p.miss_count = miss_count.data_ptr<int32_t>();
   p.list_rows = miss_list.size(0);
   p.list_aligned = reinterpret_cast<uintptr_t>(p.miss_list) % 16 == 0;
   p.slots = slots;
+  // The fixed grid of a kernel: every CTA of `threads` threads that fits on each SM (or the
+  // development knob's number, at most).
+  auto grid_of = [&](FetchKernel kernel, int threads) {
+    const int fit = std::max(1, blocks_per_sm(kernel_id(kernel), device, threads, 0));
+    const int per_sm = tuning().fetch_blocks_per_sm > 0
+                           ? std::min(tuning().fetch_blocks_per_sm, fit) : fit;
+    return dim3(static_cast<unsigned>(info.sms * per_sm));
+  };
+  // One warp per missed unit (the production kernel; development builds may choose a variant).
+  auto launch_warp = [&]() {
+    FetchKernel kernel = fetch_warp_kernel<false, false>;
+#ifdef KVCM2_DEV
+    const bool lines = tuning().fetch_lines;
+    if (lines) {  // 16-byte buffers: parts are the vectors of the lines a piece can touch
+      int64_t per_miss = 0;
+      for (int b = 0; b < p.nb; ++b) {
+        FetchBuffer& B = p.buf[b];
+        if (B.vec == 16) B.vpp = static_cast<int32_t>((B.piece + 112 + 127) / 128 * 8);
+        B.begin = static_cast<int32_t>(per_miss);
+        per_miss += B.page_bytes / B.chunk_bytes * B.vpp;
+      }
+      TORCH_CHECK(per_miss <= INT32_MAX, "fetch: too many bytes per unit");
+      p.per_miss = static_cast<int32_t>(per_miss);
+    }
+    kernel = tuning().fetch_warp == 2
+                 ? (lines ? fetch_warp_kernel<true, true> : fetch_warp_kernel<true, false>)
+                 : (lines ? fetch_warp_kernel<false, true> : fetch_warp_kernel<false, false>);
+#endif
+    p.warp_misses = tuning().fetch_warp_misses;
+    launch_kernel(kernel, grid_of(kernel, kWarpThreads), dim3(kWarpThreads), 0, stream, p);
+  };
+#ifdef KVCM2_DEV
+  // Bulk copies for launches whose every piece has at least tma_min_piece bytes (INT64_MAX:
+  // never), through stages of up to tuning().fetch_tma_stage bytes.
+  const int tma = tuning().fetch_tma;
+  const int64_t tma_min_piece =
+      (info.cc_major < 9 || tma == 0) ? INT64_MAX : tma == 1 ? 0 : kTmaMinPiece;
+  const int smem_budget = std::min(info.smem_optin, kTmaSmemBudget);
   // Bulk copies when every buffer of the launch is 16-byte aligned throughout and its pieces are
   // large enough (its parts become stages: the widest piece, at most the stage size; one CTA
   // per SM with as many threads as two stages each fit).
@@ -455,44 +487,21 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
                   stream, p);
     return true;
   };
-  // Development builds: the warp-per-miss variants (launch.cuh's KVCM2_FETCH_WARP), for
-  // launches that do not take bulk copies.
-  auto launch_warp = [&]() -> bool {
-#ifdef KVCM2_DEV
-    const int mode = tuning().fetch_warp;
-    if (mode == 0) return false;
-    const bool lines = tuning().fetch_lines;
-    if (lines) {  // 16-byte buffers: parts are the vectors of the lines a piece can touch
-      int64_t per_miss = 0;
-      for (int b = 0; b < p.nb; ++b) {
-        FetchBuffer& B = p.buf[b];
-        if (B.vec == 16) B.vpp = static_cast<int32_t>((B.piece + 112 + 127) / 128 * 8);
-        B.begin = static_cast<int32_t>(per_miss);
-        per_miss += B.page_bytes / B.chunk_bytes * B.vpp;
-      }
-      TORCH_CHECK(per_miss <= INT32_MAX, "fetch: too many bytes per unit");
-      p.per_miss = static_cast<int32_t>(per_miss);
-    }
-    p.warp_misses = tuning().fetch_warp_misses;
-    const FetchKernel kernel = mode == 2 ? (lines ? fetch_warp_kernel<true, true>
-                                                  : fetch_warp_kernel<true, false>)
-                                         : (lines ? fetch_warp_kernel<false, true>
-                                                  : fetch_warp_kernel<false, false>);
-    const int fit_warp = std::max(1, blocks_per_sm(kernel_id(kernel), device, kWarpThreads, 0));
-    const int per_sm_warp = tuning().fetch_blocks_per_sm > 0
-                                ? std::min(tuning().fetch_blocks_per_sm, fit_warp)
-                                : fit_warp;
-    launch_kernel(kernel, dim3(static_cast<unsigned>(info.sms * per_sm_warp)), dim3(kWarpThreads),
-                  0, stream, p);
-    return true;
-#else
-    return false;
+  const FetchKernel vector_kernel = fetch_kernel_for(tuning().fetch_ilp);
 #endif
-  };
   auto launch = [&]() {
     if (p.nb == 0) return;
-    if (!launch_tma() && !launch_warp())
-      launch_kernel(vector_kernel, dim3(grid), dim3(kFetchThreads), 0, stream, p);
+#ifdef KVCM2_DEV
+    if (launch_tma()) {
+    } else if (tuning().fetch_warp == 0) {
+      launch_kernel(vector_kernel, grid_of(vector_kernel, kFetchThreads), dim3(kFetchThreads), 0,
+                    stream, p);
+    } else {
+      launch_warp();
+    }
+#else
+    launch_warp();
+#endif
     p.nb = 0;
     p.per_miss = 0;
   };

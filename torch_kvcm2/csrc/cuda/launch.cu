@@ -64,12 +64,12 @@ Tuning read_tuning() {
   t.fetch_ilp = (ilp == 1 || ilp == 4 || ilp == 8) ? ilp : 2;
   const int blocks = env_int("KVCM2_FETCH_BLOCKS_PER_SM", 0);
   t.fetch_blocks_per_sm = std::getenv("KVCM2_FETCH_BLOCKS_PER_SM") ? (blocks > 1 ? blocks : 1) : 0;
-  const int tma = env_int("KVCM2_FETCH_TMA", -1);
-  t.fetch_tma = tma == 0 ? 0 : tma == 1 ? 1 : -1;
+  const int tma = env_int("KVCM2_FETCH_TMA", 0);
+  t.fetch_tma = tma == 1 ? 1 : tma == 2 ? -1 : 0;
   const int stage = env_int("KVCM2_FETCH_TMA_STAGE", t.fetch_tma_stage);
   t.fetch_tma_stage = (stage < 16 ? 16 : stage > 32768 ? 32768 : stage) / 16 * 16;
-  const int warp = env_int("KVCM2_FETCH_WARP", 0);
-  t.fetch_warp = (warp == 1 || warp == 2) ? warp : 0;
+  const int warp = env_int("KVCM2_FETCH_WARP", 1);
+  t.fetch_warp = (warp == 0 || warp == 2) ? warp : 1;
   const int misses = env_int("KVCM2_FETCH_WARP_MISSES", t.fetch_warp_misses);
   t.fetch_warp_misses = (misses == 1 || misses == 2 || misses == 8) ? misses : 4;
   t.fetch_lines = env_int("KVCM2_FETCH_LINES", 0) != 0;

@@ -15,14 +15,15 @@
 // development build, `TORCH_KVCM2_DEV=1 pip install -e . --no-build-isolation` (setup.py defines
 // KVCM2_DEV), reads these environment variables once per process:
 //   KVCM2_PDL=0                  launch without the PDL attribute (the device code is the same)
-//   KVCM2_FETCH_ILP=1|2|4|8      vector loads in flight per fetch thread (default 2)
+//   KVCM2_FETCH_ILP=1|2|4|8      WARP=0: vector loads in flight per fetch thread (default 2)
 //   KVCM2_FETCH_BLOCKS_PER_SM=N  fetch CTAs per SM of the fixed grid (default: every one that fits)
-//   KVCM2_FETCH_TMA=0|1          0: vector loads for every piece; 1: bulk copies (TMA) for every
-//                                16-byte aligned launch (default: bulk copies for pieces >= 32 KiB)
+//   KVCM2_FETCH_TMA=0|1|2        0: no bulk copies (default); 1: bulk copies (TMA) for every
+//                                16-byte aligned launch; 2: bulk copies for pieces >= 32 KiB
 //   KVCM2_FETCH_TMA_STAGE=BYTES  bytes per bulk-copy stage (default 8192)
-//   KVCM2_FETCH_WARP=0|1|2       0: the vector-item sweep (default); 1: one warp per missed unit,
-//                                each CTA taking a contiguous chunk of the miss list; 2: as 1, the
-//                                chunk's misses taken in host-address order (sorted in the CTA)
+//   KVCM2_FETCH_WARP=0|1|2       0: the vector-item sweep; 1: one warp per missed unit, each CTA
+//                                taking a contiguous chunk of the miss list (default, the
+//                                production kernel); 2: as 1, the chunk's misses taken in
+//                                host-address order (sorted in the CTA)
 //   KVCM2_FETCH_WARP_MISSES=N    misses a warp copies together, 1|2|4|8 (default 4; WARP=1|2)
 //   KVCM2_FETCH_LINES=1          WARP=1|2: read the whole 128-byte lines under each piece (the
 //                                bytes outside it are not stored)
@@ -51,9 +52,9 @@ struct Tuning {
   bool pdl = true;
   int fetch_ilp = 2;
   int fetch_blocks_per_sm = 0;  // 0: every CTA that fits
-  int fetch_tma = -1;           // -1: bulk copies for pieces >= 32 KiB; 0: never; 1: always
+  int fetch_tma = 0;            // 0: never bulk copies; 1: always; -1: pieces >= 32 KiB
   int fetch_tma_stage = 8192;
-  int fetch_warp = 0;         // 0: vector-item sweep; 1: warp per miss; 2: warp per miss, sorted
+  int fetch_warp = 1;         // 0: vector-item sweep; 1: warp per miss; 2: warp per miss, sorted
   int fetch_warp_misses = 4;  // misses one warp copies together (fetch_warp != 0)
   bool fetch_lines = false;   // fetch_warp != 0: whole 128-byte line reads
   bool resolve_force_stale = false;
