@@ -44,6 +44,7 @@ from torch_kvcm2.storage import Storage
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_mtp import bench_mtp  # noqa: E402  (P-RES-MTP)
 from bench_prefix import bench_prefix  # noqa: E402  (P-PFX)
+from bench_tp import bench_tp  # noqa: E402  (P-TP)
 
 MLA_ROW = 656  # bytes per token of DeepSeek's FP8 MLA latent row
 PAGE = 64  # tokens per page in every benchmark
@@ -1288,7 +1289,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX",
-           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX"]
+           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
         parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
@@ -1316,6 +1317,7 @@ def main(argv=None) -> int:
         "P-STEP-WALL": lambda: bench_step_wall(timer, device, q),
         "P-START": lambda: bench_start(device, q),
         "P-PFX": lambda: bench_prefix(timer, device, q, Result),
+        "P-TP": lambda: bench_tp(device, q, run_module=sys.modules[__name__]),
     }
     results = []
     for rid in ids:

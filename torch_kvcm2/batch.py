@@ -197,14 +197,22 @@ class Batch(LengthsPath):
 
     def _new_flush_args(self) -> list[tuple]:
         """Per sparse pool group with cells: the arguments of its one flush launch, covering
-        every non-zero sparse buffer of every sparse layer in it (OP-FLUSH)."""
+        every non-zero sparse buffer of every sparse layer in it (OP-FLUSH). With a host group
+        (TP-3) only this rank's share: the buffers of the layers, or the pool groups, it owns
+        (``HostGroup.split``); ``_shared_pools`` are the host pools every rank orders on."""
         storage = self.manager.storage
+        host_group = self.manager.host_group
+        layer_index = {layer.name: i for i, layer in enumerate(self.config.layers)}
+        self._shared_pools = [g.device_data for g in storage.groups if g.sparse]
         per_pool: dict[int, list] = {}
         for group, state in zip(self.config.selection_groups, self.groups):
             sp = group.sparse
             for layer in group.layers:
                 for buf in sparse_buffers(self.config, layer):
                     place = storage.place(layer, buf.role)
+                    if host_group is not None and not host_group.owns(layer_index[layer],
+                                                                      place.group):
+                        continue
                     per_pool.setdefault(place.group, []).append((
                         place.pos, self._cells[(layer, buf.role)], state.resident,
                         state.inflight_slots, (sp.slots, sp.tokens_per_unit, sp.max_inflight_tokens)))
@@ -572,6 +580,29 @@ class Batch(LengthsPath):
             self._pending_snapshot = OWED
         else:
             self.record_flush(known)
+
+    def sync(self) -> None:
+        """TP-3, the ordering point of the ranks of a host group (nothing without one): this
+        rank signals that its writes to the shared host pools are done (``rank_signal``), then
+        waits until every rank has signalled as often (``rank_wait``). Both are device ops, so
+        they are captured with the step and hold inside CUDA graphs. Every write to the shared
+        pools before the sync (this rank's share of ``flush``, host-direct writes) is visible to
+        every rank after it, and every read before it (``fetch``) completes before any rank's
+        write after it. Each rank writes back only its share of the sparse buffers
+        (``HostGroup.split``), so the rule a model follows is: exactly one ``sync()`` per step,
+        after the previous step's ``flush`` (and host-direct writes) and before this step's
+        first ``resolve``/``fetch``; every rank makes the same calls. Host-direct writes go
+        between two syncs (after one, read only after the next; from the CPU on CUDA, after the
+        first has completed on the device: docs/TP.md). A rank that died or left
+        makes it raise RuntimeError naming the rank and generation (CPU), or trap (CUDA;
+        ``KVCacheManager.check_ranks`` then reports the rank), within the group's timeout."""
+        self.manager._check_open("Batch.sync")
+        if self._closed:
+            raise RuntimeError("Batch.sync: the batch is closed")
+        group = self.manager.host_group
+        if group is not None:
+            group.signal(self._shared_pools)
+            group.wait(self._shared_pools)
 
     def record_flush(self, new_history: Optional[list] = None) -> None:
         """Host bookkeeping of a flush (the SAFE-2 watermark, KVCache.written): every seated

@@ -11,6 +11,14 @@ everything is released when the last tensor viewing the region dies (garbage col
 
 Every system call goes through a :class:`HostMemoryOps` object, so tests can inject an
 out-of-memory or a refused registration and count registrations.
+
+Shared backing (TP-1, docs/TP.md): with ``shared_fd`` the reservation is a ``MAP_SHARED``
+mapping of a shared-memory file (``/dev/shm``) at ``file_offset`` instead of anonymous memory,
+so every process mapping the file sees the same pages. A commit then allocates the file's pages
+(``fallocate``, which never changes bytes another process may already have written) before
+populating and registering this process's mapping; a rollback punches the range out of the
+file. ``agree`` (set by the host group) makes a commit all or nothing across processes: every
+process calls it with its own outcome and keeps its commit only when all succeeded.
 """
 from __future__ import annotations
 
@@ -40,6 +48,8 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 PIECE_BYTES = 32 << 20
 
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
+_MAP_SHARED = 0x01
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x10, 0x20, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 4, 14, 23
@@ -53,6 +63,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _libc.syscall.restype = ctypes.c_long
 
 
@@ -121,6 +132,22 @@ class HostMemoryOps:
         """Give the pages of a range back (its contents become zero; it stays mapped)."""
         _libc.madvise(address, nbytes, _MADV_DONTNEED)
 
+    def populate_shared(self, fd: int, file_offset: int, address: int, nbytes: int) -> None:
+        """Allocate ``nbytes`` of the shared file at ``file_offset`` (``fallocate``: pages another
+        process already holds keep their bytes) and map them into ``address`` for writing
+        (``MADV_POPULATE_WRITE`` where the kernel has it, which changes no byte either)."""
+        if _libc.fallocate(fd, 0, file_offset, nbytes) != 0:
+            code = ctypes.get_errno()
+            raise MemoryError(f"allocating {nbytes} bytes of shared memory failed: "
+                              f"{os.strerror(code)} (is /dev/shm large enough for the pools?)")
+        if _libc.madvise(address, nbytes, _MADV_POPULATE_WRITE) != 0 and \
+                ctypes.get_errno() != _errno.EINVAL:
+            raise _os_error(f"populating {nbytes} bytes of shared memory")
+
+    def discard_shared(self, fd: int, file_offset: int, address: int, nbytes: int) -> None:
+        """Give a range of the shared file back, for every process mapping it (contents zero)."""
+        _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, file_offset, nbytes)
+
     def register(self, address: int, nbytes: int, device: int) -> None:
         """Pin and device-map a range for CUDA device ``device`` (cudaHostRegister)."""
         torch.ops.torch_kvcm2.host_register(address, nbytes, device, True)
@@ -146,8 +173,10 @@ class _Mapping:
     """The reserved range and its registrations; shared by the region's finalizer and that of
     the buffer the tensors view, so whichever runs first releases correctly."""
 
-    def __init__(self, address: int, nbytes: int, ops: HostMemoryOps, device: Optional[int]):
+    def __init__(self, address: int, nbytes: int, ops: HostMemoryOps, device: Optional[int],
+                 fd: Optional[int] = None):
         self.address, self.nbytes, self.ops, self.device = address, nbytes, ops, device
+        self.fd = fd  # shared backing: this process's descriptor of the file (closed on release)
         self.registered: dict[int, int] = {}  # offset -> bytes
         self.protect_on_commit = False  # strict overcommit: reserved PROT_NONE, commit = mprotect
         self.released = self.unmapped = False
@@ -171,8 +200,13 @@ class _Mapping:
 
             _run_parallel(unregister, ranges, threads)
             if not self.unmapped:
+                # for a shared backing this drops the process's mapping of the file: its pages
+                # go once every process has dropped its own and the name is gone
                 _libc.mmap(self.address, self.nbytes, _PROT_NONE,
                            _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
 
     def unmap(self) -> None:
         self.release_memory()
@@ -302,22 +336,38 @@ class HostRegion:
     in ``stats()`` says whether the kernel accepted, ``thp_mode`` what the system allows).
     Raises ValueError when the address space cannot be reserved and RuntimeError when a strict
     NUMA binding is refused.
+
+    ``shared_fd``: back the region with ``nbytes`` of that shared-memory file from
+    ``file_offset`` (page-aligned; the file must be at least that long) instead of anonymous
+    memory; the region keeps its own duplicate of the descriptor until it is released.
+    ``agree``: None, or a collective ``agree(ok: bool) -> bool`` every commit calls once with
+    its own outcome (True only when every process's commit succeeded).
     """
 
     def __init__(self, nbytes: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  threads: Optional[int] = None, numa_node: Optional[int] = None,
                  numa_strict: bool = False, device: Optional[int] = None,
                  ops: Optional[HostMemoryOps] = None, what: str = "host_budget_bytes",
-                 huge_pages: bool = True):
+                 huge_pages: bool = True, shared_fd: Optional[int] = None, file_offset: int = 0,
+                 agree=None):
         threads = default_threads() if threads is None else threads
         check_options(chunk_bytes, threads)
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"{what}: a host region needs a positive size, got {nbytes!r}")
         self.ops = ops if ops is not None else HostMemoryOps()
         self.chunk_bytes, self.threads, self.device = chunk_bytes, threads, device
-        self.nbytes = round_up(nbytes, HUGE_PAGE if huge_pages else PAGE_SIZE)
-        address, protect = self._reserve(self.nbytes, what, HUGE_PAGE if huge_pages else PAGE_SIZE)
-        self._mapping = _Mapping(address, self.nbytes, self.ops, device)
+        align = HUGE_PAGE if huge_pages else PAGE_SIZE
+        self.nbytes = round_up(nbytes, align)
+        self.shared, self.file_offset, self.agree = shared_fd is not None, file_offset, agree
+        if self.shared:
+            if not isinstance(file_offset, int) or file_offset < 0 or file_offset % align:
+                raise ValueError(f"file_offset must be a non-negative multiple of {align} bytes "
+                                 f"(the region's alignment), got {file_offset!r}")
+            address = self._map_shared(shared_fd, file_offset, self.nbytes, what, align)
+            protect, fd = False, os.dup(shared_fd)
+        else:
+            (address, protect), fd = self._reserve(self.nbytes, what, align), None
+        self._mapping = _Mapping(address, self.nbytes, self.ops, device, fd)
         self._mapping.protect_on_commit = protect
         self.address = address
         buffer = (ctypes.c_uint8 * self.nbytes).from_address(address)
@@ -369,6 +419,24 @@ class HostRegion:
                          f"({first.strerror}); lower the budget or raise the process's address "
                          f"space limit (ulimit -v)")
 
+    @classmethod
+    def _map_shared(cls, fd: int, file_offset: int, nbytes: int, what: str, align: int) -> int:
+        """``nbytes`` of the file at ``file_offset`` mapped shared at a multiple of ``align``:
+        an aligned reservation, then the file mapped over it."""
+        size = os.fstat(fd).st_size
+        if size < file_offset + nbytes:
+            raise ValueError(f"{what}: the shared file holds {size} bytes, fewer than the "
+                             f"{file_offset + nbytes} the region needs")
+        start, _ = cls._reserve(nbytes, what, align)
+        address = _libc.mmap(start, nbytes, _PROT_READ | _PROT_WRITE,
+                             _MAP_SHARED | _MAP_NORESERVE | _MAP_FIXED, fd, file_offset)
+        if address in (None, _MAP_FAILED):
+            error = _os_error("mmap")
+            _libc.munmap(start, nbytes)
+            raise ValueError(f"{what}: {nbytes} bytes of the shared file cannot be mapped "
+                             f"({error.strerror})")
+        return address
+
     # ---- state ----
     @property
     def closed(self) -> bool:
@@ -390,7 +458,15 @@ class HostRegion:
                 "numa_strict": self.numa_strict, "numa_error": self.numa_error,
                 "commits": self.commits, "failed_commits": self.failed_commits,
                 "last_error": self.last_error, "huge_pages": self.huge_pages,
-                "thp_mode": thp_mode()}
+                "thp_mode": thp_mode(), "shared": self.shared, "node_bytes": self.node_bytes()}
+
+    def node_bytes(self) -> int:
+        """Memory the region's pages hold on this host, counted once however many processes
+        map them: the shared file's allocated bytes (its whole file), else ``committed_bytes``."""
+        fd = self._mapping.fd
+        if not self.shared or fd is None:
+            return self.committed_bytes
+        return os.fstat(fd).st_blocks * 512
 
     # ---- commit ----
     def pieces(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -417,8 +493,13 @@ class HostRegion:
                 ops.register(base + piece[0], piece[1], device)
                 registered.append(piece)
 
+        fd = self._mapping.fd
+
         def populate(piece):
-            ops.populate(base + piece[0], piece[1])
+            if fd is not None:  # shared backing: allocate the file's pages, change no byte
+                ops.populate_shared(fd, self.file_offset + piece[0], base + piece[0], piece[1])
+            else:
+                ops.populate(base + piece[0], piece[1])
             return piece
 
         try:
@@ -448,7 +529,25 @@ class HostRegion:
     def commit(self, ranges: Sequence[tuple[int, int]]) -> bool:
         """Make ``ranges`` (``(offset, nbytes)``, page-aligned, disjoint, not yet committed)
         real memory: populated and, on CUDA, registered. All or nothing: on any failure what
-        this call did is undone, ``last_error`` says why, and it returns False."""
+        this call did is undone, ``last_error`` says why, and it returns False. With ``agree``
+        the outcome is that of every process: a commit that succeeded here is undone when
+        another process's failed."""
+        if self.agree is None:
+            return self._commit(ranges)[0]
+        ok, undo = self._commit(ranges)
+        if self.agree(ok):
+            return True
+        if ok:
+            undo()
+            self._failed("another process of the host group failed the same commit")
+        # a second agreement: every process has undone its part before any commits again (a
+        # retry's pages must not be punched out under it)
+        self.agree(True)
+        return False
+
+    def _commit(self, ranges: Sequence[tuple[int, int]]):
+        """``(ok, undo)``: the commit of this process and, when it succeeded, a function that
+        undoes it."""
         if self.closed:
             raise RuntimeError("host region: commit after close()")
         ranges = [(o, n) for o, n in ranges if n > 0]
@@ -459,11 +558,11 @@ class HostRegion:
                                  f"page-aligned inside the region ({self.nbytes} bytes)")
         total = sum(n for _, n in ranges)
         if not total:
-            return True
+            return True, lambda: None
         available = self.ops.available_bytes()
         if total > available:
             return self._failed(f"out of host memory: a commit of {total} bytes exceeds the "
-                                f"{available} bytes available")
+                                f"{available} bytes available"), None
         mapping, base = self._mapping, self.address
         if mapping.protect_on_commit:
             done = []
@@ -472,8 +571,22 @@ class HostRegion:
                     error = _os_error("mprotect")
                     for o, n in done:
                         _libc.mprotect(base + o, n, _PROT_NONE)
-                    return self._failed(f"out of host memory (commit limit): {error}")
+                    return self._failed(f"out of host memory (commit limit): {error}"), None
                 done.append((offset, nbytes))
+
+        fd = mapping.fd
+
+        def roll_back(registered_pieces):
+            """Unregister what this call registered, give back what it populated."""
+            for offset, nbytes in registered_pieces:
+                self.ops.unregister(base + offset, nbytes, self.device)
+            for offset, nbytes in ranges:
+                if fd is not None:
+                    self.ops.discard_shared(fd, self.file_offset + offset, base + offset, nbytes)
+                else:
+                    self.ops.discard(base + offset, nbytes)
+                if mapping.protect_on_commit:
+                    _libc.mprotect(base + offset, nbytes, _PROT_NONE)
 
         registered: list[tuple[int, int]] = []
         failure = self._populate_and_register(self.pieces(ranges), registered)
@@ -483,16 +596,19 @@ class HostRegion:
                     mapping.registered[offset] = nbytes
             self.committed_bytes += total
             self.commits += 1
-            return True
-        # Roll back: unregister what this call registered, give back what it populated.
-        for offset, nbytes in registered:
-            self.ops.unregister(base + offset, nbytes, self.device)
-        for offset, nbytes in ranges:
-            self.ops.discard(base + offset, nbytes)
-            if mapping.protect_on_commit:
-                _libc.mprotect(base + offset, nbytes, _PROT_NONE)
+
+            def undo():
+                with mapping.lock:
+                    for offset, _ in registered:
+                        mapping.registered.pop(offset, None)
+                roll_back(registered)
+                self.committed_bytes -= total
+                self.commits -= 1
+
+            return True, undo
+        roll_back(registered)
         if isinstance(failure, (MemoryError, OSError, HostCommitError, RuntimeError)):
-            return self._failed(f"{type(failure).__name__}: {failure}")
+            return self._failed(f"{type(failure).__name__}: {failure}"), None
         raise failure  # a bug, not a resource failure: never swallowed
 
     def _failed(self, reason: str) -> bool:

@@ -33,11 +33,17 @@ class KVCacheManager:
     much of the host pools at start. ``host_huge_pages`` backs the region with transparent huge
     pages (faster first touch and registration, and GPU reads of host pages). ``close()`` releases it all (STO-9). ``_host_ops`` (tests
     only) replaces the region's system calls, to inject faults.
+
+    ``host_group`` (docs/TP.md): a ``torch.distributed`` process group of ranks on this host, or
+    a ``tp.HostGroup`` over one (to set its timeout and flush split). Then construction is
+    collective: the sparse pool groups live in one shared-memory region every rank maps (TP-1),
+    slot allocation and commits are SPMD (TP-2), each rank flushes its share and
+    ``Batch.sync`` orders the steps (TP-3), a rank that dies or leaves is reported (TP-4).
     """
 
     def __init__(self, config: CacheConfig, *, host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  host_threads: Optional[int] = None, numa="auto", prefill_host_bytes: int = 0,
-                 host_huge_pages: bool = True, _host_ops=None):
+                 host_huge_pages: bool = True, host_group=None, _host_ops=None):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         refuse_during_capture(config.device, "KVCacheManager()")
@@ -50,7 +56,16 @@ class KVCacheManager:
         host = HostOptions(host_chunk_bytes, host_threads, numa_node, numa_strict,
                            prefill_host_bytes, _host_ops, host_huge_pages)
         self.config = config
-        self.storage = Storage(config)
+        if host_group is not None:
+            from .tp import HostGroup
+
+            if not isinstance(host_group, HostGroup):
+                host_group = HostGroup(host_group)
+            if host_group.bound:
+                raise RuntimeError("KVCacheManager: the host group already serves a manager; "
+                                   "make one HostGroup per manager")
+        self.host_group = host_group
+        self.storage = Storage(config, host_group)
         # A batch's memory is linear in its rows plus a few bytes per selection group, so the
         # reserve of max_rows one-row batches covers any split of max_rows rows over batches.
         one_row = batch_memory_bytes(config, len(self.storage.groups), 1)
@@ -151,6 +166,35 @@ class KVCacheManager:
         if any(pages > group.free_slots + group.cached_slots for group in self.storage.groups):
             return False
         return True
+
+    def check_ranks(self, *batches) -> None:
+        """TP-2 debug check (collective over the host group; every rank passes its batches in
+        the same order): compares across ranks each pool group's allocation state (slots handed
+        out, free list, committed bytes, page reference counts, cached prefix pages) and each
+        given batch's host tables (page tables,
+        lengths); raises ``tp.RankDivergence`` naming the first that differs. First raises
+        RuntimeError when the group's header records a failed rank (TP-4). Without a host group
+        it does nothing."""
+        self._check_open("KVCacheManager.check_ranks")
+        group = self.host_group
+        if group is None:
+            return
+        group.raise_on_failure("KVCacheManager.check_ranks")
+        from .tp import digest
+
+        entries = []
+        for g in self.storage.groups:
+            entries.append((f"pool group {g.index} ({g.medium})",
+                            digest(g.num_slots, g._next, sorted(g._free), g.committed_bytes,
+                                   g.refs, g.cached_slots)))
+        for i, batch in enumerate(batches):
+            batch.catch_up()
+            tables = batch.host_tables()
+            for g in range(tables["page_tables"].shape[0]):
+                entries.append((f"batch {i} page table of pool group {g}",
+                                digest(tables["page_tables"][g])))
+            entries.append((f"batch {i} lengths", digest(tables["lengths"])))
+        group.check(entries)
 
     @property
     def closed(self) -> bool:

@@ -25,6 +25,8 @@ __all__ = [
     "flush_watermark",
     "locate_inflight",
     "max_inflight_units",
+    "rank_signal",
+    "rank_wait",
     "resolve",
     "uva_view",
     "write_indices",
@@ -232,6 +234,27 @@ def uva_view(host: Tensor, register: bool = True) -> Tensor:
     return _ops.uva_view(host, register)
 
 
+def rank_signal(header: Tensor, gen: Tensor, pools: Sequence[Tensor], rank: int,
+                world: int) -> None:
+    """TP-3, after this rank's flush: ``gen[0] += 1``, then ``header[16 + rank] = gen[0]`` with
+    release (system-scope) ordering, so a rank that sees the counter also sees every write of
+    the flush before it. ``header``: the shared rank header int64[512] (its device view on
+    CUDA); ``gen``: int64[1] on the same device; ``pools``: the host pools the flush wrote
+    (read: the op orders after the flush). Mutates ``header`` and ``gen``."""
+    _ops.rank_signal(header, gen, list(pools), rank, world)
+
+
+def rank_wait(header: Tensor, pools: Sequence[Tensor], gen: Tensor, rank: int, world: int,
+              timeout_us: int) -> None:
+    """TP-3/TP-4, before the next step's first fetch: returns once every rank ``r < world``
+    has ``header[16 + r] >= gen[0]`` (acquire). A rank whose left flag (``header[80 + r]``) is
+    set first, or no progress for ``timeout_us``, writes the header's failure record and then
+    raises RuntimeError naming the rank and generation (CPU) or traps (CUDA: the context is
+    lost). ``pools`` are declared written, so every later read of them (fetch) orders after
+    the wait in compiled code; the op writes no byte of them. Mutates ``header``."""
+    _ops.rank_wait(header, list(pools), gen, rank, world, timeout_us)
+
+
 def _check(cond: bool, message: str) -> None:
     torch._check(cond, lambda: message)
 
@@ -295,6 +318,23 @@ def _(host_pool, positions, cells, resident, inflight_slots, page_table, new_his
 @torch.library.register_fake("torch_kvcm2::flush_watermark")
 def _(written, declared, new_history, history, capacity, lease, shapes):
     _check(len(shapes) % 2 == 0, "flush_watermark: shapes must be (U, I) pairs")
+
+
+@torch.library.register_fake("torch_kvcm2::rank_signal")
+def _(header, gen, pools, rank, world):
+    _check(header.dtype == torch.int64 and header.shape == (512,),
+           "rank_signal: header must be int64[512]")
+    _check(gen.dtype == torch.int64 and gen.numel() == 1, "rank_signal: gen must be int64[1]")
+    _check(0 <= rank < world <= 64, "rank_signal: rank must be in [0, world), world <= 64")
+
+
+@torch.library.register_fake("torch_kvcm2::rank_wait")
+def _(header, pools, gen, rank, world, timeout_us):
+    _check(header.dtype == torch.int64 and header.shape == (512,),
+           "rank_wait: header must be int64[512]")
+    _check(gen.dtype == torch.int64 and gen.numel() == 1, "rank_wait: gen must be int64[1]")
+    _check(0 <= rank < world <= 64, "rank_wait: rank must be in [0, world), world <= 64")
+    _check(timeout_us > 0, "rank_wait: timeout_us must be positive")
 
 
 @torch.library.register_fake("torch_kvcm2::uva_view")

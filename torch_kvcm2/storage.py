@@ -271,10 +271,13 @@ class PoolGroup:
 
 class Storage:
     """All pool groups of a config. Construction only groups the buffers; ``allocate`` sizes the
-    groups from the budgets left after the given reserves and takes their memory."""
+    groups from the budgets left after the given reserves and takes their memory.
+    ``host_group`` (a ``tp.HostGroup``): the sparse groups live in its shared region instead
+    (TP-1, docs/TP.md)."""
 
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, host_group=None):
         self.config = config
+        self.host_group = host_group
         self.groups: list[PoolGroup] = []
         self.places: dict[tuple[str, str], BufferPlace] = {}
         keys: dict[tuple, PoolGroup] = {}
@@ -302,8 +305,9 @@ class Storage:
         self.prefix = PrefixIndex(self.groups, P)
 
     def in_region(self, group: PoolGroup) -> bool:
-        """Whether the group lives in the host region: sparse groups, and on a CPU device all."""
-        return group.sparse or self.config.device.type != "cuda"
+        """Whether the group lives in the host region: sparse groups, and on a CPU device all
+        (but with a host group, whose region is shared, the dense ones stay private)."""
+        return group.sparse or (self.config.device.type != "cuda" and self.host_group is None)
 
     def allocate(self, reserved: dict, host: Optional[HostOptions] = None) -> None:
         """Size every pool group and take its memory; raises ValueError (nothing allocated) when
@@ -328,15 +332,21 @@ class Storage:
         if prefill > host_pool_bytes:
             raise ValueError(f"prefill_host_bytes ({prefill}) exceeds the host pools "
                              f"({host_pool_bytes} bytes of the host budget)")
+        if self.host_group is not None and not layout:
+            raise ValueError("host_group: the config has no sparse pool groups to share")
         if layout:
             what = ("host_budget_bytes" if device.type == "cuda"
                     else "host_budget_bytes + gpu_budget_bytes (CPU memory on a CPU device)")
-            self.region = HostRegion(
-                end, chunk_bytes=host.chunk_bytes, threads=host.threads,
+            options = dict(
+                chunk_bytes=host.chunk_bytes, threads=host.threads,
                 numa_node=host.numa_node, numa_strict=host.numa_strict,
                 device=(device.index if device.index is not None else torch.cuda.current_device())
                 if device.type == "cuda" else None,
                 ops=host.ops, what=what, huge_pages=host.huge_pages)
+            if self.host_group is not None:
+                self.region = self.host_group.create_region(end, device, **options)
+            else:
+                self.region = HostRegion(end, **options)
         try:
             view = None
             if self.region is not None and device.type == "cuda":
@@ -377,6 +387,8 @@ class Storage:
         self.closed = True
         for group in self.groups:
             group.data = group.device_data = None
+        if self.host_group is not None:
+            self.host_group.close()  # marks this rank as left before its mapping goes
         if self.region is not None:
             self.region.close()
 

@@ -64,4 +64,16 @@ TORCH_LIBRARY(torch_kvcm2, m) {
   m.def("uva_view(Tensor host, bool register=True) -> Tensor");
   // Setup only: cudaHostRegister / cudaHostUnregister of one host range (the host region).
   m.def("host_register(int address, int nbytes, int device, bool register) -> ()");
+  // TP-3/TP-4 (docs/TP.md): the step ordering of the ranks of a host group. header is the shared
+  // rank header (int64[512]); gen this rank's generation (int64[1]). Batch.sync runs both, once
+  // per step, after the last flush and before the first fetch. rank_signal: gen += 1, then
+  // header's counter of `rank` = gen (release, system scope); the pools are read (it orders after
+  // the writes to them). rank_wait: until every rank's counter >= gen (bounded by timeout_us; a
+  // rank that left or a timeout writes the header's failure record, then raises on CPU and traps
+  // on CUDA); the pools are declared written so that every later read of them orders after it.
+  m.def(
+      "rank_signal(Tensor(a!) header, Tensor(b!) gen, Tensor[] pools, int rank, int world) -> ()");
+  m.def(
+      "rank_wait(Tensor(a!) header, Tensor(b!)[] pools, Tensor gen, int rank, int world, "
+      "int timeout_us) -> ()");
 }
