@@ -9,7 +9,8 @@
 #        bash scripts/gpu_check.sh [pytest args]
 # Production build:
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
-#   EXAMPLES=0 skips only the examples (eager, --compile, --compile reduce-overhead, --graph).
+#   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
+#   reduce-overhead, --graph; shared_prefix.py).
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only).
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
 #   set, clocks left alone): ncu_resolve.txt (details) and ncu_resolve_source.csv (per-SASS
@@ -66,10 +67,12 @@ if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda.log" | tail -25
   echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
   # the main example on the GPU: eager, compiled, and compiled into CUDA graphs
-  [ "${EXAMPLES:-1}" = 1 ] && for mode in "" "--compile" "--compile reduce-overhead" "--graph"; do
-    echo "== examples/sparse_decode.py $mode" | tee -a "$OUT/examples.log"
-    python3 examples/sparse_decode.py $mode 2>&1 | tail -7 | tee -a "$OUT/examples.log"
-    echo "example rc: ${PIPESTATUS[0]}" | tee -a "$OUT/examples.log" "$OUT/gpu.txt"
+  [ "${EXAMPLES:-1}" = 1 ] && for run in "sparse_decode.py" "sparse_decode.py --compile" \
+      "sparse_decode.py --compile reduce-overhead" "sparse_decode.py --graph" \
+      "shared_prefix.py"; do
+    echo "== examples/$run" | tee -a "$OUT/examples.log"
+    python3 examples/$run 2>&1 | tail -7 | tee -a "$OUT/examples.log"
+    echo "example $run rc: ${PIPESTATUS[0]}" | tee -a "$OUT/examples.log" "$OUT/gpu.txt"
   done
 fi
 [ "${LONG:-1}" = 1 ] && KVCM2_SAFETY_STEPS="${KVCM2_SAFETY_STEPS:-3000}" python3 -m pytest -q -p no:cacheprovider -m cuda \
