@@ -12,7 +12,7 @@ A seated cache talks to its batch through a few named methods (``seat_changed``,
 ``grant_lease``, ``release_lease``, ``reserve_changed``, ``cell_lengths``, ``sync_member``);
 the batch reads the cache through ``page_row``, ``live_range`` and ``lengths_row``, and writes
 it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``take_resize``,
-``lengths_published``, ``mark_published``, ``retake_pages`` and ``discard_in_flight``.
+``pages_unmoved``, ``mark_published``, ``retake_pages`` and ``discard_in_flight``.
 """
 from __future__ import annotations
 
@@ -283,7 +283,9 @@ class KVCache:
         their host pages); a partial last page is not committed. Committed pages are never
         written again (PFX-3: history only grows, so nothing writes below it). Idempotent and
         copy-free; a page whose content another cache already committed stays private.
-        Returns the number of tokens committed (whole pages). Raises TypeError / ValueError
+        Returns the tokens of ``token_ids``'s whole pages, all of which are now offered: each
+        page was committed by this call or before, or stays private because another cache
+        committed equal content first (``stats()["prefix"]`` counts entries). Raises TypeError / ValueError
         (wrong type or dtype, negative ids, pages beyond history, ids disagreeing with the
         ones a page was shared or committed under) and RuntimeError (closed cache, closed
         manager, stream capture), each with nothing changed."""
@@ -395,14 +397,10 @@ class KVCache:
         allocated = min(keep * P, self._max_tokens)
         return self._h, self._c, self._flushed, self._declared, allocated, self._reserve
 
-    def lengths_published(self) -> bool:
-        """The batch published this cache's lengths; True when no page moved since the last
-        publish (then that is all: the pages are published as they are), False when they did
-        (the batch publishes the page diff, then calls ``mark_published``)."""
-        if self._pages_moved:
-            return False
-        self._lowest_capacity = self._c
-        return True
+    def pages_unmoved(self) -> bool:
+        """No page moved since the batch last published this cache: a publish of its row then
+        sends its lengths only (and calls ``mark_published`` once the delta is uploaded)."""
+        return not self._pages_moved
 
     def take_written(self, written: int) -> None:
         """The written watermark after a flush, as the batch computed it for this row."""

@@ -91,7 +91,8 @@ class KVCacheManager:
         length; the caller prefills only the rest. Sharing takes no pool memory, so it cannot
         fail for lack of it. Residency starts empty (PFX-6). Raises TypeError / ValueError
         for bad ``token_ids`` (wrong type or dtype, negative ids, more than
-        ``max_tokens_per_row`` tokens), with nothing changed."""
+        ``max_tokens_per_row`` tokens), and RuntimeError with ``token_ids`` while the current
+        CUDA stream is capturing, with nothing changed."""
         self._check_open("KVCacheManager.create_cache")
         if token_ids is None:
             return KVCache(self, next(self._ids))
@@ -109,7 +110,8 @@ class KVCacheManager:
     def match(self, token_ids) -> int:
         """How many tokens of ``token_ids`` ``create_cache(token_ids)`` would share now (a
         multiple of ``tokens_per_page``), changing nothing (not even recency). Same arguments
-        and errors as ``create_cache``."""
+        and argument errors as ``create_cache``; allowed during stream capture (it only reads
+        host state)."""
         self._check_open("KVCacheManager.match")
         ids = self._token_ids("match", token_ids)
         pages, _ = self.storage.prefix.match(ids, self.config.max_pages_per_row)

@@ -120,8 +120,10 @@ class TableMirror:
         published = []  # (row, owner, live ranges) whose page state this delta publishes
         for row, owner in zip(rows, owners):
             previous = self.published_owner[row]
-            if owner is previous and (owner is None or owner.lengths_published()):
-                continue  # lengths only: no page entry can differ
+            if owner is previous and (owner is None or owner.pages_unmoved()):
+                if owner is not None:  # lengths only: no page entry can differ
+                    published.append((row, owner, None))
+                continue
             live = list(self.published_live[row])
             for g in range(self.G):
                 first, end, lowest = owner.live_range(g) if owner is not None else (0, 0, 0)
@@ -152,6 +154,9 @@ class TableMirror:
         self._upload(index, value, np.asarray(leases, dtype=np.int64), clear_leases)
         self.host[index] = value
         for row, owner, live in published:  # only once the delta is on its way
+            if live is None:  # lengths only
+                owner.mark_published()
+                continue
             self.published_live[row] = live
             self.published_owner[row] = owner
             self.active[row] = owner is not None
