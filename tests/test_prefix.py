@@ -346,7 +346,7 @@ def test_a_shared_cache_writes_only_its_private_pages_through_the_batch():
     for layer, role, *_ in model.buffers:
         positions = torch.full((MAX_ROWS, 11), -1, dtype=torch.int32)
         positions[batch.row_of(sharer)] = torch.arange(20, 31, dtype=torch.int32)
-        host = batch.host_token_indices(layer, role, positions)
+        host = batch.host_token_indices(layer, role, positions.to(batch.config.device))
         group = manager.storage.groups[manager.storage.place(layer, role).group]
         slots = host[host >= 0].long() // SAFETY_P // group.scale
         assert not set(slots.tolist()) & committed[group.index]
@@ -541,7 +541,8 @@ class SharingModel(Model):
             if group != group_index:
                 continue
             pool = storage.groups[storage.place(layer, role).group]
-            host = batch.host_token_indices(layer, role, positions).cpu()
+            host = batch.host_token_indices(layer, role,
+                                            positions.to(batch.config.device)).cpu()
             ok = host >= 0
             idx = host[ok].long()
             slots = (idx // SAFETY_P // pool.scale).numpy()
