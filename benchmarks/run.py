@@ -777,11 +777,15 @@ def bench_capacity(device, quick) -> Result:
                   extra={"contexts": found, "cells_bytes_per_layer": per_layer, "note": note})
 
 
-def scaling_point(timer, device, rows, K, S, miss, seed) -> dict:
+def scaling_point(timer, device, rows, K, S, miss, seed, full=False) -> dict:
     """One resolve + fetch step (one layer, U=1, 656-B rows) from the steady state, with
-    ``miss`` of the selection replaced by never-used units; checked like P-STEP."""
+    ``miss`` of the selection replaced by never-used units; graph-replayed, then checked like
+    P-STEP (counters, index table, every selected unit's bytes). ``full``: the resident set is
+    full first (S = 2K: an older selection of K units, then the current one), so every miss
+    evicts an LRU victim (P-FETCH-HS)."""
+    assert not full or S == 2 * K, "a full resident set here needs S = 2K"
     new = max(1, round(K * miss))
-    H = -(-(K + new) // PAGE) * PAGE
+    H = -(-((2 * K if full else K) + new) // PAGE) * PAGE
     config = sparse_config(device, rows=rows, width=K, slots=S, unit=1, page=PAGE, bytes_per_token=MLA_ROW,
                            tokens_per_row=H + 64)
     manager = kv.KVCacheManager(config)
@@ -795,8 +799,10 @@ def scaling_point(timer, device, rows, K, S, miss, seed) -> dict:
     sel1 = order[:, :K].scatter(1, pos, order[:, K:K + new]).to(torch.int32).contiguous()
     fresh = torch.zeros((rows, K), dtype=torch.bool, device=device).scatter_(1, pos, True)
     state = batch.group(0)
-    batch.resolve(0, sel0)
-    batch.fetch("l0")
+    warm = [order[:, K + new:2 * K + new].to(torch.int32).contiguous()] if full else []
+    for sel in warm + [sel0]:  # the steady state: sel0 the most recent selection
+        batch.resolve(0, sel)
+        batch.fetch("l0")
     saved = snapshot([state])
 
     def body():
@@ -816,46 +822,8 @@ def scaling_point(timer, device, rows, K, S, miss, seed) -> dict:
 
 
 def fetch_hs_point(timer, device, rows, K, S, miss, seed) -> dict:
-    """One resolve + fetch step (one layer, U=1, 656-B rows) from a steady state whose resident
-    set is full (S = 2K: an older selection of K units, then the current one), with ``miss`` of
-    the selection replaced by never-used units, so every miss evicts an LRU victim; graph-
-    replayed, then checked like P-STEP (counters, index table, every selected unit's bytes)."""
-    assert S == 2 * K, "a full resident set here needs S = 2K"
-    new = max(1, round(K * miss))
-    H = -(-(2 * K + new) // PAGE) * PAGE
-    config = sparse_config(device, rows=rows, width=K, slots=S, unit=1, page=PAGE, bytes_per_token=MLA_ROW,
-                           tokens_per_row=H + 64)
-    manager = kv.KVCacheManager(config)
-    batch = kv.Batch(manager)
-    seat(manager, batch, rows, H)
-    fill_random(manager.storage.groups[0], seed)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    order = torch.rand((rows, H), generator=gen, device=device).argsort(-1)
-    pos = torch.rand((rows, K), generator=gen, device=device).argsort(-1)[:, :new]
-    older = order[:, K + new:2 * K + new].to(torch.int32).contiguous()
-    sel0 = order[:, :K].to(torch.int32).contiguous()
-    sel1 = order[:, :K].scatter(1, pos, order[:, K:K + new]).to(torch.int32).contiguous()
-    fresh = torch.zeros((rows, K), dtype=torch.bool, device=device).scatter_(1, pos, True)
-    state = batch.group(0)
-    for sel in (older, sel0):  # the steady state: all S slots hold units, sel0 the recent ones
-        batch.resolve(0, sel)
-        batch.fetch("l0")
-    saved = snapshot([state])
-
-    def body():
-        batch.resolve(0, sel1)
-        batch.fetch("l0")
-
-    us, replay = timer.graph(body, 1, lambda: restore([state], saved), keep=True)
-    cells = batch.cells("l0", "kv")
-    cells.zero_()
-    replay()
-    got = (state.counters - saved[0][2]).tolist()
-    assert got == [rows * (K - new), rows * new, 0], f"hits, misses, invalid = {got}"
-    check_selection(cells, manager.storage.slot_pages("l0", "kv"), batch.page_tables[0], sel1,
-                    state.index_table, fresh)
-    return {"rows": rows, "K": K, "S": S, "miss_pct": 100 * new / K, "misses": rows * new,
-            "bytes": rows * new * MLA_ROW, "us": us}
+    """P-FETCH-HS's step: ``scaling_point`` from a full resident set."""
+    return scaling_point(timer, device, rows, K, S, miss, seed, full=True)
 
 
 PEER_HS_US = 392.1  # SGLang HiSparse's swap-in at its best block size, H200, 2026-12-01
