@@ -169,17 +169,22 @@ def check_cache_flags(p: argparse.ArgumentParser, args) -> None:
 
 
 def check_draft_flags(p: argparse.ArgumentParser, args) -> None:
-    """--draft-tokens N: every query token of a step is in flight (MTP-1), and a row's reserve
-    holds the most one step advances (N + 1 tokens), so that ``advance`` needs no host."""
+    """--draft-tokens N: every query token of a step is in flight (MTP-1), and half a row's
+    reserve (rounded up) holds the most one step advances (T = N + 1 tokens): the batch tops a
+    row's pages up only once more than half its reserve is used, so after a publish a row has
+    room for ceil(reserve / 2) tokens at least, and ``advance`` needs no host."""
     T = args.query_tokens
     if T > args.inflight:
         p.error(f"argument --draft-tokens: {args.draft_tokens} drafts make {T} query tokens per "
                 f"row, more than --inflight ({args.inflight}): every query token of a step is "
                 f"in flight")
-    if args.reserve_pages * args.tokens_per_page < T:
+    reserve = args.reserve_pages * args.tokens_per_page
+    if -(-reserve // 2) < T:
         p.error(f"argument --reserve-pages: {args.reserve_pages} page(s) of "
-                f"{args.tokens_per_page} tokens hold fewer than the {T} tokens one step may "
-                f"accept with --draft-tokens {args.draft_tokens}")
+                f"{args.tokens_per_page} tokens is too few with --draft-tokens "
+                f"{args.draft_tokens}: a row's pages are topped up once more than half its "
+                f"reserve is used, so half of it must hold the {T} tokens one step may accept "
+                f"(a reserve of at least {2 * T - 1} tokens)")
 
 
 def pick_device_for(args) -> torch.device:
