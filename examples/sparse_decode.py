@@ -40,7 +40,20 @@ cell, attention over the cells) runs as one ``torch.compile(fullgraph=True)`` mo
 the eager attention over the same cells. ``--graph`` (CUDA) runs the first step eagerly, then
 captures the whole step once with ``torch.cuda.CUDAGraph`` and replays it for every other step.
 
-    python examples/sparse_decode.py [--graph | --compile [reduce-overhead]] [--device cpu] [--help]
+With ``--draft-tokens N`` (speculative decoding; every mode above) each step runs T = N + 1 query
+tokens per row: the row's next token, then N drafts from the model's draft head (``propose``).
+Each query token has its own indexer selection; a group's one resolve takes all T of them
+(``[max_rows, T, K + 1]``, the layers' ``SparseSpec(max_query_tokens=T)``), write indices place
+the T tokens in their cells, and every query token attends causally over the cells and is checked
+against the dense reference. A seeded verification accepts a random prefix of 1..T tokens per
+row (drawn up front: ``accepted`` is a step input like the noise); the flush writes back only
+the accepted tokens, ``advance`` moves history by them and keeps capacity at history + T, so the
+rejected positions are in flight again and rewritten by the next step. The next token is sampled
+at each row's last accepted query token. At the end every row's history is its prompt plus its
+accepted tokens, on its host pages, and its written watermark is no further.
+
+    python examples/sparse_decode.py [--graph | --compile [reduce-overhead]] [--draft-tokens N]
+                                     [--device cpu] [--help]
 """
 from __future__ import annotations
 
@@ -85,9 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, default=64, help="decode steps")
     p.add_argument("--topk", "-K", type=positive_int, default=8,
                    help="history units the indexer picks per row (the current unit comes on top)")
-    p.add_argument("--slots", "-S", type=positive_int, default=None,
-                   help="cell slots per request and selection group (default: 32; with "
-                        "--draft-tokens N at least the slots that seat N + 1 selections)")
+    p.add_argument("--slots", "-S", type=positive_int, default=argparse.SUPPRESS,
+                   help="cell slots per request and selection group (default: 32, or with "
+                        "--draft-tokens N, if more, the fewest that seat N + 1 selections)")
     p.add_argument("--tokens-per-unit", "-U", type=positive_int, default=4,
                    help="tokens per unit (what the indexer selects)")
     p.add_argument("--tokens-per-page", "-P", type=positive_int, default=16, help="tokens per page")
@@ -152,7 +165,7 @@ def check_cache_flags(p: argparse.ArgumentParser, args) -> None:
     # tokens per row seats the union of T selections (MTP-1)
     need = T * (K + 1) + kv.SparseSpec(tokens_per_unit=U, width=K + 1, slots=1,
                                        max_inflight_tokens=I).max_inflight_units
-    if args.slots is None:  # 32, or the least multiple of the units per page that seats T
+    if getattr(args, "slots", None) is None:  # 32, or the fewest whole pages' units seating T
         args.slots = max(32, -(-need // units_per_page) * units_per_page)
     S = args.slots
     if S % units_per_page:
