@@ -40,7 +40,20 @@ cell, attention over the cells) runs as one ``torch.compile(fullgraph=True)`` mo
 the eager attention over the same cells. ``--graph`` (CUDA) runs the first step eagerly, then
 captures the whole step once with ``torch.cuda.CUDAGraph`` and replays it for every other step.
 
-    python examples/sparse_decode.py [--graph | --compile [reduce-overhead]] [--device cpu] [--help]
+With ``--draft-tokens N`` (speculative decoding; every mode above) each step runs T = N + 1 query
+tokens per row: the row's next token, then N drafts from the model's draft head (``propose``).
+Each query token has its own indexer selection; a group's one resolve takes all T of them
+(``[max_rows, T, K + 1]``, the layers' ``SparseSpec(max_query_tokens=T)``), write indices place
+the T tokens in their cells, and every query token attends causally over the cells and is checked
+against the dense reference. A seeded verification accepts a random prefix of 1..T tokens per
+row (drawn up front: ``accepted`` is a step input like the noise); the flush writes back only
+the accepted tokens, ``advance`` moves history by them and keeps capacity at history + T, so the
+rejected positions are in flight again and rewritten by the next step. The next token is sampled
+at each row's last accepted query token. At the end every row's history is its prompt plus its
+accepted tokens, on its host pages, and its written watermark is no further.
+
+    python examples/sparse_decode.py [--graph | --compile [reduce-overhead]] [--draft-tokens N]
+                                     [--device cpu] [--help]
 """
 from __future__ import annotations
 
@@ -85,8 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, default=64, help="decode steps")
     p.add_argument("--topk", "-K", type=positive_int, default=8,
                    help="history units the indexer picks per row (the current unit comes on top)")
-    p.add_argument("--slots", "-S", type=positive_int, default=32,
-                   help="cell slots per request and selection group")
+    p.add_argument("--slots", "-S", type=positive_int, default=argparse.SUPPRESS,
+                   help="cell slots per request and selection group (default: 32, or with "
+                        "--draft-tokens N, if more, the fewest that seat N + 1 selections)")
     p.add_argument("--tokens-per-unit", "-U", type=positive_int, default=4,
                    help="tokens per unit (what the indexer selects)")
     p.add_argument("--tokens-per-page", "-P", type=positive_int, default=16, help="tokens per page")
@@ -103,6 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reserve-pages", type=positive_int, default=2,
                    help="pages each row keeps allocated beyond its capacity, so that the device "
                         "advances its lengths without the host (Batch.advance)")
+    p.add_argument("--draft-tokens", type=int, default=0, metavar="N",
+                   help="speculative decoding: each step the model proposes N draft tokens "
+                        "after each row's next token (N + 1 query tokens per row, resolved "
+                        "together) and a seeded verification accepts a random prefix of 1..N+1 "
+                        "of them; 0: one token per row per step")
     add_device_flag(p)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--compile", nargs="?", const="default", choices=("default", "reduce-overhead"),
@@ -113,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="capture the whole decode step once as one CUDA graph and replay it "
                            "for every step after the first (GPU only)")
     args = p.parse_args(argv)
+    if args.draft_tokens < 0:
+        p.error(f"argument --draft-tokens: {args.draft_tokens} is not >= 0")
+    args.query_tokens = args.draft_tokens + 1  # T: query tokens per row per step
     if args.latent % 2:
         p.error(f"argument --latent: {args.latent} is odd; it must be even (the compiled cell "
                 f"write moves 4-byte words)")
@@ -121,6 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"argument --steps: {args.steps} is too few with {mode}: the first step "
                 f"{'runs before the capture' if args.graph else 'compiles'} and is timed apart, "
                 f"so at least 2 are needed")
+    check_draft_flags(p, args)
     check_cache_flags(p, args)
     args.prompts = [args.prompt_lengths[i % len(args.prompt_lengths)] for i in range(args.rows)]
     try:  # any rule the checks above do not state: the library's own message
@@ -133,23 +156,48 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_cache_flags(p: argparse.ArgumentParser, args) -> None:
     """The cache config's sparse rules (CFG-3), stated in this script's flags: the library would
     reject the same values with a ValueError naming its own fields."""
-    P, U, K, S, I = (args.tokens_per_page, args.tokens_per_unit, args.topk, args.slots,
-                     args.inflight)
+    P, U, K, I, T = (args.tokens_per_page, args.tokens_per_unit, args.topk, args.inflight,
+                     args.query_tokens)
     if P % U:
         p.error(f"argument --tokens-per-unit/-U: {U} must divide --tokens-per-page/-P ({P})")
     units_per_page = P // U
+    # the selection is the top-K units plus the query's own one: width K + 1; a step of T query
+    # tokens per row seats the union of T selections (MTP-1)
+    need = T * (K + 1) + kv.SparseSpec(tokens_per_unit=U, width=K + 1, slots=1,
+                                       max_inflight_tokens=I).max_inflight_units
+    if getattr(args, "slots", None) is None:  # 32, or the fewest whole pages' units seating T
+        args.slots = max(32, -(-need // units_per_page) * units_per_page)
+    S = args.slots
     if S % units_per_page:
         p.error(f"argument --slots/-S: {S} must be a multiple of the units per page "
                 f"(--tokens-per-page / --tokens-per-unit = {units_per_page})")
-    # the selection is the top-K units plus the query's own one: width K + 1
-    need = kv.SparseSpec(tokens_per_unit=U, width=K + 1, slots=S,
-                         max_inflight_tokens=I).max_inflight_units + K + 1
     if S < need:
-        p.error(f"argument --slots/-S: {S} is too small: the cache needs at least (--topk + 1) + "
-                f"ceil(--inflight / --tokens-per-unit) + 1 = {need} slots, so that a full "
-                f"selection fits next to a full in-flight range")
+        tokens, what = (("(--draft-tokens + 1) x ", "the union of a step's selections") if T > 1
+                        else ("", "a full selection"))
+        p.error(f"argument --slots/-S: {S} is too small: the cache needs at least {tokens}"
+                f"(--topk + 1) + ceil(--inflight / --tokens-per-unit) + 1 = {need} slots, so that "
+                f"{what} fits next to a full in-flight range")
     if S > 65535:
         p.error(f"argument --slots/-S: {S} is above the cache's limit of 65535")
+
+
+def check_draft_flags(p: argparse.ArgumentParser, args) -> None:
+    """--draft-tokens N: every query token of a step is in flight (MTP-1), and half a row's
+    reserve (rounded up) holds the most one step advances (T = N + 1 tokens): the batch tops a
+    row's pages up only once more than half its reserve is used, so after a publish a row has
+    room for ceil(reserve / 2) tokens at least, and ``advance`` needs no host."""
+    T = args.query_tokens
+    if T > args.inflight:
+        p.error(f"argument --draft-tokens: {args.draft_tokens} drafts make {T} query tokens per "
+                f"row, more than --inflight ({args.inflight}): every query token of a step is "
+                f"in flight")
+    reserve = args.reserve_pages * args.tokens_per_page
+    if -(-reserve // 2) < T:
+        p.error(f"argument --reserve-pages: {args.reserve_pages} page(s) of "
+                f"{args.tokens_per_page} tokens is too few with --draft-tokens "
+                f"{args.draft_tokens}: a row's pages are topped up once more than half its "
+                f"reserve is used, so half of it must hold the {T} tokens one step may accept "
+                f"(a reserve of at least {2 * T - 1} tokens)")
 
 
 def pick_device_for(args) -> torch.device:
@@ -164,16 +212,17 @@ def pick_device_for(args) -> torch.device:
 # ---------------------------------------------------------------- cache configuration
 
 def build_config(args, device) -> kv.CacheConfig:
-    P, U, L = args.tokens_per_page, args.tokens_per_unit, args.layers
-    # whole pages, for the longest row's tokens and the reserve of pages beyond them
-    max_tokens = -(-(max(args.prompts) + args.steps + 1 + args.reserve_pages * P) // P) * P
+    P, U, L, T = args.tokens_per_page, args.tokens_per_unit, args.layers, args.query_tokens
+    # whole pages, for the longest row's tokens (every step accepting all T, plus the next
+    # step's T in flight) and the reserve of pages beyond them
+    max_tokens = -(-(max(args.prompts) + args.steps * T + T + args.reserve_pages * P) // P) * P
     sparse = {}  # one SparseSpec per selection group; its layers share residency and resolve
     layers = []
     for i in range(L):
         group = f"g{i // args.group_size}"
         spec = sparse.setdefault(group, kv.SparseSpec(
             tokens_per_unit=U, width=args.topk + 1, slots=args.slots,
-            max_inflight_tokens=args.inflight, selection_id=group))
+            max_inflight_tokens=args.inflight, max_query_tokens=T, selection_id=group))
         # Only a group's first layer runs the indexer: the others' indexer_k is zero-size, which
         # costs no memory and no copies (CFG-6).
         leader = i % args.group_size == 0
@@ -186,7 +235,7 @@ def build_config(args, device) -> kv.CacheConfig:
     host = pages * P * L * args.latent * KV_DTYPE.itemsize
     dense = pages * P * len(sparse) * args.index_dim * KEY_DTYPE.itemsize
     cells = args.rows * L * args.slots * U * args.latent * KV_DTYPE.itemsize
-    tables = 64 * args.rows * (max_tokens // P + args.slots + args.topk + args.inflight) * len(sparse)
+    tables = 64 * args.rows * (max_tokens // P + args.slots + T * args.topk + args.inflight) * len(sparse)
     return kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=args.rows,
                           max_tokens_per_row=max_tokens, gpu_budget_bytes=dense + cells + tables + (1 << 20),
                           host_budget_bytes=host + (1 << 20), device=device)
@@ -251,6 +300,26 @@ class Model:
         logits = rms_norm(x) @ self.embedding.T * x.shape[-1] ** -0.5
         return (logits.float() + noise).argmax(-1, keepdim=True)
 
+    def propose(self, token, noise):
+        """The draft head of speculative decoding: N tokens after ``token`` int64[R, 1], each
+        sampled (``sample``, with ``noise[n]`` of float32[N, R, vocab]) from the previous
+        token's embedding alone, a guess that skips the layers. Returns int64[R, N]. Tensor ops
+        only: capturable."""
+        drafts = []
+        for n in range(noise.shape[0]):
+            token = self.sample(self.embedding[token[:, 0]], noise[n])
+            drafts.append(token)
+        return torch.cat(drafts, 1)
+
+
+def at_last_accepted(x, accepted):
+    """Hidden states x[R, T, d] at each row's last accepted query token (``accepted``
+    int32[R], 1..T): float32[R, d], where the next token is sampled. Fixed shapes."""
+    if x.shape[1] == 1:
+        return x[:, 0]
+    last = (accepted - 1).long()[:, None, None].expand(-1, 1, x.shape[-1])
+    return x.gather(1, last)[:, 0]
+
 
 def gumbel_noise(shape, generator) -> torch.Tensor:
     """Standard Gumbel samples -log(-log(u)), u uniform in (0, 1), on the CPU."""
@@ -313,33 +382,38 @@ def write_rows(paged: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -
     words.index_add_(0, safe, delta)
 
 
-def decode_layer(batch, group: int, layer: str, wanted, selected, q, latent, position, U: int):
-    """One decode layer's cache work and attention, as --compile compiles it: on the group's
-    first layer (``wanted`` given) its resolve and write indices; then the layer's fetch, the
-    new token's write into its cell (``position`` int32[R] must be in flight), and attention of
-    q[R, H, D] over the selected units read from the cells."""
-    if wanted is not None:
-        batch.resolve(group, wanted)
+def decode_layer(batch, group: int, layer: str, resolve: bool, selected, q, latent, positions,
+                 U: int):
+    """One decode layer's cache work and attention, as --compile compiles it, for T query tokens
+    per row at ``positions`` int32[R, T] (in flight): on the group's first layer (``resolve``)
+    the resolve of ``selected`` int32[R, T, W] (one resolve for all T) and write indices; then
+    the layer's fetch, the T tokens' latents[R, T, D] written into their cells, and attention
+    of every query token q[R, T, H, D] over its selected units read from the cells (causal: a
+    query token sees the step's tokens up to its own)."""
+    if resolve:
+        batch.resolve(group, selected)
         batch.write_indices(group)
     state = batch.group(group)
     table = state.write_table
     batch.fetch(layer)
     cells = batch.cells(layer, "kv")
-    column = (position - state.inflight_start).long()[:, None]
-    slot = table.gather(1, column.clamp(0, table.shape[1] - 1))[:, 0]
-    write_rows(cells, torch.where((column[:, 0] >= 0) & (column[:, 0] < table.shape[1]), slot, BAD),
-                latent)
-    return attend_cells(q, cells, state.index_table, selected, batch.capacity, U)
+    column = (positions - state.inflight_start[:, None]).long()
+    slot = table.gather(1, column.clamp(0, table.shape[1] - 1))
+    write_rows(cells, torch.where((column >= 0) & (column < table.shape[1]), slot, BAD).flatten(),
+               latent.flatten(0, 1))
+    index = state.index_views[selected.shape[1] - 1]  # resolve's table, [R, T, W]
+    return attend_cells(q, cells, index, selected, positions + 1, U)
 
 
-def attend_cells(q, cells, index, selected, capacity, U: int):
-    """Decode attention of q[R, H, D] over the selected units, read from a layer's cells
-    (uint8[cells, 1, P, B]) through the index table (int32[R, W] entries) of ``Batch.resolve``;
-    ``selected`` (its unit ordinals) masks each unit's tokens at or past ``capacity``. A pure
-    tensor function with fixed shapes."""
+def attend_cells(q, cells, index, selected, limit, U: int):
+    """Decode attention of q[R, T, H, D] over the selected units, read from a layer's cells
+    (uint8[cells, 1, P, B]) through the index table (int32[R, T, W] entries) of
+    ``Batch.resolve``; ``selected`` (its unit ordinals) masks each unit's tokens at or past
+    ``limit`` int32[R, T] (a query token's position + 1). A pure tensor function with fixed
+    shapes."""
     latent = as_tokens(cells, KV_DTYPE)
     tokens = unit_tokens(index.clamp(min=0), U)
-    valid = per_token(index >= 0, U) & (unit_tokens(selected, U) < capacity[:, None])
+    valid = per_token(index >= 0, U) & (unit_tokens(selected, U) < limit[..., None])
     return softmax_attend(q, latent[tokens].float(), valid)
 
 
@@ -390,15 +464,32 @@ class SparseDecoder:
         R, T = args.rows, self.config.max_tokens_per_row
         self.all_positions = torch.arange(T, dtype=torch.int32, device=device).repeat(R, 1)
         # The static inputs of a decode step (a captured graph reads them at fixed addresses):
-        # each row's token (the step writes the next one), the sampling noise, and the tokens
-        # each row accepts (all of its one in-flight token: no speculation in this script).
+        # each row's token (the step writes the next one), the sampling noise, the draft head's
+        # noise, and the query tokens each row accepts (its one token, or with drafts the
+        # verification's prefix of 1..T).
+        self.T, N = args.query_tokens, args.draft_tokens
+        self.offsets = torch.arange(self.T, dtype=torch.int32, device=device)  # in a step
         self.tokens = torch.zeros(R, 1, dtype=torch.long, device=device)
         self.noise = torch.zeros(R, args.vocab, device=device)
+        self.draft_noise = torch.zeros(N, R, args.vocab, device=device)
         self.accepted = torch.ones(R, dtype=torch.int32, device=device)
         self.sampler = torch.Generator().manual_seed(args.seed + 1)  # the prompts
         # Gumbel noise of every sampling (the prefill's, then each step's), made up front
         self.gumbel = gumbel_noise((args.steps + 1, R, args.vocab),
                                    torch.Generator().manual_seed(args.seed + 2)).to(device)
+        # the verification's verdicts, made up front: plan[s, r] query tokens row r accepts
+        # at step s (a random prefix of 1..T); the draft head's noise of every step
+        self.plan = torch.ones(args.steps, R, dtype=torch.int32)
+        self.draft_gumbel = None
+        if N:
+            verdicts = torch.Generator().manual_seed(args.seed + 3)
+            self.plan = torch.randint(1, self.T + 1, (args.steps, R), generator=verdicts,
+                                      dtype=torch.int32)
+            self.draft_gumbel = gumbel_noise((args.steps, N, R, args.vocab), verdicts).to(device)
+        # each row's tokens accepted before step s (host arithmetic for make_room and the checks)
+        self.advanced = np.concatenate([np.zeros((1, R), dtype=np.int64),
+                                        self.plan.numpy().astype(np.int64).cumsum(0)])
+        self.plan = self.plan.to(device)
         self.decode_layer = decode_layer
         if args.compile:
             # one compiled graph per layer (its cells are guarded by identity) and per role
@@ -450,7 +541,8 @@ class SparseDecoder:
     def prefill(self) -> None:
         """Seat every request with its prompt as new tokens, run the prompts through every layer
         (attention over the activations; KV into host pages and cells), flush, take history
-        over them with room for the first decoded token, and sample it into ``self.tokens``."""
+        over them with room for the first decode step's T query tokens, and sample the first
+        decoded token into ``self.tokens``."""
         batch, U, K = self.batch, self.args.tokens_per_unit, self.args.topk
         for cache, length in zip(self.caches, self.args.prompts):
             check(cache.resize(capacity=length), "resize: out of pages")  # the whole prompt is new
@@ -483,8 +575,8 @@ class SparseDecoder:
                 x = self.model.residual(layer, x, out)
         batch.record_host_writes()  # the prefill wrote [history, start) to host pages
         batch.flush()
-        for cache in self.caches:  # flushed: history advances; room for the next token
-            check(cache.resize(history=cache.capacity, capacity=cache.capacity + 1),
+        for cache in self.caches:  # flushed: history advances; room for the next T tokens
+            check(cache.resize(history=cache.capacity, capacity=cache.capacity + self.T),
                   "resize: out of pages")
         batch.publish()
         last = x[torch.arange(R, device=self.device), lengths - 1]
@@ -493,43 +585,49 @@ class SparseDecoder:
 
     # ---- one decode step ----
     def decode_step(self) -> dict:
-        """One whole decode step on the static inputs ``tokens``, ``noise`` and ``accepted``, with
-        no host work and fixed shapes, so that it can be captured as one CUDA graph (and traced
-        with fullgraph=True): per selection group its indexer (the new token's indexer key into
-        the dense pool, every key read back through the page table, the top-K units), resolve
-        and write indices; per layer fetch, the new token's latent into its cell, attention over
-        the cells; ``flush`` of the accepted tokens and ``advance`` of the lengths on the device;
-        the next tokens sampled into ``tokens``. Needs the batch published (``host_part``).
+        """One whole decode step on the static inputs ``tokens``, ``noise``, ``draft_noise``
+        and ``accepted``, with no host work and fixed shapes, so that it can be captured as one
+        CUDA graph (and traced with fullgraph=True). Each row runs T query tokens at positions
+        history + 0..T-1, its in-flight range: its next token, then (with --draft-tokens) the
+        draft head's N proposals after it. Per selection group its indexer (the T tokens'
+        indexer keys into the dense pool, every key read back through the page table, each
+        query token's top-K units), one resolve of all T selections and write indices; per
+        layer fetch, the T tokens' latents into their cells, attention of every query token
+        over the cells; ``flush`` of the accepted tokens only and ``advance`` of the lengths by
+        them on the device (capacity stays history + T: rejected positions are in flight again
+        next step, and rewritten); the next token sampled at each row's last accepted query
+        token into ``tokens``. Needs the batch published (``host_part``).
 
         Returns what the checks read (``check_step``), by name: a replayed graph's outputs,
         overwritten by its next replay."""
         batch, model, U, K = self.batch, self.model, self.args.tokens_per_unit, self.args.topk
-        qpos = batch.history[:, None].clone()  # the new token's position (capacity is one more)
+        qpos = batch.history[:, None] + self.offsets  # int32[R, T]: capacity is history + T
         probes = {"qpos": qpos}
-        x = model.embedding[self.tokens]
+        tokens = self.tokens
+        if self.T > 1:
+            tokens = torch.cat([tokens, model.propose(tokens, self.draft_noise)], 1)
+        x = model.embedding[tokens]
         for group in self.config.selection_groups:
             for i, layer in enumerate(group.layers):
                 h, q, latent = model.attention_inputs(layer, x)
-                wanted = None
                 if i == 0:  # the group's indexer and its one resolve, shared by its layers
                     iq, ik = model.indexer_inputs(layer, h)
                     index = self.token_indices(layer, "indexer_k", qpos)
-                    write_rows(self.manager.storage.view(layer, "indexer_k"), index[:, 0], ik[:, 0])
+                    write_rows(self.manager.storage.view(layer, "indexer_k"), index.flatten(),
+                               ik.flatten(0, 1))
                     keys, key_ok = self.read_indexer_keys(layer)
                     selected = select_units(iq, keys, key_ok, qpos, K, U)
-                    wanted = selected[:, 0]
                     probes.update({f"ik:{layer}": ik, f"keys:{layer}": keys,
                                    f"key_ok:{layer}": key_ok, f"selected:{group.name}": selected})
-                out = self.decode_layer(batch, group.index, layer, wanted, selected[:, 0], q[:, 0],
-                                        latent[:, 0], qpos[:, 0], U)
+                out = self.decode_layer(batch, group.index, layer, i == 0, selected, q, latent,
+                                        qpos, U)
                 if self.args.compile == "reduce-overhead":
                     out = out.clone()  # a CUDA-graph output is overwritten by the next replay
-                probes.update({f"q:{layer}": q[:, 0], f"latent:{layer}": latent,
-                               f"out:{layer}": out})
-                x = model.residual(layer, x, out[:, None])
-        batch.flush(batch.history + self.accepted)  # the accepted tokens go to host pages
-        batch.advance(self.accepted)  # history over them, capacity one more, on the device
-        self.tokens.copy_(model.sample(x[:, 0], self.noise))
+                probes.update({f"q:{layer}": q, f"latent:{layer}": latent, f"out:{layer}": out})
+                x = model.residual(layer, x, out)
+        batch.flush(batch.history + self.accepted)  # only the accepted tokens go to host pages
+        batch.advance(self.accepted)  # history over them, capacity history + T, on the device
+        self.tokens.copy_(model.sample(at_last_accepted(x, self.accepted), self.noise))
         return probes
 
     def host_part(self, step: int, run=None) -> dict:
@@ -543,6 +641,9 @@ class SparseDecoder:
         flush and advance moved on the device (lengths and the written watermark: with a
         read-back pending, ``record_flush`` would queue just that again)."""
         self.noise.copy_(self.gumbel[step + 1])
+        if self.T > 1:  # the draft head's noise and the verification's verdicts
+            self.draft_noise.copy_(self.draft_gumbel[step])
+            self.accepted.copy_(self.plan[step])
         self.make_room(step)
         self.batch.publish()
         if run is None:
@@ -552,23 +653,26 @@ class SparseDecoder:
         return probes
 
     def make_room(self, step: int) -> None:
-        """Before step ``step``, which advances every row by one token on the device within its
+        """Before step ``step``, which advances each row by the tokens it accepts (1, or with
+        drafts the verification's 1..T, known to the host up front) on the device within its
         allocated pages: the host mirror (``Batch.host_tables``) holds the lengths of the last
-        read-back the host took, ``behind`` steps ago; a row it cannot show has room for one more
-        token makes the host wait for the latest read-back (``Batch.catch_up``), after which
-        ``publish`` allocates that row's next pages. With a reserve of a few pages this happens
-        once every few dozen steps at most, and only when the device's lengths never came back
-        in time (the device is that far behind the host)."""
+        read-back the host took, ``behind`` tokens ago; a row it cannot show has room for this
+        step's advance makes the host wait for the latest read-back (``Batch.catch_up``), after
+        which ``publish`` allocates that row's next pages. With a reserve of a few pages this
+        happens once every few dozen steps at most, and only when the device's lengths never
+        came back in time (the device is that far behind the host)."""
         lengths = self.batch.host_tables()["lengths"]  # history, capacity, lease, ..., allocated
         history, capacity, allocated = (lengths[i].astype(np.int64) for i in (0, 1, 5))
-        behind = self.start_history + step - history  # this script's steps advance each row by 1
-        if (allocated - capacity - behind < 1).any():
+        behind = self.start_history + self.advanced[step] - history
+        moves = self.advanced[step + 1] - self.advanced[step]  # this step's advance per row
+        if (allocated - capacity - behind < moves).any():
             self.batch.catch_up()
             self.waits += 1
 
     # ---- the checks (not timed) ----
     def check_step(self, probes: dict) -> None:
-        """A decode step's outputs: the reference takes the new tokens' latents and indexer keys;
+        """A decode step's outputs: the reference takes the T query tokens' latents and indexer
+        keys (overwriting the rejected drafts of the step before at the same positions);
         every indexer key the step read from the pool equals the reference's; every attention
         output equals attention over the dense reference (and, with --compile, eager attention
         over the same cells, which hold what they held during the step until the next one)."""
@@ -583,15 +687,15 @@ class SparseDecoder:
                 self.ref.store(self.ref.kv[layer], qpos, probes[f"latent:{layer}"])
                 if self.args.compile:
                     eager = attend_cells(q, self.batch.cells(layer, "kv"),
-                                         self.batch.group(group.index).index_table,
-                                         selected[:, 0], qpos[:, 0] + 1, U)
+                                         self.batch.group(group.index).index_views[self.T - 1],
+                                         selected, qpos + 1, U)
                     torch.testing.assert_close(out, eager,
                                                msg=lambda m: f"{layer}: compiled != eager\n{m}")
-                want = attend_dense(q[:, None], self.ref.kv[layer], selected, qpos, U)[:, 0]
+                want = attend_dense(q, self.ref.kv[layer], selected, qpos, U)
                 torch.testing.assert_close(out, want,
                                            msg=lambda m: f"{layer}: cells != dense reference\n{m}")
                 self.max_error = max(self.max_error, (out - want).abs().max().item())
-                self.checked += out.shape[0]
+                self.checked += out.shape[0] * out.shape[1]  # rows x query tokens
 
     # ---- the run ----
     def capture(self) -> None:
@@ -641,14 +745,19 @@ class SparseDecoder:
             self.check_step(probes)
 
     def verify(self) -> int:
-        """After decoding: no row was refused or cut short by advance; every history token of
-        every layer is on its host pages, bit for bit. Returns the tokens x layers verified."""
+        """After decoding: no row was refused or cut short by advance; every row's history is
+        its prompt plus the tokens it accepted, and its written watermark is its history (the
+        flushes wrote back no rejected draft); every history token of every layer is on its host
+        pages, bit for bit. Returns the tokens x layers verified."""
         batch = self.batch
         refused, short = batch.advance_counters.tolist()
         check(refused == 0 and short == 0, f"advance refused {refused} and cut short {short} rows")
         history = [c.history_length for c in self.caches]  # takes the last read-back
-        expected = (self.start_history + self.args.steps).tolist()
+        expected = (self.start_history + self.advanced[-1]).tolist()
         check(history == expected, f"history {history} after decoding, expected {expected}")
+        written = [c.written for c in self.caches]
+        check(written == history, f"written watermarks {written} after decoding, expected the "
+                                  f"histories {history}")
         batch.publish()
         history = torch.tensor(history, device=self.device)
         positions = torch.where(self.all_positions < history[:, None], self.all_positions, BAD)
@@ -717,11 +826,16 @@ def report(run: SparseDecoder, args, host_tokens: int) -> None:
     print(f"checks passed: {run.checked} decode attention outputs match the dense reference "
           f"(max abs diff {run.max_error:.1e}){' and eager' if args.compile else ''}; "
           f"{host_tokens} history tokens x layer verified on host pages")
-    own = args.rows * args.steps  # each query's own unit is resident: a hit every decode step
+    # each query token's own unit is in flight, hence resident: a hit every step, counted once
+    # per row however many of the step's query tokens it holds
+    U, T = args.tokens_per_unit, run.T
+    first = run.start_history + run.advanced[:-1]  # [steps, R]: each step's first position
+    own = int(((first + T - 1) // U - first // U + 1).sum())
+    whose = "the query's own unit" if T == 1 else "the query tokens' own units"
     for group in config.selection_groups:
         s = batch.hit_rate(group.index)
         print(f"hit rate {group.name} ({', '.join(group.layers)}): {s['hit_rate']:.2f} "
-              f"({s['hits']} hits, {own} of them the query's own unit; {s['misses']} misses; "
+              f"({s['hits']} hits, {own} of them {whose}; {s['misses']} misses; "
               f"{s['invalid']} invalid)")
     B = args.latent * KV_DTYPE.itemsize
     cells = args.slots * args.tokens_per_unit * B
@@ -732,7 +846,7 @@ def report(run: SparseDecoder, args, host_tokens: int) -> None:
           f"tokens of history x {B} B): {cells / dense:.0%}; all {args.layers} layers: "
           f"{cells * args.layers:,} B vs {dense * args.layers:,} B")
     apart = bool(args.compile or args.graph)  # the first step is timed apart
-    tokens = args.rows * (args.steps - apart)
+    tokens = int(run.advanced[-1].sum() - run.advanced[int(apart)].sum())  # accepted, timed
     note = ""
     if args.compile:
         note = f"; the first step, which compiled ({args.compile} mode), took {run.first_s:.1f} s"
@@ -744,6 +858,16 @@ def report(run: SparseDecoder, args, host_tokens: int) -> None:
     print(f"decode: {tokens} tokens in {run.timer.elapsed:.2f} s = {rate}, host time per step "
           f"{host} (median) ({args.rows} row{'s' if args.rows != 1 else ''}; checks not "
           f"counted{note})")
+
+
+def report_drafts(run: SparseDecoder, args) -> None:
+    """--draft-tokens: how many query tokens the verification accepted per row per step."""
+    total, steps = int(run.advanced[-1].sum()), args.steps * args.rows
+    queries = steps * run.T
+    print(f"speculative: {args.draft_tokens} draft token(s) per row per step ({run.T} query "
+          f"tokens, one resolve per selection group); accepted {total / steps:.2f} tokens per row "
+          f"per step on average ({total} of {queries} query tokens; {queries - total} rejected, "
+          f"kept out of history and rewritten the next step)")
 
 
 def check_graph(run: SparseDecoder, args) -> None:
@@ -774,7 +898,9 @@ def main(argv=None) -> int:
     groups = "; ".join(f"{g.name}: {', '.join(g.layers)}" for g in run.config.selection_groups)
     print(f"device {device}: {args.rows} request(s), prompts {args.prompts}, {args.layers} layers "
           f"({groups}); units of {args.tokens_per_unit} tokens, top-{args.topk} units + the "
-          f"current one, {args.slots} slots per request", flush=True)
+          f"current one, {args.slots} slots per request"
+          f"{f'; {args.draft_tokens} draft token(s) per step' if args.draft_tokens else ''}",
+          flush=True)
     try:
         run.prefill()
         run.timer.start()
@@ -788,6 +914,8 @@ def main(argv=None) -> int:
         sys.stderr.write(f"\nCHECK FAILED: {error}\n")
         return 1
     report(run, args, host_tokens)
+    if args.draft_tokens:
+        report_drafts(run, args)
     return 0
 
 

@@ -43,6 +43,11 @@ def output(result):
     ("quickstart.py", [], "all history verified on host pages"),
     ("sparse_decode.py", ["--steps", "16"], "decode attention outputs match the dense reference"),
     ("sparse_decode.py", ["--steps", "4", "--compile"], "and eager;"),
+    # speculative: 3 query tokens per row per step, every one checked (4 rows x 3 tokens x 4
+    # layers x 8 steps), a random accepted prefix per row per step
+    ("sparse_decode.py", ["--steps", "8", "--draft-tokens", "2"],
+     "checks passed: 384 decode attention outputs match the dense reference"),
+    ("sparse_decode.py", ["--steps", "4", "--draft-tokens", "1", "--compile"], "and eager;"),
     ("shared_prefix.py", [], "checks passed: "),
 ])
 def test_example_runs_and_its_checks_pass(script, args, expect):
@@ -52,13 +57,17 @@ def test_example_runs_and_its_checks_pass(script, args, expect):
     assert expect in result.stdout
     if script == "sparse_decode.py":  # every mode prints its host time next to tokens/s
         assert "tokens/s, host time per step " in result.stdout, output(result)
+        drafts = "--draft-tokens" in args
+        assert ("tokens per row per step on average" in result.stdout) == drafts, output(result)
 
 
 @pytest.mark.cuda
-def test_sparse_decode_graph_replays_the_whole_step_and_its_checks_pass():
-    result = run_example("sparse_decode.py", "--device", "cuda", "--graph")
+@pytest.mark.parametrize("flags, outputs", [([], 1024), (["--draft-tokens", "3"], 4096)])
+def test_sparse_decode_graph_replays_the_whole_step_and_its_checks_pass(flags, outputs):
+    result = run_example("sparse_decode.py", "--device", "cuda", "--graph", *flags)
     assert result.returncode == 0, output(result)
-    assert "checks passed: 1024 decode attention outputs match the dense reference" in result.stdout
+    assert f"checks passed: {outputs} decode attention outputs match the dense reference" \
+        in result.stdout, output(result)
     assert "graph: the whole decode step captured once as one CUDA graph, replayed 63 times" \
         in result.stdout, output(result)
     assert "tokens/s, host time per step " in result.stdout, output(result)
@@ -76,6 +85,12 @@ def test_sparse_decode_graph_replays_the_whole_step_and_its_checks_pass():
     ("sparse_decode.py", ["--steps", "1", "--graph"], "--steps"),
     ("sparse_decode.py", ["--graph", "--compile"], "--graph"),
     ("sparse_decode.py", ["--reserve-pages", "0"], "--reserve-pages"),
+    ("sparse_decode.py", ["--draft-tokens", "-1"], "--draft-tokens"),
+    ("sparse_decode.py", ["--draft-tokens", "8"], "--draft-tokens"),  # 9 query tokens > --inflight
+    ("sparse_decode.py", ["--draft-tokens", "3", "--slots", "32"], "--slots"),  # < 4 x 9 + 3
+    # half of a 4-token reserve cannot hold the 4 tokens a step may accept
+    ("sparse_decode.py", ["--draft-tokens", "3", "--reserve-pages", "1", "-P", "4"],
+     "--reserve-pages"),
     ("quickstart.py", ["--steps", "0"], "--steps"),
     ("quickstart.py", ["--prompt-lengths", "40,x"], "--prompt-lengths"),
     ("shared_prefix.py", ["--requests", "0"], "--requests"),
@@ -159,30 +174,38 @@ def finish(run):
             [c.capacity for c in run.caches], run.batch.advance_counters.tolist(), run.checked)
 
 
-def test_decode_step_traces_whole_and_equals_eager():
+# the speculative mode: T = 3 query tokens per row per step, a random accepted prefix of 1..3
+DRAFTS = [([], 1), (["--draft-tokens", "2"], 3)]
+
+
+@pytest.mark.parametrize("flags, T", DRAFTS)
+def test_decode_step_traces_whole_and_equals_eager(flags, T):
     """The step --graph captures needs nothing from the host: traced with fullgraph=True (a host
     read, a data-dependent shape or a host-side call would break the graph) it gives the eager
     step's tokens, lengths and checked outputs, with the host's part (record_advance after it)
-    as a replay has it."""
+    as a replay has it; with drafts too (the draft head, the accepted prefix and the next token
+    at the last accepted query token are tensor work)."""
     torch._dynamo.reset()
     results = []
     for traced in (False, True):
-        run = decoder()
+        run = decoder(*flags)
         step = (torch.compile(run.decode_step, fullgraph=True, backend="aot_eager")
                 if traced else None)
         for number in range(run.args.steps):
             run.check_step(run.host_part(number, step))
         results.append(finish(run))
     assert results[0] == results[1]
-    assert results[0][4] == 2 * 4 * 4  # rows x layers x steps attention outputs checked
+    assert results[0][4] == 2 * 4 * 4 * T  # rows x layers x steps x query tokens checked
 
 
-def test_decode_host_tops_up_pages_when_the_lengths_come_back_late():
+@pytest.mark.parametrize("flags", [[], ["--draft-tokens", "1"]])
+def test_decode_host_tops_up_pages_when_the_lengths_come_back_late(flags):
     """A device that is always behind the host (a publish never finds the length read-back of
     advance finished): the host waits for it only before steps where a row could run out of its
-    reserve, and then publishes the row's next pages. Without that, rows run out (the control)."""
+    reserve, and then publishes the row's next pages. Without that, rows run out (the control).
+    With drafts a row advances by the 1..T tokens it accepts, which the host knows up front."""
     for tops_up in (True, False):
-        run = decoder("--reserve-pages", "1", "--tokens-per-page", "4", "--steps", "12")
+        run = decoder("--reserve-pages", "1", "--tokens-per-page", "4", "--steps", "12", *flags)
         take = run.batch.catch_up
         run.batch.catch_up = lambda wait=True: take() if wait else None  # read-backs come late
         if not tops_up:
@@ -199,7 +222,8 @@ def test_decode_host_tops_up_pages_when_the_lengths_come_back_late():
             assert run.batch.advance_counters.tolist()[1] > 0  # rows cut short at their reserve
 
 
-def test_graph_loop_checks_every_replay_after_the_loop():
+@pytest.mark.parametrize("flags, T", DRAFTS)
+def test_graph_loop_checks_every_replay_after_the_loop(flags, T):
     """The --graph loop on the CPU, with a stand-in for the CUDA graph: a "replay" runs the
     traced step and copies its outputs into the same tensors every time, as a replayed graph
     does. The loop copies each replay's outputs aside and checks them all after the loop: every
@@ -207,7 +231,7 @@ def test_graph_loop_checks_every_replay_after_the_loop():
     torch._dynamo.reset()
     results = []
     for graph in (False, True):
-        run = decoder("--steps", "6")
+        run = decoder("--steps", "6", *flags)
         if graph:
             traced = torch.compile(run.decode_step, fullgraph=True, backend="aot_eager")
             outputs = {}
@@ -228,4 +252,4 @@ def test_graph_loop_checks_every_replay_after_the_loop():
         results.append(finish(run))
     assert run.replays == run.args.steps - 1
     assert results[0] == results[1]
-    assert results[0][4] == 2 * 4 * 6  # every step's outputs checked
+    assert results[0][4] == 2 * 4 * 6 * T  # every step's query tokens' outputs checked
