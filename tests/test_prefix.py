@@ -550,7 +550,8 @@ class SharingModel(Model):
             assert (pool.refs[slots] == 1).all() and (pool.owner[slots] == 0).all()
             view = storage.view(layer, role)
             data = content_bytes(key, positions[ok], tokens[ok], nbytes)
-            view[idx // SAFETY_P, :, idx % SAFETY_P] = data.view(len(idx), *view.shape[1::2])
+            i = idx.to(view.device)
+            view[i // SAFETY_P, :, i % SAFETY_P] = data.view(len(idx), *view.shape[1::2]).to(view.device)
             cells = batch.cells(layer, role)
             cell_tokens = start[:, None] + torch.arange(table.shape[1])
             ok = table >= 0
@@ -559,7 +560,8 @@ class SharingModel(Model):
                                 zip(rows.tolist(), cell_tokens[ok].tolist())], dtype=torch.int64)
             idx = table[ok].long()
             data = content_bytes(key, cell_tokens[ok], ids, nbytes)
-            cells[idx // SAFETY_P, :, idx % SAFETY_P] = data.view(len(idx), *cells.shape[1::2])
+            i = idx.to(cells.device)
+            cells[i // SAFETY_P, :, i % SAFETY_P] = data.view(len(idx), *cells.shape[1::2]).to(cells.device)
 
     def check_cells(self, group, selected, index):
         U = group.sparse.tokens_per_unit
