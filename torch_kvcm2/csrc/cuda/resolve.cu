@@ -38,6 +38,9 @@
 // Scans run over blocked per-thread ranges of whole 4/8/16-byte chunks (load_chunk /
 // store_chunk), so the sequential shared arrays are read without bank conflicts. Every phase
 // function is __forceinline__: the kernel compiles to one function, as if written in one piece.
+// It is compiled twice, once per memory space of the table region (resolve_kernel<kGlobalTable>):
+// in shared memory for every row that fits the shared layout, in a global scratch for wide rows
+// (multi-token selections); everything else is in shared memory in both.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -85,6 +88,7 @@ __device__ __forceinline__ RowRange range_of(const ResolveParams& p, int32_t h, 
 // derives the row rules from the early values, which takes the lease's global round trip and
 // the rules off the critical path; an attempt whose early values differ is abandoned before it
 // has written anything but shared memory, and redone with the values read after the wait.
+template <bool kGlobalTable>
 __device__ __forceinline__ void preamble(const ResolveParams& p, const Arrays& A, Row& row) {
   const int r = row.r, S = row.S, tid = threadIdx.x;
   row.l = load_in_place(p.lease + r);
@@ -104,7 +108,7 @@ __device__ __forceinline__ void preamble(const ResolveParams& p, const Arrays& A
   static_assert(kEmptyKey == -1, "one fill serves key, first and the direct table");
   // (A table region in global scratch is filled after the PDL wait, in resolve_kernel: the
   // previous kernel may be a resolve still using it.)
-  if (p.table_scratch == nullptr) fill_words(A.key, static_cast<int>(p.L.table_words), -1);
+  if (!kGlobalTable) fill_words(A.key, static_cast<int>(p.L.table_words), -1);
   static_assert(kUntouched == 0, "cls starts zeroed");
   fill_words(reinterpret_cast<int32_t*>(A.cls), S / 4, 0);
   for (int s = S / 4 * 4 + tid; s < S; s += kResolveThreads) A.cls[s] = 0;
@@ -796,21 +800,25 @@ __device__ __forceinline__ void resolve_row(const ResolveParams& p, const Arrays
 // instruction's result (integer and shared-memory dependency chains), not on shared-memory
 // bandwidth: the time follows the instructions per warp. docs/DEVELOPMENT.md says how to print
 // the phase profile.
+// kGlobalTable: the table region is this CTA's part of p.table_scratch (wide rows), else it is
+// in shared memory. One kernel per memory space, so that every table access of the shared one
+// compiles to shared-memory instructions (LDS/STS/ATOMS): a pointer that may point into either
+// space is generic, and a generic access costs more than a shared one on this kernel's
+// dependency chains.
+template <bool kGlobalTable>
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   KVCM2_PROF_BEGIN();
   unsigned char* const table =
-      p.table_scratch != nullptr
-          ? p.table_scratch + static_cast<size_t>(blockIdx.x) * p.L.table_bytes
-          : smem;
+      kGlobalTable ? p.table_scratch + static_cast<size_t>(blockIdx.x) * p.L.table_bytes : smem;
   const Arrays A(smem, table, p.L);
   Row row;
   row.r = blockIdx.x;
   row.S = p.S, row.K = p.K, row.bits = p.hash_bits;
-  preamble(p, A, row);
+  preamble<kGlobalTable>(p, A, row);
   KVCM2_PROF(1);
   pdl_enter();
-  if (p.table_scratch != nullptr) {  // wide rows: the table region in global scratch
+  if (kGlobalTable) {  // wide rows: the table region in global scratch
     fill_words(A.key, static_cast<int>(p.L.table_words), -1);
     __syncthreads();  // filled before any thread inserts into it
   }
@@ -869,7 +877,7 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
     bits = std::max(1, ceil_log2(2 * K));
   ResolveLayout<int64_t> layout(S, K, int64_t{1} << bits, MI);
   const int device = resident.get_device();
-  const int static_bytes = static_smem(kernel_id(resolve_kernel), device);
+  int static_bytes = static_smem(kernel_id(resolve_kernel<false>), device);
   const int smem_optin = device_info(device).smem_optin;
   // Rows too wide for the shared layout (multi-token selections) take the table region from
   // `scratch`: the hash of >= 2K entries, resolve_scratch_bytes in torch_kvcm2/memory.py.
@@ -887,7 +895,11 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
                 "resolve: scratch must be 16-byte aligned");
     table_scratch = static_cast<unsigned char*>(t.data_ptr());
+    static_bytes = static_smem(kernel_id(resolve_kernel<true>), device);
   }
+  // The kernel of the table region's memory space (resolve_kernel).
+  void (*const kernel)(ResolveParams) =
+      table_scratch != nullptr ? resolve_kernel<true> : resolve_kernel<false>;
   TORCH_CHECK(layout.bytes + static_bytes <= smem_optin, "resolve: S=", S,
               ", selected columns per row (query tokens x K)=", K, ", max in-flight units=", MI,
               " need ", layout.bytes + static_bytes,
@@ -895,7 +907,7 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
               table_scratch == nullptr ? " (pass a scratch tensor for wide rows: docs/MTP.md)"
                                        : " (docs/MTP.md)");
   const size_t smem = static_cast<size_t>(layout.bytes);
-  allow_dynamic_smem(kernel_id(resolve_kernel), device, smem);
+  allow_dynamic_smem(kernel_id(kernel), device, smem);
   ResolveParams p{};
   p.resident = resident.data_ptr<int32_t>();
   p.recency = recency.data_ptr<int32_t>();
@@ -926,7 +938,7 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   p.L = ResolveLayout<uint32_t>(static_cast<uint32_t>(S), static_cast<uint32_t>(K),
                                 uint32_t{1} << bits, static_cast<uint32_t>(MI),
                                 table_scratch != nullptr);
-  launch_kernel(resolve_kernel, dim3(static_cast<unsigned>(rows)), dim3(kResolveThreads), smem,
+  launch_kernel(kernel, dim3(static_cast<unsigned>(rows)), dim3(kResolveThreads), smem,
                 stream, p);
 }
 

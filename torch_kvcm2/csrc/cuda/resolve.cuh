@@ -98,8 +98,9 @@ struct ResolveParams {
   int64_t leases, tokens_per_unit, tokens_per_page, max_inflight_tokens, window;
   int32_t rows, S, K, MI;
   int32_t hash_bits;  // hash table of 1 << hash_bits entries, >= 2K: load factor <= 1/2
-  // The table regions of wide rows, L.table_bytes per CTA (ResolveLayout's global_table);
-  // nullptr: the table region is in shared memory.
+  // The table regions of wide rows, L.table_bytes per CTA (ResolveLayout's global_table), read
+  // only by resolve_kernel<true>; nullptr for resolve_kernel<false>, whose table region is in
+  // shared memory.
   unsigned char* table_scratch;
 #ifdef KVCM2_DEV
   int32_t force_stale;  // Tuning::resolve_force_stale (launch.cuh)
@@ -378,7 +379,9 @@ struct Arrays {
   int32_t* miss_entry;
   uint16_t* newrec;
 
-  // `table`: where the table region is (smem, or this CTA's part of the global scratch).
+  // `table`: where the table region is (smem, or this CTA's part of the global scratch). Each
+  // kernel passes one memory space only (resolve_kernel<kGlobalTable>), so the compiler knows
+  // the space of every pointer here and addresses it with that space's instructions.
   __device__ __forceinline__ Arrays(unsigned char* smem, unsigned char* table,
                                     const ResolveLayout<uint32_t>& L)
       : key(reinterpret_cast<int32_t*>(table + L.key)),
