@@ -13,7 +13,8 @@ resolves once (the steady state); then:
   one private manager's committed host bytes (what TP private pools pin today);
 - flush per rank: the median of this rank's ``Batch.flush`` (its share of the layers, split
   "layer" and "pool_group"), timed alone (the other ranks wait at a barrier, so two ranks on
-  one GPU do not time-slice each other), as graph replays on CUDA and wall-clock on CPU;
+  one GPU do not time-slice each other), as graph replays of ``FLUSHES`` flushes (so the
+  replay's launch does not count, as in P-FLUSH) on CUDA and wall-clock on CPU;
 - flush + sync per step: every rank at once, ``flush(); sync()``, eager, wall-clock.
 
 After the timing every rank checks, from the shared host pages, that the in-flight token of
@@ -35,6 +36,8 @@ import torch.multiprocessing as mp
 
 import torch_kvcm2 as kv
 from torch_kvcm2.tp import HostGroup
+
+FLUSHES = 10  # flushes per timed graph replay (P-FLUSH's count)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned workers import "run"
 _RUN = None  # benchmarks/run.py: the shapes, helpers and Result
@@ -123,7 +126,7 @@ def worker(rank, world, init, device, quick, repeats, out_dir):
             for r in range(world):  # each rank's flush timed alone
                 group.barrier()
                 if r == rank:
-                    times = timer.graph(batch.flush, 1)
+                    times = timer.graph(batch.flush, FLUSHES)
                 if device == "cuda":
                     torch.cuda.synchronize()
             group.barrier()

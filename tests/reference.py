@@ -608,3 +608,24 @@ def flush_watermark(written, declared, new_history, history, capacity, lease, sh
         if max(written[r], declared[r]) >= max([h] + starts):
             out[r] = max(written[r], min(new_history[r], c))
     return out
+
+
+def advance(lengths, accepted):
+    """HOST-3's length advance, over Python ints: ``lengths`` six lists (history, capacity, lease,
+    written, declared, allocated), ``accepted`` one int per row. Per seated row (lease >= 0):
+    refused (unchanged) when ``accepted`` is negative, exceeds the in-flight width c - h, or would
+    move history past ``written``; else h += accepted and c = h + width cut at ``allocated``
+    (short when cut). Returns (new history, new capacity, refused rows, short rows)."""
+    h, c, lease, written, _, allocated = (list(row) for row in lengths)
+    refused = short = 0
+    for r, a in enumerate(accepted):
+        if lease[r] < 0:
+            continue
+        width = c[r] - h[r]
+        if a < 0 or a > width or h[r] + a > written[r]:
+            refused += 1
+            continue
+        wanted = h[r] + a + width
+        h[r], c[r] = h[r] + a, min(wanted, allocated[r])
+        short += c[r] < wanted
+    return h, c, refused, short

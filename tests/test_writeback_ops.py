@@ -952,3 +952,55 @@ def test_flush_watermark_rejects_bad_arguments(device):
         with pytest.raises(RuntimeError, match=message):
             ops.flush_watermark(*args)
     assert written.tolist() == [0] * 4
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_advance_random_matches_reference(device):
+    """HOST-3: the advance op equals the reference rule on random rows (holes; accepted counts
+    negative, within, at and past the width, past the flushed watermark; capacities cut at the
+    allocated tokens), counters accumulate; lease, written, declared, allocated never change."""
+    rng = random.Random(5)
+    counts = [0, 0]
+    moved = 0
+    counters = torch.zeros(2, dtype=torch.int64, device=device)
+    for trial in range(40):
+        R = rng.randint(1, 700)  # several CTAs on CUDA
+        h = [rng.randint(0, 1000) for _ in range(R)]
+        c = [x + rng.randint(0, 9) for x in h]
+        written = [x + rng.randint(0, 12) for x in h]
+        declared = [rng.randint(0, x) for x in c]
+        allocated = [x + rng.randint(0, 20) for x in c]
+        lease = [rng.choice([-1, 0, 1, 3]) for _ in range(R)]
+        accepted = [rng.randint(-2, 12) for _ in range(R)]
+        L = [h, c, lease, written, declared, allocated]
+        want_h, want_c, refused, short = ref.advance(L, accepted)
+        lengths = torch.tensor(L, dtype=torch.int32, device=device)
+        ops.advance(lengths, counters, torch.tensor(accepted, dtype=torch.int32, device=device))
+        got = lengths.tolist()
+        assert got[0] == want_h and got[1] == want_c, trial
+        assert got[2:] == L[2:], trial
+        counts[0] += refused
+        counts[1] += short
+        assert counters.tolist() == counts, trial
+        moved += sum(a != b for a, b in zip(want_h, h))
+    assert min(counts) > 100 and moved > 1000  # refusals, cuts and moves, many times
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_advance_rejects_bad_arguments(device):
+    """Metadata checks name the argument; nothing changes."""
+    lengths = torch.zeros((6, 4), dtype=torch.int32, device=device)
+    counters = torch.zeros(2, dtype=torch.int64, device=device)
+    a = torch.zeros(4, dtype=torch.int32, device=device)
+    cases = [
+        ((lengths[:5], counters, a), "lengths must be contiguous int32"),
+        ((lengths.t().contiguous().t(), counters, a), "lengths must be contiguous int32"),
+        ((lengths, counters, a.long()), "accepted must be int32"),
+        ((lengths, counters, a[:3]), "accepted must have shape"),
+        ((lengths, counters.int(), a), "counters must be contiguous int64"),
+        ((lengths, counters[:1], a), "counters must be contiguous int64"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.advance(*args)
+    assert lengths.abs().sum().item() == 0 and counters.tolist() == [0, 0]

@@ -108,6 +108,7 @@ class Batch(LengthsPath):
         self._shape_pairs = [n for shape in self._shapes for n in shape]  # flush_watermark
         self._cells: dict[tuple[str, str], torch.Tensor] = {}
         self._fetch_args: dict[str, tuple] = {}
+        self._fetch_plans: dict[tuple, tuple] = {}  # fetch(*layers)'s checked arguments
         for group in config.selection_groups:
             for layer in group.layers:
                 self._fetch_args[layer] = self._new_cells(group, layer, allocated)
@@ -122,7 +123,9 @@ class Batch(LengthsPath):
         self._fetch_events: dict[int, torch.cuda.Event] = {}
         self._pending_snapshot = None  # the event of a length read-back after advance()
         self._settle: set[int] = set()  # rows advanced on the device, page work pending
-        self._stale: set[int] = set()  # rows whose cache has not taken the advanced lengths
+        # per row: the mirror may hold lengths the device advanced that the row's cache has not
+        # taken yet (sync_member takes them when the cache is next used)
+        self._stale = np.zeros(max_rows, dtype=bool)
         self._reserve_tokens = np.zeros(max_rows, dtype=np.int64)  # as published, per row
         # per row, the capacity from which its reserve top-up is urgent (lengths_path)
         self._urgent_at = np.full(max_rows, np.iinfo(np.int64).max, dtype=np.int64)
@@ -473,10 +476,21 @@ class Batch(LengthsPath):
         given layer, all of one selection group, in one launch (up to 8 buffers per launch).
         Every layer of the group must be fetched after each resolve of the group: per layer just
         before its attention, or several at once, which keeps more copies in flight."""
+        plan = self._fetch_plans.get(layers)
+        if plan is None:
+            plan = self._fetch_plan(layers)
+        self._check_step("Batch.fetch")
+        state, cells, pools, positions, tables = plan
+        if cells:
+            ops.fetch(cells, pools, positions, tables, state.miss_list, state.miss_count,
+                      state.spec.sparse.slots, state.spec.sparse.tokens_per_unit)
+
+    def _fetch_plan(self, layers: tuple) -> tuple:
+        """The checked arguments of ``fetch(*layers)``, kept per tuple of layers (a step names
+        the same layers every time): (group state, cells, host pools, positions, tables)."""
         if not layers:
             raise TypeError("Batch.fetch: name at least one layer")
         args = [self._layer_args(layer) for layer in layers]
-        self._check_step("Batch.fetch")
         group = self.config.group_of(layers[0])
         for layer in layers[1:]:
             if self.config.group_of(layer) is not group:
@@ -485,10 +499,9 @@ class Batch(LengthsPath):
         if len(set(layers)) != len(layers):
             raise ValueError(f"Batch.fetch: a layer is named twice in {list(layers)}")
         cells, pools, positions, tables = ([x for a in args for x in a[i]] for i in range(4))
-        state = self.groups[group.index]
-        if cells:
-            ops.fetch(cells, pools, positions, tables, state.miss_list, state.miss_count,
-                      state.spec.sparse.slots, state.spec.sparse.tokens_per_unit)
+        plan = (self.groups[group.index], cells, pools, positions, tables)
+        self._fetch_plans[layers] = plan
+        return plan
 
     def fetch_sparse_pages(self, layer: str, selected: torch.Tensor,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from . import lengths as rules
+from . import ops
 from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN
 
 
@@ -69,17 +70,20 @@ class LengthsPath:
         if self._windowed or not rows:
             return set(), []
         reserve = self._reserve_tokens
-        # published with a lease and unchanged since (a seat change, a resize, a declaration,
-        # an advance not yet taken, or a new reserve makes a row take the per-row path)
+        index = np.asarray(rows, dtype=np.int64)
+        stale = self._stale[index]
+        if stale.any():  # these members take the lengths advance() moved first
+            for row in index[stale].tolist():
+                self.sync_member(row)
+        # published with a lease and unchanged since (a seat change, a resize, a declaration or
+        # a new reserve makes a row take the per-row path)
         active = self._mirror.active
-        unclean = (self._dirty, self._declared_rows, self._stale, self._settle,
-                   self._reserve_rows)
+        unclean = (self._dirty, self._declared_rows, self._settle, self._reserve_rows)
         if any(unclean):
             active = active.copy()
             for group in unclean:
                 for r in group:
                     active[r] = False
-        index = np.asarray(rows, dtype=np.int64)
         clean = active[index]
         if not clean.any():
             return set(), []
@@ -126,19 +130,7 @@ class LengthsPath:
         again, at the first ``publish`` after that catch-up."""
         self._check_step("Batch.advance")
         self._check_rows_tensor("accepted", accepted)
-        h, c, lease = self.history, self.capacity, self.lease
-        seated = lease >= 0
-        width = c - h
-        new_h = h + accepted
-        refused = seated & ((accepted < 0) | (accepted > width) | (new_h > self.written))
-        moving = seated & ~refused
-        wanted = new_h + width
-        new_c = torch.minimum(wanted, self._allocated)
-        short = moving & (new_c < wanted)
-        self.history.copy_(torch.where(moving, new_h, h))
-        self.capacity.copy_(torch.where(moving, new_c, c))
-        counts = torch.stack((refused.sum(), short.sum()))
-        self.advance_counters.add_(counts)
+        ops.advance(self._mirror.lengths, self.advance_counters, accepted)
         if torch.compiler.is_compiling():
             return
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -174,25 +166,25 @@ class LengthsPath:
             pending = self._pending_snapshot
         event = pending[0]
         if event is not None:
-            if not wait and not event.query():
+            if wait:
+                event.synchronize()
+            elif not event.query():
                 return
-            event.synchronize()
         self._pending_snapshot = None
         snapshot = self._snapshot_host
         L = self._mirror.host_lengths
-        # rows whose history, capacity or watermark moved; lease, declared and allocated
-        # tokens are equal (only a publish changes them, and none ran since the copy was
-        # queued: a publish with changes waits for the read-back first)
-        moved = (snapshot[:WRITTEN + 1] != L[:WRITTEN + 1]).any(axis=0)
-        moved &= L[LEASE] >= 0
-        L[:] = snapshot
-        seated = np.flatnonzero(moved).tolist()
-        if not seated:
-            return
-        self._stale.update(seated)
         if self._windowed:
-            self._settle.update(seated)
-        else:
+            # rows whose history, capacity or watermark moved (lease, declared and allocated
+            # tokens are equal: only a publish changes them, and a publish with changes waits
+            # for the read-back first) release pages behind their windows at the next publish
+            moved = (snapshot[:WRITTEN + 1] != L[:WRITTEN + 1]).any(axis=0)
+            moved &= L[LEASE] >= 0
+            self._settle.update(np.flatnonzero(moved).tolist())
+        L[:] = snapshot
+        # every member takes its row when next used (sync_member: only seated rows, and only
+        # lengths that differ from its own), so the steady state costs no per-row work here
+        self._stale.fill(True)
+        if not self._windowed:
             self._settle_reserves(L)
 
     def _settle_reserves(self, L: np.ndarray) -> None:
@@ -221,8 +213,12 @@ class LengthsPath:
         the cache takes its row of the host mirror)."""
         if self._pending_snapshot is not None:
             self.catch_up()
-        if row in self._stale:
-            self._stale.discard(row)
-            L = self._mirror.host_lengths
-            self._rows[row].take_lengths(int(L[HISTORY, row]), int(L[CAPACITY, row]),
-                                         int(L[WRITTEN, row]))
+        if not self._stale[row]:
+            return
+        self._stale[row] = False
+        cache, L = self._rows[row], self._mirror.host_lengths
+        # a row changed on the host since its last publish (dirty) is ahead of the mirror; a
+        # hole or a suspended row has nothing of the device's
+        if cache is None or row in self._dirty or L[LEASE, row] < 0:
+            return
+        cache.take_lengths(int(L[HISTORY, row]), int(L[CAPACITY, row]), int(L[WRITTEN, row]))

@@ -18,6 +18,7 @@ __all__ = [
     "MISS_FIELDS",
     "NUM_COUNTERS",
     "SETUP_OPS",
+    "advance",
     "convert_page_indices",
     "convert_token_indices",
     "fetch",
@@ -223,6 +224,17 @@ def flush_watermark(
     _ops.flush_watermark(written, declared, new_history, history, capacity, lease, list(shapes))
 
 
+def advance(lengths: Tensor, counters: Tensor, accepted: Tensor) -> None:
+    """HOST-3, ``Batch.advance``'s device step: ``lengths`` a batch's int32[6, rows] (history,
+    capacity, lease, written, declared, allocated), ``accepted`` int32[rows], ``counters``
+    int64[2]. Per seated row (lease >= 0): refused (unchanged, ``counters[0] += 1``) when
+    ``accepted`` is negative, exceeds the width ``capacity - history``, or would move history past
+    ``written``; else history += accepted and capacity = history + width, cut at ``allocated``
+    (then ``counters[1] += 1``). Mutates ``lengths`` (history and capacity) and ``counters``.
+    """
+    _ops.advance(lengths, counters, accepted)
+
+
 def uva_view(host: Tensor, register: bool = True) -> Tensor:
     """A CUDA tensor aliasing the memory of the CPU tensor ``host`` through its device-mapped
     address. ``register=True`` registers the storage as pinned and mapped when it is not yet;
@@ -318,6 +330,16 @@ def _(host_pool, positions, cells, resident, inflight_slots, page_table, new_his
 @torch.library.register_fake("torch_kvcm2::flush_watermark")
 def _(written, declared, new_history, history, capacity, lease, shapes):
     _check(len(shapes) % 2 == 0, "flush_watermark: shapes must be (U, I) pairs")
+
+
+@torch.library.register_fake("torch_kvcm2::advance")
+def _(lengths, counters, accepted):
+    _check(lengths.dtype == torch.int32 and lengths.dim() == 2 and lengths.shape[0] == 6,
+           "advance: lengths must be int32[6, rows]")
+    _check(counters.dtype == torch.int64 and counters.shape == (2,),
+           "advance: counters must be int64[2]")
+    _check(accepted.dtype == torch.int32 and accepted.shape == (lengths.shape[1],),
+           "advance: accepted must be int32[rows]")
 
 
 @torch.library.register_fake("torch_kvcm2::rank_signal")

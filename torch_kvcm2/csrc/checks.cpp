@@ -226,6 +226,22 @@ void check_flush_watermark(const at::Tensor& written, const at::Tensor& declared
   }
 }
 
+void check_advance(const at::Tensor& lengths, const at::Tensor& counters,
+                   const at::Tensor& accepted) {
+  const char* op = "advance";
+  TORCH_CHECK(lengths.scalar_type() == at::kInt && lengths.dim() == 2 &&
+                  lengths.size(0) == kLengthRows && lengths.is_contiguous(),
+              op, ": lengths must be contiguous int32[", static_cast<int>(kLengthRows),
+              ", rows], got ", lengths.scalar_type(), " ", lengths.sizes());
+  check_int32_1d(accepted, lengths.size(1), op, "accepted");
+  TORCH_CHECK(counters.scalar_type() == at::kLong && counters.dim() == 1 &&
+                  counters.size(0) == 2 && counters.is_contiguous(),
+              op, ": counters must be contiguous int64[2], got ", counters.scalar_type(), " ",
+              counters.sizes());
+  check_same_device(lengths, accepted, op, "accepted");
+  check_same_device(lengths, counters, op, "counters");
+}
+
 void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& resident,
                            const at::Tensor& history, const at::Tensor& capacity,
                            const at::Tensor& lease, int64_t tokens_per_unit,

@@ -231,6 +231,28 @@ KVCM2_HD int64_t host_direct_end(int64_t h, int64_t c, const int64_t* shapes, in
   return end;
 }
 
+// Rows of a batch's lengths tensor int32[6, rows] (Batch, memory.py's HISTORY ... ALLOCATED).
+enum LengthRow {
+  kHistory = 0, kCapacity = 1, kLease = 2, kWritten = 3, kDeclared = 4, kAllocated = 5,
+  kLengthRows = 6
+};
+
+// HOST-3's length advance of one seated row (Batch.advance): refused, and left unchanged, when
+// `accepted` is negative, exceeds the in-flight width c - h, or would move history past the
+// flushed watermark `written` (SAFE-2); else history += accepted and capacity = history + width,
+// cut at the allocated tokens (the row is then "short"). Returns 0 moved, 1 refused, 2 short.
+KVCM2_HD int advance_row(int32_t& h, int32_t& c, int32_t written, int32_t allocated,
+                         int32_t accepted) {
+  const int64_t width = static_cast<int64_t>(c) - h;
+  const int64_t new_h = static_cast<int64_t>(h) + accepted;
+  if (accepted < 0 || accepted > width || new_h > written) return 1;
+  const int64_t wanted = new_h + width;
+  const int64_t new_c = wanted < allocated ? wanted : allocated;
+  h = static_cast<int32_t>(new_h);
+  c = static_cast<int32_t>(new_c);
+  return new_c < wanted ? 2 : 0;
+}
+
 // The written watermark after a flush to `target` (lengths h, c): see flush_watermark in ops.cpp.
 KVCM2_HD int64_t flushed_watermark(int64_t h, int64_t c, int64_t written, int64_t declared,
                                    int64_t target, const int64_t* shapes, int64_t pairs) {
@@ -239,6 +261,9 @@ KVCM2_HD int64_t flushed_watermark(int64_t h, int64_t c, int64_t written, int64_
   const int64_t reach = target < c ? target : c;
   return reach > written ? reach : written;
 }
+
+void check_advance(const at::Tensor& lengths, const at::Tensor& counters,
+                   const at::Tensor& accepted);
 
 void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& resident,
                            const at::Tensor& history, const at::Tensor& capacity,

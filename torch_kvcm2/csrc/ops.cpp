@@ -58,6 +58,10 @@ TORCH_LIBRARY(torch_kvcm2, m) {
   m.def(
       "flush_watermark(Tensor(a!) written, Tensor declared, Tensor new_history, Tensor history, "
       "Tensor capacity, Tensor lease, int[] shapes) -> ()");
+  // HOST-3: every seated row's lengths advanced by its accepted tokens on the device (advance_row
+  // in kvcm2.h). lengths: a batch's int32[6, rows] (history, capacity, lease, written, declared,
+  // allocated; only history and capacity change); counters int64[2] += (refused, short) rows.
+  m.def("advance(Tensor(a!) lengths, Tensor(b!) counters, Tensor accepted) -> ()");
   // Setup only (CUDA builds): a CUDA tensor aliasing a CPU tensor's memory through the
   // device-mapped (UVA) address; register=True registers the memory as pinned+mapped when it is
   // not yet, register=False aliases the host address of memory registered range by range.
