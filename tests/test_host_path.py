@@ -519,9 +519,9 @@ def test_a_late_read_back_is_not_waited_for_unless_the_host_publishes_changes():
     batch.flush(batch.history + accepted)
     batch.advance(accepted)
     late = _LateEvent()
-    batch._pending_snapshot = (late,)  # as on CUDA before the copy has run
+    batch._snapshot_events[batch._readbacks[-1]] = late  # as on CUDA before the copy has run
     batch.publish()
-    assert late.waited == 0 and batch._pending_snapshot is not None
+    assert late.waited == 0 and batch.pending_readback
     assert batch.add(manager.create_cache()) == 3  # membership: not a length read
     batch.publish()
     assert late.waited == 1

@@ -10,6 +10,8 @@ unpublished changes (BAT-4).
 """
 from __future__ import annotations
 
+import collections
+
 import heapq
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -24,7 +26,7 @@ from .cache import KVCache
 from .config import BAD, INT32_MAX, SelectionGroup
 from .memory import (ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN,
                      batch_memory_bytes, batch_tensor_specs, sparse_buffers)
-from .lengths_path import OWED, LengthsPath
+from .lengths_path import LengthsPath
 from .tables import TableMirror
 
 INT32 = torch.int32
@@ -100,9 +102,14 @@ class Batch(LengthsPath):
         self.written, self._declared = lengths[WRITTEN], lengths[DECLARED]
         self._allocated = lengths[ALLOCATED]
         self.advance_counters = allocated["advance_counters"]
+        # the read-backs of the device lengths (record_advance): a ring of pinned buffers, each
+        # with the event of the copy into it (CUDA), and the queue of those not applied yet
         self._snapshot = allocated["snapshot"]
-        self._snapshot_host = self._snapshot.numpy()  # pinned on CUDA: the copy's target
-        self._snapshot_event = None  # recorded after each read-back copy (CUDA)
+        self._snapshot_host = self._snapshot.numpy()
+        self._snapshot_events: list = [None] * self._snapshot.shape[0]
+        self._readbacks: collections.deque = collections.deque()
+        self._next_readback = 0
+        self._owed = False  # a flush to a tensor of targets ran since the last read-back
         self.groups = [self._new_group_state(g, allocated) for g in config.selection_groups]
         self._shapes = rules.shapes_of(config)
         self._shape_pairs = [n for shape in self._shapes for n in shape]  # flush_watermark
@@ -121,7 +128,6 @@ class Batch(LengthsPath):
         self._declared_rows: set[int] = set()  # rows with new declared host writes only
         self._reserve_rows: set[int] = set()  # rows whose reserve changed since published
         self._fetch_events: dict[int, torch.cuda.Event] = {}
-        self._pending_snapshot = None  # the event of a length read-back after advance()
         self._settle: set[int] = set()  # rows advanced on the device, page work pending
         # per row: the mirror may hold lengths the device advanced that the row's cache has not
         # taken yet (sync_member takes them when the cache is next used)
@@ -363,17 +369,26 @@ class Batch(LengthsPath):
         the GPU; clear the residency of newly granted leases. Raises ValueError, publishing
         nothing, when the in-flight tokens over all rows exceed ``max_total_input_tokens``."""
         self._check_host_call("Batch.publish")
-        if self._pending_snapshot is not None:
-            # a read-back of advance() is applied first; waited for only when there is
-            # something to publish (the mirror must not take an older read-back after this
-            # publish's delta)
+        if self.pending_readback:
+            # the read-backs of advance() that have arrived are applied first; the newest is
+            # waited for only when there are changes of the host to publish (the mirror must not
+            # take an older read-back after this publish's delta)
             self.catch_up(wait=bool(self._dirty or self._granted or self._declared_rows))
-        if self._settle and self._pending_snapshot is None:  # else later: page work needs
-            for row in sorted(self._settle):  # the latest lengths (windowed pages, reserves)
+        pages_only = False
+        if self._settle:
+            # page work for rows advance() moved (reserve top-ups, windowed releases), planned
+            # from the lengths the host has: with a read-back still in flight they are a step or
+            # two old, which only plans fewer pages, so such a publish leaves the device's
+            # lengths alone and uploads page entries and allocated tokens only (a row whose
+            # reserve changed waits for a publish without one in flight: it may shrink)
+            pages_only = self.pending_readback
+            for row in sorted(self._settle):
                 cache = self._rows[row]
+                if pages_only and row in self._reserve_rows:
+                    continue
                 if cache is not None and not cache.suspended:
-                    cache.retake_pages()
-            self._settle.clear()
+                    cache.retake_pages(wait=False)
+                self._settle.discard(row)
         if not self._dirty and not self._granted and not self._declared_rows:
             return
         rows = sorted(self._dirty | self._declared_rows) if self._declared_rows else sorted(self._dirty)
@@ -399,7 +414,8 @@ class Batch(LengthsPath):
                 f"max_total_input_tokens ({self.config.max_total_input_tokens}), the bound of "
                 f"the flush work list; nothing was published")
         leases = sorted(self._granted)
-        self._mirror.publish(rows, owners, values, leases, self._clear_leases)
+        self._mirror.publish(rows, owners, values, leases, self._clear_leases,
+                             lengths=(ALLOCATED,) if pages_only else None)
         self._reserve_tokens[rows] = reserves
         self._urgent_at[rows] = self.urgent_capacity(values, np.asarray(reserves, dtype=np.int64))
         if self._reserve_rows:
@@ -590,7 +606,7 @@ class Batch(LengthsPath):
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         if from_device:  # a read-back queued before this flush lacks its watermark
-            self._pending_snapshot = OWED
+            self._owed = True
         else:
             self.record_flush(known)
 
@@ -628,7 +644,7 @@ class Batch(LengthsPath):
         there, and only while it still sits there (a member removed or moved since has nothing
         of this flush to claim)."""
         self._check_host_call("Batch.record_flush")
-        if self._pending_snapshot is not None:
+        if self.pending_readback:
             # the device lengths are ahead of the host (advance): its watermark, computed by
             # the flush itself, comes back with a fresh read-back of the lengths
             self.record_advance()

@@ -380,13 +380,15 @@ class KVCache:
             self._lowest_keep = [keep for _, keep in self._live]
             self._pages_moved = False
 
-    def retake_pages(self) -> bool:
+    def retake_pages(self, wait: bool = True) -> bool:
         """Plan the pages of the current lengths again: the reserve beyond capacity and the
         window's releases, after ``Batch.advance`` moved the lengths on the device (the batch
-        calls it at publish). The lengths do not change, so no rule of ``resize`` can break;
-        False, with nothing changed, when the pools cannot supply the pages (the row's advance
-        then stops at its pages, counted as short)."""
-        self._sync()
+        calls it at publish, with ``wait`` False: from the lengths read back so far). The
+        lengths do not change, so no rule of ``resize`` can break; False, with nothing changed,
+        when the pools cannot supply the pages (the row's advance then stops at its pages,
+        counted as short)."""
+        if self._batch is not None:
+            self._batch.sync_member(self._row, wait)
         return self._apply(self._h, self._c)
 
     def lengths_row(self) -> tuple[int, int, int, int, int, int]:

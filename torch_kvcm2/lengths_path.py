@@ -14,12 +14,6 @@ from . import ops
 from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN
 
 
-#: ``_pending_snapshot`` after an eager flush to a tensor of targets: the read-back of its
-#: watermark is owed (queued by the next ``record_advance``: ``advance`` right after, or the
-#: first host call that needs a length), so a flush + advance step copies the lengths once
-OWED = ("owed",)
-
-
 class LengthsPath:
     """``resize_rows``, ``advance``, ``record_advance``, ``catch_up`` and ``sync_member`` of a
     ``Batch``."""
@@ -140,47 +134,69 @@ class LengthsPath:
     def record_advance(self) -> None:
         """Queue the read-back of the device lengths after ``advance`` (on the current stream;
         ``advance`` calls it eagerly; call it after replaying a graph that contains
-        ``advance``). The host applies it when it next needs a length."""
+        ``advance``). The host applies it when it next needs a length, or at a ``publish`` once
+        it has arrived. The read-backs go round a ring of pinned buffers, so a host running
+        steps ahead of the GPU still takes the newest one that has arrived."""
         self._check_host_call("Batch.record_advance")
-        self._snapshot.copy_(self._mirror.lengths, non_blocking=True)
-        event = None
-        if self._mirror.cuda:  # one event, recorded again: it always marks the latest copy
-            event = self._snapshot_event
+        k = self._next_readback
+        ring = len(self._snapshot_events)
+        self._next_readback = (k + 1) % ring
+        queue = self._readbacks
+        if len(queue) == ring:  # the oldest buffer is copied into again: this copy supersedes it
+            queue.popleft()
+        self._snapshot[k].copy_(self._mirror.lengths, non_blocking=True)
+        if self._mirror.cuda:
+            event = self._snapshot_events[k]
             if event is None:
-                event = self._snapshot_event = torch.cuda.Event()
+                event = self._snapshot_events[k] = torch.cuda.Event()
             event.record()
-        self._pending_snapshot = (event,)
+        queue.append(k)
+        self._owed = False
+
+    @property
+    def pending_readback(self) -> bool:
+        """A read-back of the device lengths is queued and not applied yet, or owed (an eager
+        flush to a tensor of targets queues its read-back at the next ``record_advance`` or host
+        call that needs a length)."""
+        return bool(self._readbacks) or self._owed
 
     def catch_up(self, wait: bool = True) -> None:
-        """Apply a pending length read-back of ``advance`` to the host mirror and the member
-        caches. ``wait`` False applies it only if the GPU has finished it (``publish`` does
-        that when it has nothing else to publish, never blocking); True waits for it (every host
-        call that needs a length, and a publish of changes). Cheap
-        when none is pending. Page work the new lengths need (windowed pages to release, the
-        reserve to take again) happens at the next ``publish``."""
-        pending = self._pending_snapshot
-        if pending is None:
-            return
-        if pending == OWED:  # a flush to a tensor of targets: queue its read-back now
+        """Apply the read-backs of ``advance`` to the host mirror and the member caches. ``wait``
+        False applies the newest that the GPU has finished, if any (``publish`` does that,
+        never blocking); True waits for the newest queued (every host call that needs a
+        length, and a publish of changes). Cheap when none is pending. Page work the new
+        lengths need (windowed pages to release, the reserve to take again) happens at the
+        next ``publish``."""
+        if self._owed:  # a flush to a tensor of targets: queue its read-back now
             self.record_advance()
-            pending = self._pending_snapshot
-        event = pending[0]
-        if event is not None:
-            if wait:
-                event.synchronize()
-            elif not event.query():
+        queue = self._readbacks
+        if not queue:
+            return
+        events = self._snapshot_events
+        if wait or events[queue[-1]] is None:
+            if events[queue[-1]] is not None:
+                events[queue[-1]].synchronize()
+            newest = len(queue)
+        else:  # the newest finished copy (copies on one stream finish in order)
+            newest = next((i + 1 for i in range(len(queue) - 1, -1, -1)
+                           if events[queue[i]].query()), 0)
+            if not newest:
                 return
-        self._pending_snapshot = None
-        snapshot = self._snapshot_host
+        for _ in range(newest - 1):
+            queue.popleft()
+        snapshot = self._snapshot_host[queue.popleft()]
         L = self._mirror.host_lengths
         if self._windowed:
-            # rows whose history, capacity or watermark moved (lease, declared and allocated
-            # tokens are equal: only a publish changes them, and a publish with changes waits
-            # for the read-back first) release pages behind their windows at the next publish
+            # rows whose history, capacity or watermark moved release pages behind their
+            # windows at the next publish
             moved = (snapshot[:WRITTEN + 1] != L[:WRITTEN + 1]).any(axis=0)
             moved &= L[LEASE] >= 0
             self._settle.update(np.flatnonzero(moved).tolist())
-        L[:] = snapshot
+        # the rows the device writes (history, capacity, written); lease, declared and
+        # allocated tokens are the host's (only a publish changes them, and a publish may have
+        # changed allocated tokens since this copy was queued: Batch.publish's page work)
+        L[:CAPACITY + 1] = snapshot[:CAPACITY + 1]
+        L[WRITTEN] = snapshot[WRITTEN]
         # every member takes its row when next used (sync_member: only seated rows, and only
         # lengths that differ from its own), so the steady state costs no per-row work here
         self._stale.fill(True)
@@ -208,11 +224,12 @@ class LengthsPath:
         never = (values[:, LEASE] < 0) | (allocated >= self.config.max_tokens_per_row)
         return np.where(never, np.iinfo(np.int64).max, allocated - (reserves + 1) // 2 + 1)
 
-    def sync_member(self, row: int) -> None:
+    def sync_member(self, row: int, wait: bool = True) -> None:
         """Bring the member at ``row`` up to date with lengths ``advance`` moved (catch_up, then
-        the cache takes its row of the host mirror)."""
-        if self._pending_snapshot is not None:
-            self.catch_up()
+        the cache takes its row of the host mirror); ``wait`` False takes only the read-backs
+        that have arrived."""
+        if self.pending_readback:
+            self.catch_up(wait)
         if not self._stale[row]:
             return
         self._stale[row] = False

@@ -24,6 +24,8 @@ LENGTH_ROWS = 6
 #: pinned staging buffers of the publish ring counted in the reserve (more are made on demand
 #: only when the GPU lags this many publishes behind)
 STAGING_BUFFERS = 2
+#: pinned read-back buffers of the device lengths (Batch.record_advance), used round robin
+READBACKS = 4
 #: bytes per staged delta entry: an int64 flat index and an int32 value
 DELTA_ENTRY_BYTES = 12
 ADVANCE_COUNTERS = 2  # advance's refused rows, rows stopped at their reserve
@@ -94,7 +96,7 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
     ]
     specs += [TensorSpec(f"staging{i}", (staging_bytes(config, num_pool_groups, max_rows),),
                          UINT8, "host") for i in range(STAGING_BUFFERS)]
-    specs.append(TensorSpec("snapshot", (LENGTH_ROWS, max_rows), INT32, "host"))
+    specs.append(TensorSpec("snapshot", (READBACKS, LENGTH_ROWS, max_rows), INT32, "host"))
     for group in config.selection_groups:
         sp, g = group.sparse, group.index
         specs += [

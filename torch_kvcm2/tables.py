@@ -112,10 +112,11 @@ class TableMirror:
         return out
 
     def publish(self, rows: list, owners: list, values: np.ndarray, leases: list,
-                clear_leases) -> None:
+                clear_leases, lengths: Optional[tuple] = None) -> None:
         """Stage and apply the delta of ``rows`` (each with its owner cache or None for a hole
         or suspended row, and its six length values: int32[len(rows), 6]) and clear the
-        residency of ``leases`` (``clear_leases(device int64 tensor)``)."""
+        residency of ``leases`` (``clear_leases(device int64 tensor)``). ``lengths``: the
+        length rows to upload (``memory.HISTORY`` ...; None: all six)."""
         index_parts, value_parts = [], []
         published = []  # (row, owner, live ranges) whose page state this delta publishes
         for row, owner in zip(rows, owners):
@@ -143,8 +144,10 @@ class TableMirror:
                 live[g] = new
             published.append((row, owner, live))
         if rows:
-            index_parts.append((self._length_index + np.asarray(rows, dtype=np.int64)).ravel())
-            value_parts.append(values.T.ravel())
+            fields = slice(None) if lengths is None else list(lengths)
+            index_parts.append((self._length_index[fields] + np.asarray(rows, dtype=np.int64))
+                               .ravel())
+            value_parts.append(values.T[fields].ravel())
         if len(index_parts) == 1:
             index, value = index_parts[0], value_parts[0]
         elif index_parts:
