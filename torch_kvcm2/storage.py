@@ -302,7 +302,7 @@ class Storage:
         self.reserved = {"gpu": 0, "host": 0}
         self.region: Optional[HostRegion] = None
         self.closed = False
-        self.prefix = PrefixIndex(self.groups, P)
+        self.prefix = PrefixIndex(self.groups, P, config.max_pages_per_row)
 
     def in_region(self, group: PoolGroup) -> bool:
         """Whether the group lives in the host region: sparse groups, and on a CPU device all
