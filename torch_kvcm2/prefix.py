@@ -118,7 +118,7 @@ class PrefixIndex:
         over the prefix (so it covers page ``i`` and every page before it), salted by depth."""
         P = self.tokens_per_page
         rows = ids[:pages * P].view(np.uint64).reshape(pages, P)
-        page_hash = (rows * self._token_mult).sum(axis=1, dtype=np.uint64)
+        page_hash = rows.dot(self._token_mult)  # uint64 arithmetic wraps: mod 2**64
         chain = np.cumsum(page_hash * self._page_mult[:pages], dtype=np.uint64)
         return chain ^ self._page_salt[:pages]
 
