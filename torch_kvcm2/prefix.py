@@ -137,13 +137,20 @@ class PrefixIndex:
         if not n:
             return entries
         P = self.tokens_per_page
-        ok = (self._tokens[entries] == ids[:n * P].reshape(n, P)).all(axis=1)
+        rows = ids[:n * P].reshape(n, P)
+        first = int(entries[0])
         parents = self._parent[entries]
+        linked = parents[1:] == entries[:-1]
+        if linked.all() and int(entries[-1]) - first == n - 1 and (np.diff(entries) == 1).all():
+            tokens = self._tokens[first:first + n]  # a chain committed in one go: a slice
+        else:
+            tokens = self._tokens[entries]
+        if parents[0] == BAD and linked.all() and np.array_equal(tokens, rows):
+            return entries
+        ok = (tokens == rows).all(axis=1)
         ok[0] &= parents[0] == BAD
-        ok[1:] &= parents[1:] == entries[:-1]
-        if not ok.all():
-            entries = entries[:int(np.argmin(ok))]
-        return entries
+        ok[1:] &= linked
+        return entries[:int(np.argmin(ok))] if not ok.all() else entries
 
     def match(self, ids: np.ndarray, max_pages: int) -> tuple[int, np.ndarray]:
         """(pages shared, their entry ids) for a request with token ids ``ids``: the longest
