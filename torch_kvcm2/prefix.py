@@ -85,10 +85,12 @@ class PrefixIndex:
         self.full = [g.index for g in groups if g.window is None]
         self.windowed = [g.index for g in groups if g.window is not None]
         rng = np.random.default_rng()  # OS entropy: keys cannot be aimed at from outside
-        bits = np.iinfo(np.uint64).max
-        self._token_mult = rng.integers(0, bits, tokens_per_page, dtype=np.uint64, endpoint=True) | 1
-        self._page_mult = rng.integers(0, bits, max_pages, dtype=np.uint64, endpoint=True) | 1
-        self._page_salt = rng.integers(0, bits, max_pages, dtype=np.uint64, endpoint=True)
+        def draw(n: int) -> np.ndarray:
+            return rng.integers(0, np.iinfo(np.uint64).max, n, dtype=np.uint64, endpoint=True)
+
+        self._token_mult = draw(tokens_per_page) | 1  # odd: a one-token change moves the key
+        self._page_mult = draw(max_pages) | 1
+        self._page_salt = draw(max_pages)
         self._entry_of: dict[int, int] = {}
         self._keys: list[Optional[int]] = []
         self._slots = np.full((0, len(groups)), BAD, dtype=np.int32)
@@ -267,7 +269,8 @@ class PrefixIndex:
                 fill[shared] &= self._slots[entries[shared], g] < 0
                 if fill.any():
                     self._slots[entries[fill], g] = cache_slots[fill, g]
-                    self.groups[g].owner[cache_slots[fill, g]] = (entries[fill] + 1).astype(np.int32)
+                    owner = (entries[fill] + 1).astype(np.int32)
+                    self.groups[g].owner[cache_slots[fill, g]] = owner
         self.touch(entries[entries >= 0])
         return created
 

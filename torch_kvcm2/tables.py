@@ -187,8 +187,8 @@ class TableMirror:
             if fixed is None:
                 device = self.delta[:12 * b + 8 * lb]
                 fixed = self._fixed[(b, lb)] = (
-                    device, device[:8 * b].view(torch.int64), device[8 * b:12 * b].view(torch.int32),
-                    device[12 * b:].view(torch.int64))
+                    device, device[:8 * b].view(torch.int64),
+                    device[8 * b:12 * b].view(torch.int32), device[12 * b:].view(torch.int64))
             device, device_index, device_value, device_leases = fixed
             device.copy_(source, non_blocking=True)
             self._record(staging)
