@@ -48,6 +48,34 @@ def check_references(manager, caches):
         assert int(cached.sum()) == group.cached_slots
         assert int(free.sum()) == group.free_slots
         assert not (cached & free).any()
+    check_index(manager)
+
+
+def check_index(manager):
+    """The prefix index is consistent: each live entry's key maps to it, its slots are owned by
+    it, its parent is live, its child count is the entries naming it, and an entry without
+    slots is kept only for its children."""
+    prefix = manager.storage.prefix
+    live = sorted(prefix._entry_of.values())
+    assert len(live) == len(set(live))
+    assert all(prefix._entry_of[prefix._keys[e]] == e for e in live)
+    children = {e: 0 for e in live}
+    for e in live:
+        parent = int(prefix._parent[e])
+        if parent >= 0:
+            assert parent in children, f"entry {e}: parent {parent} was removed"
+            children[parent] += 1
+    for e in live:
+        assert prefix._children[e] == children[e]
+        slots = prefix._slots[e]
+        assert (slots >= 0).any() or children[e], f"entry {e}: no slot and no child"
+        for group in manager.storage.groups:
+            if slots[group.index] >= 0:
+                assert group.owner[slots[group.index]] == e + 1
+    for group in manager.storage.groups:
+        owned = np.flatnonzero(group.owner)
+        entries = group.owner[owned] - 1
+        assert (prefix._slots[entries, group.index] == owned).all()
 
 
 def fill_pages(cache, seed):
@@ -145,6 +173,63 @@ def test_equal_content_committed_twice_stays_private_and_never_double_owned():
     # b's pages 0 and 1 were private duplicates: freed at close, not cached
     group = manager.storage.groups[0]
     assert group.cached_slots == 0 and (group.refs[c.pages(0)] == 1).all()
+
+
+def test_key_collisions_never_share_other_ids():
+    """Keys only find entries; sharing compares token ids and parents. With every key of a depth
+    made equal (multipliers zeroed), no page of other ids is shared, and a colliding commit
+    keeps its pages private."""
+    manager = kv.KVCacheManager(dsa_config(window_layer=False))
+    prefix = manager.storage.prefix
+    prefix._token_mult[:] = 0  # key of page i: the depth salt alone
+    a_ids = list(range(12))
+    a = import_history(manager.create_cache(), 12)
+    written = fill_pages(a, 3)
+    assert a.commit(a_ids) == 12
+    assert len(set(prefix.keys(np.arange(8), 2).tolist()) & set(prefix._entry_of)) == 2
+    assert manager.match([50] + a_ids[1:]) == 0  # page 0 differs: its key collides
+    assert manager.match(a_ids[:4] + [50] + a_ids[5:]) == 4  # page 1 differs
+    b_ids = a_ids[:4] + [7] * 8
+    b = manager.create_cache(b_ids)
+    assert b.reused_tokens == 4 and b.pages(0)[:1] == a.pages(0)[:1]
+    import_history(b, 12)
+    assert b.commit(b_ids) == 12  # pages 1, 2 collide with a's: they stay private
+    assert manager.stats()["prefix"]["entries"] == 3
+    assert manager.match(b_ids) == 4 and manager.match(a_ids) == 12
+    c = manager.create_cache(a_ids)
+    assert c.pages(0) == a.pages(0)[:3]
+    shared = [k for k in written if k[1] < 3]
+    assert all(torch.equal(v, written[k]) for k, v in read_pages(c, shared).items())
+    check_references(manager, [a, b, c])
+
+
+def test_a_page_whose_predecessor_was_evicted_waits_for_it_and_is_shared_again():
+    """b's page 2 extends a's entries for pages 0, 1 (b's equal pages stayed private). Evicting
+    a's pages keeps their entries slot-less (b's page 2 names one as its parent): nothing
+    matches; b committing again gives them its slots, and the chain matches whole again."""
+    manager = small_manager(8)
+    a = import_history(manager.create_cache(), 8)
+    a.commit(list(range(8)))
+    b = import_history(manager.create_cache(), 12)
+    b.commit(list(range(12)))  # pages 0, 1: a's entries; page 2: a new entry on b's slots
+    a.close()  # a's 2 pages cached
+    hog = manager.create_cache()
+    assert hog.resize(capacity=20)  # 5 pages: 3 free + both cached evicted
+    assert manager.stats()["prefix"]["evicted_slots"] == 2
+    assert manager.match(list(range(12))) == 0
+    assert manager.stats()["prefix"]["entries"] == 1  # b's page 2; pages 0, 1 hold no slot
+    assert len(manager.storage.prefix._entry_of) == 3
+    check_references(manager, [b, hog])
+    assert b.commit(list(range(12))) == 12
+    assert manager.stats()["prefix"]["entries"] == 3
+    c = manager.create_cache(list(range(16)))
+    assert c.reused_tokens == 12 and c.pages(0) == b.pages(0)[:3]
+    check_references(manager, [b, hog, c])
+    for cache in (b, c):
+        cache.close()
+    assert hog.resize(capacity=32)  # all 8 slots: every cached page evicted, every entry removed
+    assert manager.stats()["prefix"]["entries"] == 0 and not manager.storage.prefix._entry_of
+    check_references(manager, [hog])
 
 
 def test_a_cached_entry_touched_by_a_duplicate_commit_stays_evictable():

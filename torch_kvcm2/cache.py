@@ -23,7 +23,7 @@ import numpy as np
 from . import lengths as rules
 from ._util import check_int, refuse_during_capture
 from .config import BAD
-from .prefix import page_keys, token_array
+from .prefix import token_array
 
 ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
 
@@ -301,7 +301,7 @@ class KVCache:
                 f"{self._h} tokens ({self._h // P} whole pages); commit at most "
                 f"token_ids[:history_length]")
         storage = self.manager.storage
-        storage.prefix.commit(page_keys(ids, pages, P), self._pages, self._live)
+        storage.prefix.commit(ids, pages, self._pages, self._live)
         return pages * P
 
     def _start_shared(self, pages: int, entries: np.ndarray) -> None:

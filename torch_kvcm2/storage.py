@@ -241,8 +241,9 @@ class PoolGroup:
         their new stamp (the old heap items go stale)."""
         self.stamp[slots] = stamps
         cached = self.refs[slots] == 0
-        for slot, stamp in zip(slots[cached].tolist(), stamps[cached].tolist()):
-            heapq.heappush(self._lru, (stamp, slot))
+        if cached.any():
+            for slot, stamp in zip(slots[cached].tolist(), stamps[cached].tolist()):
+                heapq.heappush(self._lru, (stamp, slot))
 
     def reference(self, slots: np.ndarray) -> None:
         """One more reference to each of ``slots`` (distinct, all committed or used): a cached
@@ -302,7 +303,7 @@ class Storage:
         self.reserved = {"gpu": 0, "host": 0}
         self.region: Optional[HostRegion] = None
         self.closed = False
-        self.prefix = PrefixIndex(self.groups, P)
+        self.prefix = PrefixIndex(self.groups, P, config.max_pages_per_row)
 
     def in_region(self, group: PoolGroup) -> bool:
         """Whether the group lives in the host region: sparse groups, and on a CPU device all

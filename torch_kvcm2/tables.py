@@ -41,9 +41,10 @@ def changed_ranges(old: tuple, new: tuple, same_owner: bool) -> list:
     return [(lo, hi) for lo, hi in ((min(pf, f), max(pf, f)), (min(pk, k), max(pk, k))) if lo < hi]
 
 
-#: deltas of up to this many entries (and no residency clear) take the fixed-size path: the
-#: delta is padded to a power of two (at least ``SMALL_DELTA``) with copies of its first entry,
-#: so that the copy and the scatter use views made once (two torch calls per publish)
+#: deltas of up to this many entries take the fixed-size path: the delta is padded to a power
+#: of two (at least ``SMALL_DELTA``) with copies of its first entry, and the views of (padded
+#: size, leases to clear) are made once, so that a publish is one copy and one scatter (plus
+#: the residency clear of its new leases)
 SMALL_DELTA, FAST_DELTA = 16, 4096
 
 
@@ -65,11 +66,15 @@ class _Staging:
     def free(self) -> bool:
         return self.event is None or self.event.query()
 
-    def fixed(self, b: int) -> tuple:
-        views = self.views.get(b)
+    def fixed(self, b: int, lb: int) -> tuple:
+        """The views of ``b`` (padded) entries and ``lb`` leases: the source bytes, then the
+        index, value and lease arrays (in that order in the buffer)."""
+        views = self.views.get((b, lb))
         if views is None:
-            views = self.views[b] = (self.tensor[:12 * b], self.bytes[:8 * b].view(np.int64),
-                                     self.bytes[8 * b:12 * b].view(np.int32))
+            views = self.views[(b, lb)] = (
+                self.tensor[:12 * b + 8 * lb], self.bytes[:8 * b].view(np.int64),
+                self.bytes[8 * b:12 * b].view(np.int32),
+                self.bytes[12 * b:12 * b + 8 * lb].view(np.int64))
         return views
 
 
@@ -101,7 +106,7 @@ class TableMirror:
                               + self.offset)
         self.extra_staging = 0  # staging buffers made beyond the reserve's
         self._next_staging = 0  # ring position to try first
-        self._fixed: dict = {}  # padded size -> (device bytes, index view, value view)
+        self._fixed: dict = {}  # padded sizes -> (device bytes, index, value, lease views)
 
     def lengths_after(self, rows: list, values: np.ndarray) -> np.ndarray:
         """The host length rows as they would be after publishing ``values`` (int32[len(rows),
@@ -172,22 +177,27 @@ class TableMirror:
         if n == 0 and m == 0:
             return  # nothing to upload: launch nothing
         staging = self._free_staging()
-        b = bucket_of(n) if n <= FAST_DELTA else 0
-        if m == 0 and 12 * b <= self.delta_bytes:  # fixed-size views: one copy, one scatter
-            source, index_bytes, value_bytes = staging.fixed(b)
+        b = bucket_of(n) if 0 < n <= FAST_DELTA else 0
+        lb = m  # leases are not padded: each one clears a residency row
+        if b and 12 * b + 8 * lb <= self.delta_bytes:  # fixed-size views: one copy, one scatter
+            source, index_bytes, value_bytes, lease_bytes = staging.fixed(b, lb)
             index_bytes[:n] = index
             index_bytes[n:] = index[0]  # padding rewrites the first entry with its own value
             value_bytes[:n] = value
             value_bytes[n:] = value[0]
-            fixed = self._fixed.get(b)
+            lease_bytes[:] = leases
+            fixed = self._fixed.get((b, lb))
             if fixed is None:
-                device = self.delta[:12 * b]
-                fixed = self._fixed[b] = (device, device[:8 * b].view(torch.int64),
-                                          device[8 * b:].view(torch.int32))
-            device, device_index, device_value = fixed
+                device = self.delta[:12 * b + 8 * lb]
+                fixed = self._fixed[(b, lb)] = (
+                    device, device[:8 * b].view(torch.int64),
+                    device[8 * b:12 * b].view(torch.int32), device[12 * b:].view(torch.int64))
+            device, device_index, device_value, device_leases = fixed
             device.copy_(source, non_blocking=True)
             self._record(staging)
             self.store.index_put_((device_index,), device_value)
+            if m:
+                clear_leases(device_leases)
             return
         nbytes = 8 * m + 12 * n
         buf = staging.bytes
