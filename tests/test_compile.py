@@ -48,6 +48,8 @@ def op_samples(device):
                             batch.capacity, batch.lease, batch._shape_pairs),
         "advance": (batch._mirror.lengths, batch.advance_counters,
                     torch.arange(batch.max_rows, dtype=torch.int32, device=device) % 3 - 1),
+        "clear_leases": ([s.resident for s in batch.groups], [s.recency for s in batch.groups],
+                         torch.tensor([1, 0], dtype=torch.int64, device=device)),
         "rank_signal": (torch.zeros(512, dtype=torch.int64, device=device),
                         torch.zeros(1, dtype=torch.int64, device=device), [flush_pool], 0, 1),
         "rank_wait": (torch.zeros(512, dtype=torch.int64, device=device), [flush_pool],

@@ -430,6 +430,95 @@ def test_advance_replays_in_a_cuda_graph():
     assert results[0][3][0] == 0
 
 
+def staggered_rows(device, reserve_pages):
+    """8 rows decoding one token per step at staggered lengths (row r starts r tokens in), each
+    keeping a reserve of ``reserve_pages`` pages of 4 tokens."""
+    P = 4
+    config = dsa_config(device, window_layer=False, max_rows=8, tokens_per_page=P,
+                        max_inflight_tokens=2, slots=16, max_tokens_per_row=512,
+                        host_budget_bytes=8 << 20)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    caches = []
+    for row in range(8):
+        cache = manager.create_cache()
+        cache.set_reserve(reserve_pages * P)
+        batch.add(cache)
+        assert cache.resize(capacity=row + 2)  # the last max_inflight_tokens (2) are in flight
+        if row:
+            cache.record_host_write(row)  # a prefill wrote its first tokens to host pages
+            assert cache.resize(history=row, capacity=row + 1)
+        caches.append(cache)
+    batch.publish()
+    return manager, batch, caches
+
+
+def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting():
+    """HOST-2/HOST-3 with the host running steps ahead of the GPU (the read-back of a step
+    arrives two steps later, as in an engine that schedules the next step while the GPU runs
+    this one): each publish applies the newest read-back that has arrived, never waits for one
+    in flight, and tops up reserves from those lengths (page entries and allocated tokens only),
+    so no row runs short over many times its reserve; at the end the tables match a restage."""
+    manager, batch, caches = staggered_rows("cpu", 2)
+    ones = torch.ones(8, dtype=torch.int32)
+    lag, steps, late = 2, 120, []
+    for step in range(steps):
+        batch.publish()
+        batch.flush(batch.history + ones)
+        batch.advance(ones)  # eager: queues its read-back
+        late.append(_LateEvent())
+        batch._snapshot_events[batch._readbacks[-1]] = late[-1]  # not arrived yet
+        if step >= lag:
+            late[step - lag].done = True  # the GPU finished the step `lag` steps ago
+        assert all(e.waited == 0 for e in late)  # no publish waited for the GPU
+        applied = batch.host_tables()["lengths"][0]  # the host's history of each row
+        if step > lag:
+            assert (applied == np.arange(8) + step - lag).all()
+    assert batch.advance_counters.tolist() == [0, 0]  # no row ran short: top-ups kept up
+    assert (batch.history.numpy() == np.arange(8) + steps).all()
+    for event in late:
+        event.done = True
+    batch.catch_up()
+    assert [c.history_length for c in caches] == [row + steps for row in range(8)]
+    assert_tables_match(batch)
+
+
+@pytest.mark.cuda
+def test_graph_replays_ahead_of_the_gpu_never_run_short():
+    """HOST-2/HOST-3 on CUDA: a loop of replays (flush + advance in one graph, then
+    record_advance and publish) whose GPU work is slowed down so that the host runs ahead:
+    reserves are topped up from the read-backs that have arrived and no row runs short over
+    many times its reserve; the lengths equal the eager loop's."""
+    results = []
+    for captured in (False, True):
+        _, batch, caches = staggered_rows("cuda", 2)
+        ones = torch.ones(8, dtype=torch.int32, device="cuda")
+
+        def step():
+            batch.flush(batch.history + ones)
+            batch.advance(ones)
+
+        if captured:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                step()
+        for _ in range(120):
+            batch.publish()
+            torch.cuda._sleep(200_000)  # the GPU lags: the host queues steps ahead of it
+            if captured:
+                graph.replay()
+                batch.record_advance()
+            else:
+                step()
+        torch.cuda.synchronize()
+        results.append(([c.history_length for c in caches], batch.advance_counters.tolist()))
+        assert_tables_match(batch)
+    assert results[0] == results[1]
+    assert results[0] == ([row + 120 for row in range(8)], [0, 0])
+
+
 @pytest.mark.parametrize("mode", ["tensor", "tensor+record_advance", "list"])
 def test_flush_to_a_tensor_records_exactly_what_it_wrote(device, mode):
     """SAFE-2: a flush to a tensor of targets (values the host does not read) takes the

@@ -1004,3 +1004,43 @@ def test_advance_rejects_bad_arguments(device):
         with pytest.raises(RuntimeError, match=message):
             ops.advance(*args)
     assert lengths.abs().sum().item() == 0 and counters.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_clear_leases_random(device):
+    """BAT-3: the residency clear of leases that changed owner empties exactly those rows of every
+    group (resident BAD, recency 0..S-1), skips leases outside a group's rows, and leaves every
+    other row as it was."""
+    rng = random.Random(3)
+    for trial in range(20):
+        shapes = [(rng.randint(1, 9), rng.choice([4, 64, 300])) for _ in range(rng.randint(1, 5))]
+        resident = [torch.randint(-1, 50, s, dtype=torch.int32, device=device) for s in shapes]
+        recency = [torch.randint(0, 50, s, dtype=torch.int32, device=device) for s in shapes]
+        leases = [rng.randint(-1, 10) for _ in range(rng.randint(0, 6))]
+        want_res = [t.tolist() for t in resident]
+        want_rec = [t.tolist() for t in recency]
+        for (rows, S), res, rec in zip(shapes, want_res, want_rec):
+            for l in leases:
+                if 0 <= l < rows:
+                    res[l], rec[l] = [BAD] * S, list(range(S))
+        ops.clear_leases(resident, recency, torch.tensor(leases, dtype=torch.int64, device=device))
+        assert [t.tolist() for t in resident] == want_res, trial
+        assert [t.tolist() for t in recency] == want_rec, trial
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_clear_leases_rejects_bad_arguments(device):
+    """Metadata checks name the argument; nothing changes."""
+    res = torch.zeros((2, 4), dtype=torch.int32, device=device)
+    rec = torch.zeros((2, 4), dtype=torch.int32, device=device)
+    one = torch.zeros(1, dtype=torch.int64, device=device)
+    cases = [
+        (([res], [], one), "one tensor per selection group"),
+        (([res], [rec], one.int()), "leases must be contiguous int64"),
+        (([res.long()], [rec], one), "resident\\[g\\] must be int32"),
+        (([res], [rec[:1]], one), "differ in shape"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.clear_leases(*args)
+    assert res.abs().sum().item() == 0 and rec.abs().sum().item() == 0

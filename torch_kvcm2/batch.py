@@ -425,12 +425,10 @@ class Batch(LengthsPath):
         self._declared_rows.clear()
 
     def _clear_leases(self, leases: torch.Tensor) -> None:
-        """Empty residency for the device int64 ``leases`` (a lease that changed owner)."""
-        for state in self.groups:
-            slots = state.resident.shape[1]
-            state.resident.index_fill_(0, leases, BAD)
-            order = torch.arange(slots, dtype=INT32, device=self.config.device)
-            state.recency.index_copy_(0, leases, order.expand(len(leases), slots))
+        """Empty residency for the device int64 ``leases`` (a lease that changed owner), in
+        every selection group at once."""
+        ops.clear_leases([s.resident for s in self.groups], [s.recency for s in self.groups],
+                         leases)
 
     @property
     def published(self) -> bool:
@@ -492,18 +490,20 @@ class Batch(LengthsPath):
         given layer, all of one selection group, in one launch (up to 8 buffers per launch).
         Every layer of the group must be fetched after each resolve of the group: per layer just
         before its attention, or several at once, which keeps more copies in flight."""
-        plan = self._fetch_plans.get(layers)
-        if plan is None:
-            plan = self._fetch_plan(layers)
+        if torch.compiler.is_compiling():  # traced once: a cache would only add guards
+            plan = self._fetch_plan(layers, keep=False)
+        else:
+            plan = self._fetch_plans.get(layers) or self._fetch_plan(layers)
         self._check_step("Batch.fetch")
         state, cells, pools, positions, tables = plan
         if cells:
             ops.fetch(cells, pools, positions, tables, state.miss_list, state.miss_count,
                       state.spec.sparse.slots, state.spec.sparse.tokens_per_unit)
 
-    def _fetch_plan(self, layers: tuple) -> tuple:
+    def _fetch_plan(self, layers: tuple, keep: bool = True) -> tuple:
         """The checked arguments of ``fetch(*layers)``, kept per tuple of layers (a step names
-        the same layers every time): (group state, cells, host pools, positions, tables)."""
+        the same layers every time) unless ``keep`` is False: (group state, cells, host pools,
+        positions, tables)."""
         if not layers:
             raise TypeError("Batch.fetch: name at least one layer")
         args = [self._layer_args(layer) for layer in layers]
@@ -516,7 +516,8 @@ class Batch(LengthsPath):
             raise ValueError(f"Batch.fetch: a layer is named twice in {list(layers)}")
         cells, pools, positions, tables = ([x for a in args for x in a[i]] for i in range(4))
         plan = (self.groups[group.index], cells, pools, positions, tables)
-        self._fetch_plans[layers] = plan
+        if keep:
+            self._fetch_plans[layers] = plan
         return plan
 
     def fetch_sparse_pages(self, layer: str, selected: torch.Tensor,

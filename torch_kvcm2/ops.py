@@ -19,6 +19,7 @@ __all__ = [
     "NUM_COUNTERS",
     "SETUP_OPS",
     "advance",
+    "clear_leases",
     "convert_page_indices",
     "convert_token_indices",
     "fetch",
@@ -235,6 +236,13 @@ def advance(lengths: Tensor, counters: Tensor, accepted: Tensor) -> None:
     _ops.advance(lengths, counters, accepted)
 
 
+def clear_leases(resident: Sequence[Tensor], recency: Sequence[Tensor], leases: Tensor) -> None:
+    """BAT-3: empty residency of ``leases`` (int64[n], leases that changed owner) in every
+    selection group ``g``: ``resident[g][l] = BAD`` and ``recency[g][l] = 0, 1, ..., S-1``; a
+    lease outside the group's rows is skipped. Mutates ``resident`` and ``recency``."""
+    _ops.clear_leases(list(resident), list(recency), leases)
+
+
 def uva_view(host: Tensor, register: bool = True) -> Tensor:
     """A CUDA tensor aliasing the memory of the CPU tensor ``host`` through its device-mapped
     address. ``register=True`` registers the storage as pinned and mapped when it is not yet;
@@ -340,6 +348,12 @@ def _(lengths, counters, accepted):
            "advance: counters must be int64[2]")
     _check(accepted.dtype == torch.int32 and accepted.shape == (lengths.shape[1],),
            "advance: accepted must be int32[rows]")
+
+
+@torch.library.register_fake("torch_kvcm2::clear_leases")
+def _(resident, recency, leases):
+    _check(len(resident) == len(recency), "clear_leases: one resident and recency per group")
+    _check(leases.dtype == torch.int64 and leases.dim() == 1, "clear_leases: leases must be int64[n]")
 
 
 @torch.library.register_fake("torch_kvcm2::rank_signal")

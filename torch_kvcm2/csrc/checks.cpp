@@ -242,6 +242,26 @@ void check_advance(const at::Tensor& lengths, const at::Tensor& counters,
   check_same_device(lengths, counters, op, "counters");
 }
 
+void check_clear_leases(const at::TensorList& resident, const at::TensorList& recency,
+                        const at::Tensor& leases) {
+  const char* op = "clear_leases";
+  TORCH_CHECK(resident.size() == recency.size(), op,
+              ": resident and recency need one tensor per selection group, got ", resident.size(),
+              " and ", recency.size());
+  TORCH_CHECK(leases.scalar_type() == at::kLong && leases.dim() == 1 && leases.is_contiguous(),
+              op, ": leases must be contiguous int64[n], got ", leases.scalar_type(), " ",
+              leases.sizes());
+  for (size_t g = 0; g < resident.size(); ++g) {
+    check_int32_2d(resident[g], op, "resident[g]");
+    check_int32_2d(recency[g], op, "recency[g]");
+    TORCH_CHECK(resident[g].sizes() == recency[g].sizes(), op, ": group ", g,
+                ": resident and recency differ in shape: ", resident[g].sizes(), " and ",
+                recency[g].sizes());
+    check_same_device(leases, resident[g], op, "resident");
+    check_same_device(leases, recency[g], op, "recency");
+  }
+}
+
 void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& resident,
                            const at::Tensor& history, const at::Tensor& capacity,
                            const at::Tensor& lease, int64_t tokens_per_unit,

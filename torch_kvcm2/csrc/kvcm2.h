@@ -265,6 +265,9 @@ KVCM2_HD int64_t flushed_watermark(int64_t h, int64_t c, int64_t written, int64_
 void check_advance(const at::Tensor& lengths, const at::Tensor& counters,
                    const at::Tensor& accepted);
 
+void check_clear_leases(const at::TensorList& resident, const at::TensorList& recency,
+                        const at::Tensor& leases);
+
 void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& resident,
                            const at::Tensor& history, const at::Tensor& capacity,
                            const at::Tensor& lease, int64_t tokens_per_unit,

@@ -62,6 +62,10 @@ TORCH_LIBRARY(torch_kvcm2, m) {
   // in kvcm2.h). lengths: a batch's int32[6, rows] (history, capacity, lease, written, declared,
   // allocated; only history and capacity change); counters int64[2] += (refused, short) rows.
   m.def("advance(Tensor(a!) lengths, Tensor(b!) counters, Tensor accepted) -> ()");
+  // BAT-3: empty residency of leases that changed owner, in every selection group g:
+  // resident[g][l] = BAD and recency[g][l] = 0, 1, ..., S-1 for each l in leases (int64; one
+  // outside [0, leases of the group) is skipped).
+  m.def("clear_leases(Tensor(a!)[] resident, Tensor(b!)[] recency, Tensor leases) -> ()");
   // Setup only (CUDA builds): a CUDA tensor aliasing a CPU tensor's memory through the
   // device-mapped (UVA) address; register=True registers the memory as pinned+mapped when it is
   // not yet, register=False aliases the host address of memory registered range by range.

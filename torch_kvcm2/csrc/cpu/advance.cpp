@@ -1,4 +1,5 @@
-// CPU kernel of HOST-3's length advance (Batch.advance): advance_row of kvcm2.h per seated row.
+// CPU kernels of the per-row bookkeeping ops: HOST-3's length advance (Batch.advance, advance_row
+// of kvcm2.h per seated row) and the residency clear of leases that changed owner (Batch.publish).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -30,8 +31,29 @@ void advance_cpu(const at::Tensor& lengths, const at::Tensor& counters,
   n[1] += short_rows;
 }
 
+void clear_leases_cpu(const at::TensorList& resident, const at::TensorList& recency,
+                      const at::Tensor& leases) {
+  check_clear_leases(resident, recency, leases);
+  const int64_t* l = leases.data_ptr<int64_t>();
+  for (size_t g = 0; g < resident.size(); ++g) {
+    const int64_t rows = resident[g].size(0), S = resident[g].size(1);
+    int32_t* res = resident[g].data_ptr<int32_t>();
+    int32_t* rec = recency[g].data_ptr<int32_t>();
+    for (int64_t i = 0; i < leases.size(0); ++i) {
+      if (l[i] < 0 || l[i] >= rows) continue;
+      for (int64_t s = 0; s < S; ++s) {
+        res[l[i] * S + s] = BAD;
+        rec[l[i] * S + s] = static_cast<int32_t>(s);
+      }
+    }
+  }
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) { m.impl("advance", &advance_cpu); }
+TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) {
+  m.impl("advance", &advance_cpu);
+  m.impl("clear_leases", &clear_leases_cpu);
+}
 
 }  // namespace torch_kvcm2

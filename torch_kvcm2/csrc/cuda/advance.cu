@@ -1,8 +1,10 @@
-// CUDA kernel of HOST-3's length advance (Batch.advance); it reproduces cpu/advance.cpp bit for
-// bit (advance_row of kvcm2.h per seated row; the counters are integer sums).
+// CUDA kernels of the per-row bookkeeping ops; they reproduce cpu/advance.cpp bit for bit.
 //
-// One thread per row, one CTA per kAdvanceThreads rows; each CTA adds its refused and short
-// counts to the counters with one 64-bit atomic each.
+// advance (HOST-3, Batch.advance): advance_row of kvcm2.h, one thread per row, one CTA per
+// kAdvanceThreads rows; each CTA adds its refused and short counts to the counters with one 64-bit
+// atomic each (integer sums: the order does not matter).
+// clear_leases (Batch.publish): one CTA per (lease, selection group), writing the lease's row of
+// resident and recency.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -69,8 +71,58 @@ void advance_cuda(const at::Tensor& lengths, const at::Tensor& counters,
                 c10::cuda::getCurrentCUDAStream(), p);
 }
 
+constexpr int kClearThreads = 256;
+constexpr int kMaxClearGroups = 512;  // 512 x 32 B of parameters, within CUDA 12's 32 KB limit
+
+struct ClearGroup {
+  int32_t* resident;
+  int32_t* recency;
+  int64_t rows, slots;
+};
+
+struct ClearParams {
+  const int64_t* leases;
+  int64_t groups;
+  ClearGroup group[kMaxClearGroups];
+};
+
+__global__ __launch_bounds__(kClearThreads) void clear_leases_kernel(
+    const __grid_constant__ ClearParams p) {
+  pdl_enter();
+  const ClearGroup& g = p.group[blockIdx.y];
+  const int64_t l = p.leases[blockIdx.x];
+  if (l < 0 || l >= g.rows) return;
+  for (int64_t s = threadIdx.x; s < g.slots; s += kClearThreads) {
+    g.resident[l * g.slots + s] = BAD;
+    g.recency[l * g.slots + s] = static_cast<int32_t>(s);
+  }
+}
+
+void clear_leases_cuda(const at::TensorList& resident, const at::TensorList& recency,
+                       const at::Tensor& leases) {
+  check_clear_leases(resident, recency, leases);
+  TORCH_CHECK(static_cast<int64_t>(resident.size()) <= kMaxClearGroups, "clear_leases: at most ",
+              kMaxClearGroups, " selection groups, got ", resident.size());
+  const int64_t n = leases.size(0);
+  if (n == 0 || resident.empty()) return;
+  TORCH_CHECK(n <= 0x7fffffff, "clear_leases: too many leases (", n, ")");
+  const c10::cuda::CUDAGuard guard(leases.device());
+  ClearParams p{};
+  p.leases = leases.data_ptr<int64_t>();
+  p.groups = static_cast<int64_t>(resident.size());
+  for (size_t g = 0; g < resident.size(); ++g) {
+    p.group[g] = ClearGroup{resident[g].data_ptr<int32_t>(), recency[g].data_ptr<int32_t>(),
+                            resident[g].size(0), resident[g].size(1)};
+  }
+  launch_kernel(clear_leases_kernel, dim3(static_cast<unsigned>(n), static_cast<unsigned>(p.groups)),
+                dim3(kClearThreads), 0, c10::cuda::getCurrentCUDAStream(), p);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_kvcm2, CUDA, m) { m.impl("advance", &advance_cuda); }
+TORCH_LIBRARY_IMPL(torch_kvcm2, CUDA, m) {
+  m.impl("advance", &advance_cuda);
+  m.impl("clear_leases", &clear_leases_cuda);
+}
 
 }  // namespace torch_kvcm2
