@@ -486,12 +486,13 @@ def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting():
 @pytest.mark.cuda
 def test_graph_replays_ahead_of_the_gpu_never_run_short():
     """HOST-2/HOST-3 on CUDA: a loop of replays (flush + advance in one graph, then
-    record_advance and publish) whose GPU work is slowed down so that the host runs ahead:
-    reserves are topped up from the read-backs that have arrived and no row runs short over
-    many times its reserve; the lengths equal the eager loop's."""
+    record_advance and publish) whose GPU work is slowed down so that the host runs ahead
+    (without bound, but for the read-back ring: a publish with every read-back in flight waits
+    for the oldest): reserves are topped up from the read-backs that have arrived and no row
+    runs short over many times its reserve; the lengths equal the eager loop's."""
     results = []
     for captured in (False, True):
-        _, batch, caches = staggered_rows("cuda", 2)
+        _, batch, caches = staggered_rows("cuda", 4)  # 16 tokens: the view lags up to 4 steps
         ones = torch.ones(8, dtype=torch.int32, device="cuda")
 
         def step():

@@ -105,6 +105,7 @@ class Batch(LengthsPath):
         # the read-backs of the device lengths (record_advance): a ring of pinned buffers, each
         # with the event of the copy into it (CUDA), and the queue of those not applied yet
         self._snapshot = allocated["snapshot"]
+        self._snapshot_buffers = self._snapshot.unbind(0)  # views made once
         self._snapshot_host = self._snapshot.numpy()
         self._snapshot_events: list = [None] * self._snapshot.shape[0]
         self._readbacks: collections.deque = collections.deque()

@@ -144,7 +144,7 @@ class LengthsPath:
         queue = self._readbacks
         if len(queue) == ring:  # the oldest buffer is copied into again: this copy supersedes it
             queue.popleft()
-        self._snapshot[k].copy_(self._mirror.lengths, non_blocking=True)
+        self._snapshot_buffers[k].copy_(self._mirror.lengths, non_blocking=True)
         if self._mirror.cuda:
             event = self._snapshot_events[k]
             if event is None:
@@ -163,7 +163,8 @@ class LengthsPath:
     def catch_up(self, wait: bool = True) -> None:
         """Apply the read-backs of ``advance`` to the host mirror and the member caches. ``wait``
         False applies the newest that the GPU has finished, if any (``publish`` does that,
-        never blocking); True waits for the newest queued (every host call that needs a
+        never blocking on the latest steps: only when every buffer of the read-back ring is
+        still in flight does it wait, for the oldest); True waits for the newest queued (every host call that needs a
         length, and a publish of changes). Cheap when none is pending. Page work the new
         lengths need (windowed pages to release, the reserve to take again) happens at the
         next ``publish``."""
@@ -181,7 +182,12 @@ class LengthsPath:
             newest = next((i + 1 for i in range(len(queue) - 1, -1, -1)
                            if events[queue[i]].query()), 0)
             if not newest:
-                return
+                if len(queue) < len(events):
+                    return
+                # a whole ring of read-backs in flight: the host is that many steps ahead of
+                # the GPU; it waits for the oldest, so its view lags by no more than the ring
+                events[queue[0]].synchronize()
+                newest = 1
         for _ in range(newest - 1):
             queue.popleft()
         snapshot = self._snapshot_host[queue.popleft()]
