@@ -1,17 +1,20 @@
 // CUDA kernels of OP-FETCH. They reproduce cpu/fetch.cpp bit for bit.
 //
-// fetch_warp_kernel: one warp per missed unit. A fixed grid of CTAs takes contiguous chunks of
-// the miss list (consecutive misses: mostly one row's, so mostly one row's host pages); each
-// warp copies a few misses together, its lanes striding 16-byte vectors (narrower for
-// unaligned buffers) loaded through the device-mapped view of pinned host memory, several loads
-// in flight per lane before any store. Measured on an H200 against the development variants
-// (2026-12-01, benchmarks/fetch_sweep.py, two rounds, % of the copy engine's H2D rate in the
-// same process): 42-KB pages 88% vs 64-77% for bulk copies (TMA) through shared memory and the
-// vector-item sweep; 656-B rows, 5-KB units and resolve + fetch at 64 rows x 20% misses equal
-// to or slightly ahead of the sweep (386-391 us against 387-401 us at 64 x 20%).
-// Development builds (launch.cuh) also hold the vector-item sweep (fetch_kernel: consecutive
-// threads take consecutive vectors across miss boundaries), the bulk-copy kernel
-// (fetch_tma_kernel) and warp variants in host-address order or with whole-line reads.
+// Two production kernels, chosen per launch by piece size (kWarpMinPiece):
+// fetch_kernel (the vector-item sweep, for rows and other small units): a fixed grid of threads
+// takes consecutive 16-byte vectors across miss and buffer boundaries, two loads in flight each;
+// fetch_warp_kernel (for pages and other large units): one warp per missed unit, a fixed grid of
+// CTAs taking contiguous chunks of the miss list (consecutive misses: mostly one row's, so mostly
+// one row's host pages); each warp copies a few misses together, its lanes striding 16-byte
+// vectors (narrower for unaligned buffers) loaded through the device-mapped view of pinned host
+// memory, several loads in flight per lane before any store. Measured on an H200 (2026-12-01, %
+// of the copy engine's H2D rate in the same process): 42-KB pages 88% with warps against 64-77%
+// for the sweep and for bulk copies (TMA) through shared memory; 656-B rows of a full step of 61
+// layers (P-STEP) 2731-2742 us with the sweep against 3148 us with warps; single 656-B launches
+// (P-FETCH-ROW, 64 rows x 20% misses) within a few percent of each other.
+// Development builds (launch.cuh) also hold the bulk-copy kernel (fetch_tma_kernel), the choice
+// of either kernel for every launch, and warp variants in host-address order or with whole-line
+// reads.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,9 +30,14 @@
 namespace torch_kvcm2 {
 namespace {
 
-#ifdef KVCM2_DEV
 constexpr int kFetchThreads = 256;
 constexpr int kFetchIlp = 2;  // vector loads in flight per thread (Tuning::fetch_ilp)
+// Launches whose every piece (one unit in one chunk) is smaller run the vector-item sweep, the
+// others one warp per miss (H200, 2026-12-01: 656-B rows of P-STEP's 61-layer step 2731-2742 us
+// with the sweep against 3148 us with warps; 42-KB pages 88% of the copy engine with warps
+// against 64-77% with the sweep).
+constexpr int64_t kWarpMinPiece = 4096;
+#ifdef KVCM2_DEV
 // fetch_tma_kernel: used for pieces of >= kTmaMinPiece bytes (KVCM2_FETCH_TMA=2), stages of up to
 // Tuning::fetch_tma_stage bytes (8192), one CTA per SM with up to kTmaSmemBudget bytes of stages
 // and kTmaMaxThreads threads.
@@ -123,7 +131,6 @@ __device__ __forceinline__ uint8_t* part_dst(const FetchParams& p, const FetchBu
   return cell_address(B.cells, entry, B.E, B.page_bytes, B.piece, inner);
 }
 
-#ifdef KVCM2_DEV
 // Work item v = (miss m, buffer b, w = chunk * vpp + part), m-major so that consecutive items are
 // consecutive parts of one piece. A part is one vector (fetch_kernel) or one stage of a
 // shared-memory staged copy (fetch_tma_kernel).
@@ -187,6 +194,7 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
   }
 }
 
+#ifdef KVCM2_DEV
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
@@ -488,20 +496,31 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
     return true;
   };
   const FetchKernel vector_kernel = fetch_kernel_for(tuning().fetch_ilp);
+#else
+  const FetchKernel vector_kernel = fetch_kernel<kFetchIlp>;
 #endif
+  // The vector-item sweep for launches of small pieces only (kWarpMinPiece).
+  auto small_pieces = [&]() {
+    for (int b = 0; b < p.nb; ++b)
+      if (p.buf[b].piece >= kWarpMinPiece) return false;
+    return true;
+  };
   auto launch = [&]() {
     if (p.nb == 0) return;
 #ifdef KVCM2_DEV
     if (launch_tma()) {
-    } else if (tuning().fetch_warp == 0) {
+      p.nb = 0;
+      p.per_miss = 0;
+      return;
+    }
+#endif
+    const int warp = tuning().fetch_warp;
+    if (warp == 0 || (warp < 0 && small_pieces())) {
       launch_kernel(vector_kernel, grid_of(vector_kernel, kFetchThreads), dim3(kFetchThreads), 0,
                     stream, p);
     } else {
       launch_warp();
     }
-#else
-    launch_warp();
-#endif
     p.nb = 0;
     p.per_miss = 0;
   };

@@ -68,8 +68,8 @@ Tuning read_tuning() {
   t.fetch_tma = tma == 1 ? 1 : tma == 2 ? -1 : 0;
   const int stage = env_int("KVCM2_FETCH_TMA_STAGE", t.fetch_tma_stage);
   t.fetch_tma_stage = (stage < 16 ? 16 : stage > 32768 ? 32768 : stage) / 16 * 16;
-  const int warp = env_int("KVCM2_FETCH_WARP", 1);
-  t.fetch_warp = (warp == 0 || warp == 2) ? warp : 1;
+  const int warp = env_int("KVCM2_FETCH_WARP", -1);
+  t.fetch_warp = (warp >= 0 && warp <= 2) ? warp : -1;
   const int misses = env_int("KVCM2_FETCH_WARP_MISSES", t.fetch_warp_misses);
   t.fetch_warp_misses = (misses == 1 || misses == 2 || misses == 8) ? misses : 4;
   t.fetch_lines = env_int("KVCM2_FETCH_LINES", 0) != 0;

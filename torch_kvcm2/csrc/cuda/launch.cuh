@@ -54,7 +54,8 @@ struct Tuning {
   int fetch_blocks_per_sm = 0;  // 0: every CTA that fits
   int fetch_tma = 0;            // 0: never bulk copies; 1: always; -1: pieces >= 32 KiB
   int fetch_tma_stage = 8192;
-  int fetch_warp = 1;         // 0: vector-item sweep; 1: warp per miss; 2: warp per miss, sorted
+  int fetch_warp = -1;  // -1: by piece size (fetch.cu); 0: vector-item sweep; 1: warp per miss;
+                        // 2: warp per miss, sorted
   int fetch_warp_misses = 4;  // misses one warp copies together (fetch_warp != 0)
   bool fetch_lines = false;   // fetch_warp != 0: whole 128-byte line reads
   bool resolve_force_stale = false;
