@@ -305,11 +305,9 @@ def test_advance_equals_the_host_rule(device):
     assert shorts > 0 and min(m[0] for m in model) > 30
 
 
-def test_reserve_top_ups_come_in_batches_and_never_starve_a_row(device):
-    """HOST-3: rows decoding one token per step at staggered lengths, each keeping a reserve of
-    two pages, are topped up in batches (once a row has used half its reserve, every row that
-    used any of it), so publishes with page work are rare; no row ever runs short and the
-    tables match a full restage at every step."""
+def staggered_rows(device, reserve_pages):
+    """8 rows decoding one token per step at staggered lengths (row r starts r tokens in), each
+    keeping a reserve of ``reserve_pages`` pages of 4 tokens."""
     P = 4
     config = dsa_config(device, window_layer=False, max_rows=8, tokens_per_page=P,
                         max_inflight_tokens=2, slots=16, max_tokens_per_row=512,
@@ -317,9 +315,9 @@ def test_reserve_top_ups_come_in_batches_and_never_starve_a_row(device):
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     caches = []
-    for row in range(8):  # staggered: row r starts r tokens in
+    for row in range(8):
         cache = manager.create_cache()
-        cache.set_reserve(2 * P)
+        cache.set_reserve(reserve_pages * P)
         batch.add(cache)
         assert cache.resize(capacity=row + 2)  # the last max_inflight_tokens (2) are in flight
         if row:
@@ -327,6 +325,16 @@ def test_reserve_top_ups_come_in_batches_and_never_starve_a_row(device):
             assert cache.resize(history=row, capacity=row + 1)
         caches.append(cache)
     batch.publish()
+    return manager, batch, caches
+
+
+def test_reserve_top_ups_come_in_batches_and_never_starve_a_row(device):
+    """HOST-3: rows decoding one token per step at staggered lengths, each keeping a reserve of
+    two pages, are topped up in batches (once a row has used half its reserve, every row that
+    used any of it), so publishes with page work are rare; no row ever runs short and the
+    tables match a full restage at every step."""
+    P = 4
+    _, batch, caches = staggered_rows(device, 2)
     ones = torch.ones(8, dtype=torch.int32, device=device)
     page_work, steps = 0, 96
     for _ in range(steps):
@@ -393,6 +401,16 @@ def test_advance_compiles_fullgraph():
     assert results[0][0] == [6, 6, 5, 6]
 
 
+def capture(step):
+    """``step`` captured once as a CUDA graph, on a side stream (capture does not run it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    return graph
+
+
 @pytest.mark.cuda
 def test_advance_replays_in_a_cuda_graph():
     """HOST-3 on CUDA: flush + advance captured once and replayed many times (record_advance
@@ -407,12 +425,8 @@ def test_advance_replays_in_a_cuda_graph():
             batch.advance(accepted)
 
         if captured:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
             saved = (batch.history.clone(), batch.capacity.clone(), batch.written.clone())
-            with torch.cuda.graph(graph, stream=stream):
-                step()
+            graph = capture(step)
             # capture does not run the ops: the lengths are as before
             assert torch.equal(batch.history, saved[0]) and torch.equal(batch.written, saved[2])
         for _ in range(12):
@@ -428,29 +442,6 @@ def test_advance_replays_in_a_cuda_graph():
                         [c.written for c in caches], batch.advance_counters.tolist()))
     assert results[0] == results[1]
     assert results[0][3][0] == 0
-
-
-def staggered_rows(device, reserve_pages):
-    """8 rows decoding one token per step at staggered lengths (row r starts r tokens in), each
-    keeping a reserve of ``reserve_pages`` pages of 4 tokens."""
-    P = 4
-    config = dsa_config(device, window_layer=False, max_rows=8, tokens_per_page=P,
-                        max_inflight_tokens=2, slots=16, max_tokens_per_row=512,
-                        host_budget_bytes=8 << 20)
-    manager = kv.KVCacheManager(config)
-    batch = kv.Batch(manager)
-    caches = []
-    for row in range(8):
-        cache = manager.create_cache()
-        cache.set_reserve(reserve_pages * P)
-        batch.add(cache)
-        assert cache.resize(capacity=row + 2)  # the last max_inflight_tokens (2) are in flight
-        if row:
-            cache.record_host_write(row)  # a prefill wrote its first tokens to host pages
-            assert cache.resize(history=row, capacity=row + 1)
-        caches.append(cache)
-    batch.publish()
-    return manager, batch, caches
 
 
 def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting():
@@ -500,11 +491,7 @@ def test_graph_replays_ahead_of_the_gpu_never_run_short():
             batch.advance(ones)
 
         if captured:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                step()
+            graph = capture(step)
         for _ in range(120):
             batch.publish()
             torch.cuda._sleep(200_000)  # the GPU lags: the host queues steps ahead of it

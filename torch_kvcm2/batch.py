@@ -11,7 +11,6 @@ unpublished changes (BAT-4).
 from __future__ import annotations
 
 import collections
-
 import heapq
 from dataclasses import dataclass
 from typing import Optional, Union

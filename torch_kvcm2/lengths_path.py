@@ -161,13 +161,13 @@ class LengthsPath:
         return bool(self._readbacks) or self._owed
 
     def catch_up(self, wait: bool = True) -> None:
-        """Apply the read-backs of ``advance`` to the host mirror and the member caches. ``wait``
-        False applies the newest that the GPU has finished, if any (``publish`` does that,
-        never blocking on the latest steps: only when every buffer of the read-back ring is
-        still in flight does it wait, for the oldest); True waits for the newest queued (every host call that needs a
-        length, and a publish of changes). Cheap when none is pending. Page work the new
-        lengths need (windowed pages to release, the reserve to take again) happens at the
-        next ``publish``."""
+        """Apply the read-backs of ``advance`` to the host mirror and the member caches.
+        ``wait`` False applies the newest that the GPU has finished, if any (``publish`` does
+        that, never blocking on the latest steps: only when every buffer of the read-back ring
+        is still in flight does it wait, for the oldest); True waits for the newest queued
+        (every host call that needs a length, and a publish of changes). Cheap when none is
+        pending. Page work the new lengths need (windowed pages to release, the reserve to take
+        again) happens at the next ``publish``."""
         if self._owed:  # a flush to a tensor of targets: queue its read-back now
             self.record_advance()
         queue = self._readbacks
@@ -203,8 +203,8 @@ class LengthsPath:
         # changed allocated tokens since this copy was queued: Batch.publish's page work)
         L[:CAPACITY + 1] = snapshot[:CAPACITY + 1]
         L[WRITTEN] = snapshot[WRITTEN]
-        # every member takes its row when next used (sync_member: only seated rows, and only
-        # lengths that differ from its own), so the steady state costs no per-row work here
+        # every member takes its row when next used (sync_member: seated rows not changed on
+        # the host since their publish), so the steady state costs no per-row work here
         self._stale.fill(True)
         if not self._windowed:
             self._settle_reserves(L)
