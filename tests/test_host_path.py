@@ -305,11 +305,12 @@ def test_advance_equals_the_host_rule(device):
     assert shorts > 0 and min(m[0] for m in model) > 30
 
 
-def staggered_rows(device, reserve_pages):
+def staggered_rows(device, reserve_pages, window_layer=False):
     """8 rows decoding one token per step at staggered lengths (row r starts r tokens in), each
-    keeping a reserve of ``reserve_pages`` pages of 4 tokens."""
+    keeping a reserve of ``reserve_pages`` pages of 4 tokens (``window_layer``: with a windowed
+    dense layer, whose pages behind the window are released as rows advance)."""
     P = 4
-    config = dsa_config(device, window_layer=False, max_rows=8, tokens_per_page=P,
+    config = dsa_config(device, window_layer=window_layer, max_rows=8, tokens_per_page=P,
                         max_inflight_tokens=2, slots=16, max_tokens_per_row=512,
                         host_budget_bytes=8 << 20)
     manager = kv.KVCacheManager(config)
@@ -444,13 +445,15 @@ def test_advance_replays_in_a_cuda_graph():
     assert results[0][3][0] == 0
 
 
-def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting():
+@pytest.mark.parametrize("window_layer", [False, True])
+def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting(window_layer):
     """HOST-2/HOST-3 with the host running steps ahead of the GPU (the read-back of a step
     arrives two steps later, as in an engine that schedules the next step while the GPU runs
     this one): each publish applies the newest read-back that has arrived, never waits for one
     in flight, and tops up reserves from those lengths (page entries and allocated tokens only),
-    so no row runs short over many times its reserve; at the end the tables match a restage."""
-    manager, batch, caches = staggered_rows("cpu", 2)
+    so no row runs short over many times its reserve; at the end the tables match a restage.
+    With a windowed layer, its pages behind each row's window are released along the way."""
+    manager, batch, caches = staggered_rows("cpu", 2, window_layer)
     ones = torch.ones(8, dtype=torch.int32)
     lag, steps, late = 2, 120, []
     for step in range(steps):
@@ -472,6 +475,10 @@ def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting():
     batch.catch_up()
     assert [c.history_length for c in caches] == [row + steps for row in range(8)]
     assert_tables_match(batch)
+    if window_layer:  # pages behind each row's window were released along the way
+        windowed = [g for g in manager.stats()["pool_groups"] if g["window"] is not None]
+        pages_of_history = 8 * (steps // 4)
+        assert all(0 < g["used_slots"] < pages_of_history // 4 for g in windowed), windowed
 
 
 @pytest.mark.cuda
