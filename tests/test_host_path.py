@@ -481,6 +481,58 @@ def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting(window_l
         assert all(0 < g["used_slots"] < pages_of_history // 4 for g in windowed), windowed
 
 
+def run_ahead(batch, steps, lag=2):
+    """``steps`` decode steps (publish, flush, advance by one token) whose read-backs arrive
+    ``lag`` steps late, as on a GPU the host runs ahead of; returns the late events."""
+    ones = torch.ones(batch.max_rows, dtype=torch.int32)
+    late = []
+    for step in range(steps):
+        capacity = batch.capacity.clone()
+        batch.publish()
+        # a publish never leaves the device's capacity beyond its allocated pages
+        assert bool((batch.capacity <= batch._allocated).all()) and torch.equal(batch.capacity,
+                                                                                  capacity)
+        batch.flush(batch.history + ones)
+        batch.advance(ones)
+        late.append(_LateEvent())
+        batch._snapshot_events[batch._readbacks[-1]] = late[-1]
+        if step >= lag:
+            late[step - lag].done = True
+    return late
+
+
+@pytest.mark.parametrize("change", ["smaller reserve, then a declaration",
+                                    "larger reserve, no resize"])
+def test_a_new_reserve_while_the_host_is_ahead_never_frees_pages_in_use(change):
+    """HOST-3: a reserve changed while read-backs are in flight never lets a top-up planned from
+    lagging lengths free pages the device's capacity has reached (``run_ahead`` checks every
+    publish): made smaller (none at all) and the row then published by a declaration, which
+    applies no reserve, the row stops at its pages, counted as short, never corrupted; made
+    larger without the resize that would apply it, every row keeps advancing. The tables match
+    a restage at the end."""
+    manager, batch, caches = staggered_rows("cpu", 2, window_layer=True)
+    row0 = caches[0]
+    smaller = change.startswith("smaller")
+    if smaller:
+        row0.set_reserve(0)
+        row0.record_host_write(row0.history_length)
+        batch.publish()
+    else:
+        row0.set_reserve(16)
+    late = run_ahead(batch, 40)
+    for event in late:
+        event.done = True
+    histories = [c.history_length for c in caches]
+    assert histories[1:] == [row + 40 for row in range(1, 8)]
+    if smaller:  # row 0 ran out of its pages: refused from then on, its lengths intact
+        refused, short = batch.advance_counters.tolist()
+        assert 0 < histories[0] < 40 and short >= 1 and refused == 40 - histories[0]
+        assert row0.capacity == histories[0] and row0.history_length <= row0.written
+    else:
+        assert histories[0] == 40 and batch.advance_counters.tolist() == [0, 0]
+    assert_tables_match(batch)
+
+
 @pytest.mark.cuda
 def test_graph_replays_ahead_of_the_gpu_never_run_short():
     """HOST-2/HOST-3 on CUDA: a loop of replays (flush + advance in one graph, then

@@ -378,17 +378,15 @@ class Batch(LengthsPath):
         if self._settle:
             # page work for rows advance() moved (reserve top-ups, windowed releases), planned
             # from the lengths the host has: with a read-back still in flight they are a step or
-            # two old, which only plans fewer pages, so such a publish leaves the device's
-            # lengths alone and uploads page entries and allocated tokens only (a row whose
-            # reserve changed waits for a publish without one in flight: it may shrink)
+            # two old, so such a publish only adds pages (a smaller reserve frees pages at a
+            # publish without one in flight), leaves the device's lengths alone and uploads page
+            # entries and allocated tokens only
             pages_only = self.pending_readback
             for row in sorted(self._settle):
                 cache = self._rows[row]
-                if pages_only and row in self._reserve_rows:
-                    continue
                 if cache is not None and not cache.suspended:
-                    cache.retake_pages(wait=False)
-                self._settle.discard(row)
+                    cache.retake_pages(wait=False, grow_only=pages_only)
+            self._settle.clear()
         if not self._dirty and not self._granted and not self._declared_rows:
             return
         rows = sorted(self._dirty | self._declared_rows) if self._declared_rows else sorted(self._dirty)
@@ -418,7 +416,7 @@ class Batch(LengthsPath):
                              lengths=(ALLOCATED,) if pages_only else None)
         self._reserve_tokens[rows] = reserves
         self._urgent_at[rows] = self.urgent_capacity(values, np.asarray(reserves, dtype=np.int64))
-        if self._reserve_rows:
+        if self._reserve_rows and not pages_only:  # a pages-only publish may keep old pages
             self._reserve_rows.difference_update(rows)
         self._dirty.clear()
         self._granted.clear()

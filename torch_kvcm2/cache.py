@@ -174,11 +174,12 @@ class KVCache:
                 f"max_inflight_tokens {I}), whose cells do not hold them; advance history over "
                 f"them first, or shrink capacity to at most {lo}")
 
-    def _apply(self, h: int, c: int) -> bool:
+    def _apply(self, h: int, c: int, grow_only: bool = False) -> bool:
         """Allocate and free pages for lengths (h, c) and take them; False (nothing changed) when
-        a pool group cannot supply the pages. The lengths must have passed the checks."""
+        a pool group cannot supply the pages. The lengths must have passed the checks.
+        ``grow_only``: no page beyond the live range's start is freed (``retake_pages``)."""
         groups = self.manager.storage.groups
-        plans = [self._plan(group, h, c) for group in groups]
+        plans = [self._plan(group, h, c, grow_only) for group in groups]
         if all(first == live[0] and keep == live[1] for (first, keep), live in zip(plans, self._live)):
             # no page enters or leaves a live range (most decode steps): the lengths only
             changed = (h, c) != (self._h, self._c)
@@ -222,10 +223,13 @@ class KVCache:
         self._flushed = min(self._flushed, c)  # tokens cut off by a shrink are gone
         self._declared = min(self._declared, c)
 
-    def _plan(self, group, h: int, c: int) -> tuple[int, int]:
-        """(first live page, allocated pages) of a pool group for lengths (h, c)."""
+    def _plan(self, group, h: int, c: int, grow_only: bool = False) -> tuple[int, int]:
+        """(first live page, allocated pages) of a pool group for lengths (h, c); ``grow_only``
+        keeps at least the pages allocated now."""
         P, limit = self._page_tokens, self._max_tokens
         keep = -(-min(c + self._reserve, limit) // P) if c else 0
+        if grow_only:
+            keep = max(keep, self._live[group.index][1])
         first = self._live[group.index][0]
         if group.window is not None and h > group.window:
             first = max(first, min((h - group.window) // P, keep))  # REQ-3
@@ -380,16 +384,18 @@ class KVCache:
             self._lowest_keep = [keep for _, keep in self._live]
             self._pages_moved = False
 
-    def retake_pages(self, wait: bool = True) -> bool:
+    def retake_pages(self, wait: bool = True, grow_only: bool = False) -> bool:
         """Plan the pages of the current lengths again: the reserve beyond capacity and the
         window's releases, after ``Batch.advance`` moved the lengths on the device (the batch
         calls it at publish, with ``wait`` False: from the lengths read back so far). The
         lengths do not change, so no rule of ``resize`` can break; False, with nothing changed,
         when the pools cannot supply the pages (the row's advance then stops at its pages,
-        counted as short)."""
+        counted as short). ``grow_only`` (lengths older than the device's: a read-back in
+        flight) frees no page at the end of the live range, so a smaller reserve never takes
+        pages the device's capacity already reached; windowed releases still happen."""
         if self._batch is not None:
             self._batch.sync_member(self._row, wait)
-        return self._apply(self._h, self._c)
+        return self._apply(self._h, self._c, grow_only)
 
     def lengths_row(self) -> tuple[int, int, int, int, int, int]:
         """(history, capacity, written, declared, allocated tokens, reserve tokens) as the batch
