@@ -49,6 +49,11 @@ def token_bytes(key: int, positions: torch.Tensor, nbytes: int) -> torch.Tensor:
     return ((t * 131 + key * 29 + torch.arange(nbytes) * 7) % 256).to(torch.uint8)
 
 
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """The row index of every entry of a [MAX_ROWS, n] tensor."""
+    return torch.arange(t.shape[0])[:, None].expand_as(t)
+
+
 class Model:
     """Drives a batch the way a serving engine would and checks every byte it can see."""
 
@@ -168,13 +173,16 @@ class Model:
             ok = host >= 0
             view = self.manager.storage.view(layer, role)
             idx = host[ok].long()
-            data = token_bytes(key, positions.cpu()[ok], nbytes).view(len(idx), *view.shape[1::2])
+            self.check_host_direct(layer, role, idx)
+            pos = positions.cpu()[ok]
+            data = self.content(key, pos, self.ids_at(rows_of(host)[ok], pos), nbytes)
+            data = data.view(len(idx), *view.shape[1::2])
             view[(idx // P).to(self.device), :, (idx % P).to(self.device)] = data.to(self.device)
             cells = batch.cells(layer, role)
-            tokens = start[:, None] + torch.arange(table.shape[1])
-            ok = table >= 0
-            idx = table[ok].long()
-            data = token_bytes(key, tokens[ok], nbytes).view(len(idx), *cells.shape[1::2])
+            tokens = (start[:, None] + torch.arange(table.shape[1]))[table >= 0]
+            idx = table[table >= 0].long()
+            data = self.content(key, tokens, self.ids_at(rows_of(table)[table >= 0], tokens), nbytes)
+            data = data.view(len(idx), *cells.shape[1::2])
             cells[(idx // P).to(self.device), :, (idx % P).to(self.device)] = data.to(self.device)
 
     def check_cells(self, group, selected, index):
@@ -183,31 +191,51 @@ class Model:
         selected, index = selected.cpu(), index.cpu()
         capacity = self.batch.capacity.cpu()
         ok = index >= 0
-        rows = torch.arange(MAX_ROWS)[:, None].expand_as(index)[ok]
+        rows = rows_of(index)[ok]
         units, entries = selected[ok].long(), index[ok].long()
         for offset in range(U):
             tokens = units * U + offset
             written = tokens < capacity[rows]
             if not written.any():
                 continue
-            t, idx = tokens[written], entries[written] * U + offset
+            t, r, idx = tokens[written], rows[written], entries[written] * U + offset
+            ids = self.ids_at(r, t)
             for layer, role, key, g, nbytes in self.buffers:
                 if g != group.index:
                     continue
                 cells = self.batch.cells(layer, role).cpu()
                 got = cells[idx // P, :, idx % P].reshape(len(idx), nbytes)
-                assert torch.equal(got, token_bytes(key, t, nbytes)), (layer, role)
+                assert torch.equal(got, self.content(key, t, ids, nbytes)), (layer, role)
                 self.checked_tokens += len(idx)
 
     def check_host(self, cache):
         """Every token of history reads back from its host page (SAFE-1)."""
         storage = self.manager.storage
         t = torch.arange(cache.history_length)
+        ids = self.history_ids(cache)
         for layer, role, key, _, nbytes in self.buffers:
             pages = torch.tensor(cache.pages(storage.place(layer, role).group), dtype=torch.long)
             host = storage.slot_pages(layer, role, device_side=False)
             got = host[pages[t // P], :, t % P].reshape(len(t), nbytes)
-            assert torch.equal(got, token_bytes(key, t, nbytes)), (cache, layer, role)
+            assert torch.equal(got, self.content(key, t, ids, nbytes)), (cache, layer, role)
+
+    # what the model wrote: bytes of a token position (models whose bytes also depend on token
+    # ids, test_prefix.SharingModel, return the ids and use them)
+    def ids_at(self, rows, positions):
+        """Token ids at ``positions`` of the caches seated at ``rows`` (none: bytes depend on the
+        position only)."""
+        return None
+
+    def check_host_direct(self, layer, role, idx):
+        """A check of the host token indices the model writes host-direct tokens to (none)."""
+
+    def history_ids(self, cache):
+        """Token ids of ``cache``'s history (none: bytes depend on the position only)."""
+        return None
+
+    def content(self, key, positions, ids, nbytes):
+        """The bytes of buffer ``key`` the model wrote for tokens at ``positions``."""
+        return token_bytes(key, positions, nbytes)
 
     # ---- the write contract's edges (docs/HOST_PATH.md), tried mid-step ----
     def edges(self):

@@ -12,7 +12,7 @@ import torch
 
 import torch_kvcm2 as kv
 from configs import dsa_config, import_history
-from test_data_safety import MAX_ROWS, P as SAFETY_P, Model, make_config
+from test_data_safety import MAX_ROWS, P as SAFETY_P, Model
 
 STEPS = int(os.environ.get("KVCM2_SAFETY_STEPS", "1000")) // 2
 
@@ -608,77 +608,22 @@ class SharingModel(Model):
             elif cache.history_length == cache.capacity:
                 cache.suspend()
 
-    def write(self, group_index):
-        batch, storage = self.batch, self.manager.storage
-        table, start = batch.write_indices(group_index)
-        table, start = table.cpu(), start.cpu()
-        width = max(1, max((c.capacity - c.history_length for c in batch.members().values()),
-                           default=1))
-        positions = torch.full((MAX_ROWS, width), -1, dtype=torch.int32)
-        tokens = torch.zeros((MAX_ROWS, width), dtype=torch.int64)
-        for row, cache in batch.members().items():
-            if cache.suspended:
-                continue
-            h, s0 = cache.history_length, int(start[row])
-            positions[row, :s0 - h] = torch.arange(h, s0, dtype=torch.int32)
-            tokens[row, :s0 - h] = torch.from_numpy(self.tokens_of(row)[h:s0])
-        for layer, role, key, group, nbytes in self.buffers:
-            if group != group_index:
-                continue
-            pool = storage.groups[storage.place(layer, role).group]
-            host = batch.host_token_indices(layer, role,
-                                            positions.to(batch.config.device)).cpu()
-            ok = host >= 0
-            idx = host[ok].long()
-            slots = (idx // SAFETY_P // pool.scale).numpy()
-            # PFX-3: the host-direct path never reaches a shared or committed page
-            assert (pool.refs[slots] == 1).all() and (pool.owner[slots] == 0).all()
-            view = storage.view(layer, role)
-            data = content_bytes(key, positions[ok], tokens[ok], nbytes)
-            i = idx.to(view.device)
-            view[i // SAFETY_P, :, i % SAFETY_P] = data.view(len(idx), *view.shape[1::2]).to(view.device)
-            cells = batch.cells(layer, role)
-            cell_tokens = start[:, None] + torch.arange(table.shape[1])
-            ok = table >= 0
-            rows = torch.arange(MAX_ROWS)[:, None].expand_as(table)[ok]
-            ids = torch.tensor([int(self.tokens_of(int(r))[int(t)]) for r, t in
-                                zip(rows.tolist(), cell_tokens[ok].tolist())], dtype=torch.int64)
-            idx = table[ok].long()
-            data = content_bytes(key, cell_tokens[ok], ids, nbytes)
-            i = idx.to(cells.device)
-            cells[i // SAFETY_P, :, i % SAFETY_P] = data.view(len(idx), *cells.shape[1::2]).to(cells.device)
-
-    def check_cells(self, group, selected, index):
-        U = group.sparse.tokens_per_unit
-        selected, index = selected.cpu(), index.cpu()
-        capacity = self.batch.capacity.cpu()
-        ok = index >= 0
-        rows = torch.arange(MAX_ROWS)[:, None].expand_as(index)[ok]
-        units, entries = selected[ok].long(), index[ok].long()
-        for offset in range(U):
-            tokens = units * U + offset
-            written = tokens < capacity[rows]
-            if not written.any():
-                continue
-            t, r, idx = tokens[written], rows[written], entries[written] * U + offset
-            ids = [int(self.tokens_of(int(row))[int(pos)]) for row, pos in zip(r.tolist(), t.tolist())]
-            for layer, role, key, g, nbytes in self.buffers:
-                if g != group.index:
-                    continue
-                cells = self.batch.cells(layer, role).cpu()
-                got = cells[idx // SAFETY_P, :, idx % SAFETY_P].reshape(len(idx), nbytes)
-                assert torch.equal(got, content_bytes(key, t, ids, nbytes)), (layer, role)
-                self.checked_tokens += len(idx)
-
-    def check_host(self, cache):
+    def check_host_direct(self, layer, role, idx):
         storage = self.manager.storage
-        t = torch.arange(cache.history_length)
-        ids = self.ids[cache.request_id][:cache.history_length]
-        for layer, role, key, _, nbytes in self.buffers:
-            pages = torch.tensor(cache.pages(storage.place(layer, role).group), dtype=torch.long)
-            host = storage.slot_pages(layer, role, device_side=False)
-            got = host[pages[t // SAFETY_P], :, t % SAFETY_P].reshape(len(t), nbytes)
-            assert torch.equal(got, content_bytes(key, t, ids, nbytes)), (cache, layer, role)
+        pool = storage.groups[storage.place(layer, role).group]
+        slots = (idx // SAFETY_P // pool.scale).numpy()
+        # PFX-3: the host-direct path never reaches a shared or committed page
+        assert (pool.refs[slots] == 1).all() and (pool.owner[slots] == 0).all()
+
+    def ids_at(self, rows, positions):
+        return [int(self.tokens_of(int(row))[int(pos)])
+                for row, pos in zip(rows.tolist(), positions.tolist())]
+
+    def history_ids(self, cache):
+        return self.ids[cache.request_id][:cache.history_length]
+
+    def content(self, key, positions, ids, nbytes):
+        return content_bytes(key, positions, ids, nbytes)
 
     def step(self, number):
         super().step(number)
