@@ -111,6 +111,8 @@ class Batch(LengthsPath):
         self._next_readback = 0
         self._owed = False  # a flush to a tensor of targets ran since the last read-back
         self.groups = [self._new_group_state(g, allocated) for g in config.selection_groups]
+        self._residents = [s.resident for s in self.groups]  # clear_leases' arguments
+        self._recencies = [s.recency for s in self.groups]
         self._shapes = rules.shapes_of(config)
         self._shape_pairs = [n for shape in self._shapes for n in shape]  # flush_watermark
         self._cells: dict[tuple[str, str], torch.Tensor] = {}
@@ -425,8 +427,7 @@ class Batch(LengthsPath):
     def _clear_leases(self, leases: torch.Tensor) -> None:
         """Empty residency for the device int64 ``leases`` (a lease that changed owner), in
         every selection group at once."""
-        ops.clear_leases([s.resident for s in self.groups], [s.recency for s in self.groups],
-                         leases)
+        ops.clear_leases(self._residents, self._recencies, leases)
 
     @property
     def published(self) -> bool:
