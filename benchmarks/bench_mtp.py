@@ -132,12 +132,12 @@ def measure(h, timer, device, quick, T, K=None):
         step[0] = 0
 
     def union():
-        batch.resolve(0, w.sels[1 + step[0] % calls])
+        h.resolve_only(batch, 0, w.sels[1 + step[0] % calls])
         step[0] += 1
 
     def separate():
         for sel in singles[1 + step[0] % calls]:
-            batch.resolve(0, sel)
+            h.resolve_only(batch, 0, sel)
         step[0] += 1
 
     # checks first: every step of one run of the union resolves (against the CPU kernel on

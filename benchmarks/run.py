@@ -263,6 +263,20 @@ def fill_random(pool, seed: int) -> None:
         flat[i:i + chunk].random_(0, 256, generator=gen)
 
 
+def resolve_only(batch, group, selected):
+    """The resolve op alone on a batch's state, for the rows that time resolve itself (P-RES,
+    P-RES-MTP): ``Batch.resolve`` also computes the group's write indices in the same call
+    (OP-STEP). Returns the index table, the one ``Batch.resolve`` returns."""
+    st = batch.group(group)
+    sp = st.spec.sparse
+    table = st.index_table if selected.dim() == 2 else st.index_views[selected.shape[1] - 1]
+    kv.ops.resolve(st.resident, st.recency, table, st.miss_list, st.miss_count, st.counters,
+                   st.inflight_slots, selected, batch.history, batch.capacity, batch.lease,
+                   sp.tokens_per_unit, batch.config.tokens_per_page, sp.max_inflight_tokens,
+                   st.spec.window or 0, st.resolve_scratch)
+    return table
+
+
 def snapshot(states) -> list:
     """Residency state and counters of selection groups, to restore between replays."""
     return [[t.clone() for t in (s.resident, s.recency, s.counters)] for s in states]
@@ -344,7 +358,7 @@ def bench_resolve(timer, device, quick) -> Result:
         step[0] = 0
 
     def body():
-        batch.resolve(0, w.sels[1 + step[0] % calls])
+        resolve_only(batch, 0, w.sels[1 + step[0] % calls])
         step[0] += 1
 
     us = timer.graph(body, calls, reset)
@@ -1063,8 +1077,8 @@ def bench_host(device, quick) -> list:
 
 
 def bench_step_wall(timer, device, quick) -> list:
-    """P-STEP-WALL: P-STEP's step as a user runs it (publish; per group resolve and one fetch of
-    its layers; write_indices; flush; advance by one token per row), host work included:
+    """P-STEP-WALL: P-STEP's step as a user runs it (publish; per group resolve with the fetch of
+    its layers in the same call; write_indices; flush; advance by one token per row), host work included:
     eagerly, and as one captured graph per step replayed with the host's record_advance and
     publish around it; both as wall time per step over many steps (synchronised once at the
     end), against the GPU time of the same ops (a replay and the read-back copy of
@@ -1097,9 +1111,8 @@ def bench_step_wall(timer, device, quick) -> list:
 
     def ops_of(selection):
         def body():
-            for g, layers in enumerate(group_layers):
-                batch.resolve(g, selection[g])
-                batch.fetch(*layers)
+            for g in range(len(group_layers)):
+                batch.resolve(g, selection[g], fetch=True)  # and every layer's fetch
             for g in range(len(group_layers)):
                 batch.write_indices(g)
             batch.flush(batch.history + ones)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import heapq
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -457,12 +457,20 @@ class Batch(LengthsPath):
         return self.groups[group]
 
     def resolve(self, group: Union[int, str], selected: torch.Tensor,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, fetch: Union[bool, Sequence[str]] = False
+                ) -> torch.Tensor:
         """OP-RESOLVE for one selection group: ``selected`` int32[max_rows, K] unit ordinals
         (negative = padding), or int32[max_rows, T', K] for a step of ``1 <= T' <= T`` query
         tokens per row (T = ``max_query_tokens``; MTP-2). Returns the index table of the same
         shape, entries ``lease*S + slot`` (BAD for padding and invalid ordinals): the batch's own
-        unless ``out`` is given. Updates residency, the group's miss list and counters.
+        unless ``out`` is given. Updates residency, the group's miss list and counters, and the
+        group's write indices (``write_indices`` returns them).
+
+        ``fetch``: also fetch the misses into the cells of every layer of the group (True) or of
+        the named layers of it (a sequence), as ``fetch(*layers)`` right after would; False
+        (default) leaves the fetch to the caller, per layer or several at once. Resolve, write
+        indices and fetch run in one call (OP-STEP: one op instead of three, which is what an
+        eager step spends its host time on).
 
         A multi-token step resolves the union of each row's T' selections once (MTP-3, docs/MTP.md):
         a unit selected by several query tokens is one hit or one miss, in one slot, and every
@@ -476,12 +484,22 @@ class Batch(LengthsPath):
         if out is not None:
             self._check_index_tensor("out", out, 0, tuple(selected.shape))
             table = out
+        if fetch is False:
+            cells = pools = positions = tables = ()
+        else:
+            layers = state.spec.layers if fetch is True else tuple(fetch)
+            fetched, cells, pools, positions, tables = self._plan_of(layers)
+            if fetched is not state:
+                raise ValueError(f"Batch.resolve: fetch names layers of another selection group "
+                                 f"than {state.spec.name!r}: {list(layers)}")
         if self._fetch_events:
             self._wait_fetches(state)
-        ops.resolve(state.resident, state.recency, table, state.miss_list, state.miss_count,
-                    state.counters, state.inflight_slots, selected, self.history, self.capacity,
-                    self.lease, sp.tokens_per_unit, self.config.tokens_per_page,
-                    sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch)
+        ops.resolve_step(state.resident, state.recency, table, state.miss_list, state.miss_count,
+                         state.counters, state.inflight_slots, state.write_table,
+                         state.inflight_start, cells, selected, self.history, self.capacity,
+                         self.lease, pools, positions, tables, sp.tokens_per_unit,
+                         self.config.tokens_per_page, sp.max_inflight_tokens,
+                         state.spec.window or 0, state.resolve_scratch)
         return table
 
     def fetch(self, *layers: str) -> None:
@@ -489,15 +507,18 @@ class Batch(LengthsPath):
         given layer, all of one selection group, in one launch (up to 8 buffers per launch).
         Every layer of the group must be fetched after each resolve of the group: per layer just
         before its attention, or several at once, which keeps more copies in flight."""
-        if torch.compiler.is_compiling():  # traced once: a cache would only add guards
-            plan = self._fetch_plan(layers, keep=False)
-        else:
-            plan = self._fetch_plans.get(layers) or self._fetch_plan(layers)
+        state, cells, pools, positions, tables = self._plan_of(layers)
         self._check_step("Batch.fetch")
-        state, cells, pools, positions, tables = plan
         if cells:
             ops.fetch(cells, pools, positions, tables, state.miss_list, state.miss_count,
                       state.spec.sparse.slots, state.spec.sparse.tokens_per_unit)
+
+    def _plan_of(self, layers: tuple) -> tuple:
+        """``_fetch_plan(layers)``, kept per tuple of layers outside torch.compile (traced once
+        there: a cache would only add guards)."""
+        if torch.compiler.is_compiling():
+            return self._fetch_plan(layers, keep=False)
+        return self._fetch_plans.get(layers) or self._fetch_plan(layers)
 
     def _fetch_plan(self, layers: tuple, keep: bool = True) -> tuple:
         """The checked arguments of ``fetch(*layers)``, kept per tuple of layers (a step names
@@ -532,9 +553,7 @@ class Batch(LengthsPath):
                 f"Batch.fetch_sparse_pages: layer {layer!r} shares selection group "
                 f"{group.name!r} with {len(group.layers) - 1} other layer(s); call resolve once "
                 f"per step and fetch per layer")
-        table = self.resolve(group.index, selected, out)
-        self.fetch(layer)
-        return table
+        return self.resolve(group.index, selected, out, fetch=(layer,))
 
     def write_indices(self, group: Union[int, str], out: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -543,18 +562,21 @@ class Batch(LengthsPath):
         row r goes to cell token index ``indices[r, j]`` (cell ``// P``, row in cell ``% P``);
         BAD beyond the in-flight range and for holes and suspended rows. Tokens in
         ``[history, start)`` are written straight to host pages (``host_token_indices``).
-        Needs this step's resolve of the group."""
+
+        This step's resolve of the group computed them (from the lengths and residency it saw,
+        in the same call): without ``out`` they are returned as they are, the batch's own
+        tensors, with no launch; ``out`` gets them computed again by the ``write_indices`` op.
+        Call it after this step's resolve of the group, as the model's write needs."""
         state = self.group(group)
         self._check_step("Batch.write_indices")
+        if out is None:
+            return state.write_table, state.inflight_start
         sp = state.spec.sparse
-        table = state.write_table
-        if out is not None:
-            self._check_index_tensor("out", out, table.shape[1])
-            table = out
-        ops.write_indices(table, state.inflight_start, state.resident, state.inflight_slots,
+        self._check_index_tensor("out", out, state.write_table.shape[1])
+        ops.write_indices(out, state.inflight_start, state.resident, state.inflight_slots,
                           self.history, self.capacity, self.lease, sp.tokens_per_unit,
                           sp.max_inflight_tokens)
-        return table, state.inflight_start
+        return out, state.inflight_start
 
     def flush(self, new_history=None) -> None:
         """OP-FLUSH: write back every in-flight token below the row's new history from its cell

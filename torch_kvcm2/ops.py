@@ -30,6 +30,7 @@ __all__ = [
     "rank_signal",
     "rank_wait",
     "resolve",
+    "resolve_step",
     "uva_view",
     "write_indices",
 ]
@@ -143,6 +144,45 @@ def fetch(
     """
     _ops.fetch(list(cells), list(host_pools), list(positions), list(page_tables), miss_list,
                miss_count, slots, tokens_per_unit)
+
+
+def resolve_step(
+    resident: Tensor,
+    recency: Tensor,
+    index_table: Tensor,
+    miss_list: Tensor,
+    miss_count: Tensor,
+    counters: Tensor,
+    inflight_slots: Tensor,
+    write_table: Tensor,
+    write_start: Tensor,
+    cells: Sequence[Tensor],
+    selected: Tensor,
+    history: Tensor,
+    capacity: Tensor,
+    lease: Tensor,
+    host_pools: Sequence[Tensor],
+    positions: Sequence[int],
+    page_tables: Sequence[Tensor],
+    tokens_per_unit: int,
+    tokens_per_page: int,
+    max_inflight_tokens: int,
+    window: int = 0,
+    scratch: Optional[Tensor] = None,
+) -> None:
+    """OP-STEP: one selection group's part of a decode step in one call, with the results of
+    ``resolve(...)``, then ``write_indices(write_table, write_start, ...)`` and, when ``cells``
+    is not empty, ``fetch(cells, host_pools, positions, page_tables, miss_list, miss_count,
+    S, tokens_per_unit)`` (S = ``resident.size(1)``), bit for bit: the arguments are theirs.
+    Every argument is checked before any part runs. It saves host time only: one call instead
+    of three. Mutates what the three ops mutate.
+    """
+    _ops.resolve_step(
+        resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
+        write_table, write_start, list(cells), selected, history, capacity, lease,
+        list(host_pools), list(positions), list(page_tables), tokens_per_unit, tokens_per_page,
+        max_inflight_tokens, window, scratch,
+    )
 
 
 def locate_inflight(
@@ -292,9 +332,9 @@ def _(out, selected, page_table, capacity, scale, pos, tokens_per_page):
 
 
 @torch.library.register_fake("torch_kvcm2::resolve")
-def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
-      history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
-      scratch=None):
+def _fake_resolve(resident, recency, index_table, miss_list, miss_count, counters,
+                  inflight_slots, selected, history, capacity, lease, tokens_per_unit,
+                  tokens_per_page, max_inflight_tokens, window, scratch=None):
     for name, t in (("selected", selected), ("index_table", index_table)):
         _check(t.dtype == torch.int32, f"resolve: {name} must be int32, got {t.dtype}")
         _check(t.dim() in (2, 3), f"resolve: {name} must be 2-D [rows, K] or 3-D "
@@ -311,7 +351,8 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_
 
 
 @torch.library.register_fake("torch_kvcm2::fetch")
-def _(cells, host_pools, positions, page_tables, miss_list, miss_count, slots, tokens_per_unit):
+def _fake_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count, slots,
+                tokens_per_unit):
     _check(len(cells) == len(host_pools) == len(positions) == len(page_tables),
            "fetch: one entry per buffer")
     _check(miss_count.shape == (MISS_COUNT_WORDS,), "fetch: miss_count must have shape [4]")
@@ -323,9 +364,25 @@ def _(inflight_slots, resident, history, capacity, lease, tokens_per_unit, max_i
 
 
 @torch.library.register_fake("torch_kvcm2::write_indices")
-def _(out, inflight_start, resident, inflight_slots, history, capacity, lease, tokens_per_unit,
-      max_inflight_tokens):
+def _fake_write_indices(out, inflight_start, resident, inflight_slots, history, capacity, lease,
+                        tokens_per_unit, max_inflight_tokens):
     _check(out.shape[1] >= max_inflight_tokens + tokens_per_unit - 1, "write_indices: out is too narrow")
+
+
+@torch.library.register_fake("torch_kvcm2::resolve_step")
+def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, write_table,
+      write_start, cells, selected, history, capacity, lease, host_pools, positions, page_tables,
+      tokens_per_unit, tokens_per_page, max_inflight_tokens, window, scratch=None):
+    _fake_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
+                  selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
+                  max_inflight_tokens, window, scratch)
+    _fake_write_indices(write_table, write_start, resident, inflight_slots, history, capacity,
+                        lease, tokens_per_unit, max_inflight_tokens)
+    _check(write_table.shape[0] == selected.shape[0],
+           "resolve_step: write_table and selected differ in rows")
+    if cells:
+        _fake_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count,
+                    resident.shape[1], tokens_per_unit)
 
 
 @torch.library.register_fake("torch_kvcm2::flush")

@@ -37,6 +37,15 @@ TORCH_LIBRARY(torch_kvcm2, m) {
   m.def(
       "fetch(Tensor(a!)[] cells, Tensor[] host_pools, int[] positions, Tensor[] page_tables, "
       "Tensor miss_list, Tensor miss_count, int slots, int tokens_per_unit) -> ()");
+  // OP-STEP: resolve, then write_indices (write_table, write_start) from the state it leaves,
+  // then fetch of the given buffers (none: no fetch), one call (csrc/step.cpp).
+  m.def(
+      "resolve_step(Tensor(a!) resident, Tensor(b!) recency, Tensor(c!) index_table, "
+      "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "
+      "Tensor(g!) inflight_slots, Tensor(h!) write_table, Tensor(i!) write_start, "
+      "Tensor(j!)[] cells, Tensor selected, Tensor history, Tensor capacity, Tensor lease, "
+      "Tensor[] host_pools, int[] positions, Tensor[] page_tables, int tokens_per_unit, "
+      "int tokens_per_page, int max_inflight_tokens, int window, Tensor(k!)? scratch=None) -> ()");
   // The in-flight slot records resolve writes, recomputed from residency alone (the lowest slot
   // holding each in-flight unit), for callers that change lengths or residency between resolves.
   m.def(
