@@ -36,8 +36,13 @@ def t32(data, device):
 class Group:
     """Op-level residency state of one selection group, mirrored by a reference state."""
 
-    def __init__(self, device, *, leases, rows, K, U, P, I, S, window=0, guard=False):
+    def __init__(self, device, *, leases, rows, K, U, P, I, S, window=0, guard=False,
+                 writes=False):
         self.device, self.rows, self.K = device, rows, K
+        # writes=True: resolve also writes OP-WRITE's outputs (write_table, write_start), which
+        # every step compares with the write_indices op run afterwards on the state it left.
+        self.writes = writes
+        self.fetch_layers = []  # set: run_op is resolve_step, which also fetches into these
         self.U, self.P, self.I, self.S, self.window = U, P, I, S, window
         self.num_leases = leases
         miss_rows = rows * (K + ops.max_inflight_units(I, U))
@@ -59,6 +64,9 @@ class Group:
         self.index_table, self.miss_list = self._index[sl], self._miss[sl]
         self.miss_count, self.counters = self._count[sl], self._counters[sl]
         self.inflight_slots = self._inflight[sl]
+        width = I + U + 1  # wider than the I + U - 1 the op needs: every column is written
+        self.write_table = torch.full((rows, width), 444, dtype=I32, device=device)
+        self.write_start = torch.full((rows,), 444, dtype=I32, device=device)
         self.guard = g
         self._border = self._borders()
         self.ref = ref.ResidencyState.fresh(leases, S)
@@ -86,10 +94,32 @@ class Group:
         self.ref.recency[ell] = list(range(self.S))
 
     def run_op(self, selected, history, capacity, lease):
+        if self.fetch_layers:  # OP-STEP: resolve, its write outputs and the fetch in one call
+            layers = self.fetch_layers
+            ops.resolve_step(
+                self.resident, self.recency, self.index_table, self.miss_list, self.miss_count,
+                self.counters, self.inflight_slots, self.write_table, self.write_start,
+                [l.cells for l in layers], t32(selected, self.device), t32(history, self.device),
+                t32(capacity, self.device), t32(lease, self.device), [l.pool for l in layers],
+                [l.pos for l in layers], [l.page_table for l in layers], self.U, self.P, self.I,
+                self.window)
+            return
+        writes = (self.write_table, self.write_start) if self.writes else (None, None)
         ops.resolve(self.resident, self.recency, self.index_table, self.miss_list,
                     self.miss_count, self.counters, self.inflight_slots, t32(selected, self.device),
                     t32(history, self.device), t32(capacity, self.device), t32(lease, self.device),
-                    self.U, self.P, self.I, self.window)
+                    self.U, self.P, self.I, self.window, None, *writes)
+
+    def check_writes(self, history, capacity, lease):
+        """resolve's write outputs equal the write_indices op's on the state resolve left."""
+        if not self.writes:
+            return
+        table, start = torch.full_like(self.write_table, 7), torch.full_like(self.write_start, 7)
+        ops.write_indices(table, start, self.resident, self.inflight_slots,
+                          t32(history, self.device), t32(capacity, self.device),
+                          t32(lease, self.device), self.U, self.I)
+        assert torch.equal(table, self.write_table), (history, capacity, lease)
+        assert torch.equal(start, self.write_start), (history, capacity, lease)
 
     def op_misses(self):
         count = self.miss_count.tolist()
@@ -105,6 +135,7 @@ class Group:
         old_counters = self.counters.cpu().tolist()
         self.run_op(selected, history, capacity, lease)
         self.check_borders()
+        self.check_writes(history, capacity, lease)
         got_index = self.index_table.cpu().tolist()
         got_misses = sorted(self.op_misses())
         got_counters = self.counters.cpu().tolist()
@@ -443,12 +474,14 @@ def check_index_rows(g, lease):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_op_resolve_bad_device_data_matches_reference(device):
+@pytest.mark.parametrize("writes", [False, True])
+def test_op_resolve_bad_device_data_matches_reference(device, writes):
     """SAFE-3 / OP-RESOLVE: bad device data with a non-negative history (leases out of range,
     history above capacity, negative or huge capacities, huge ordinals) never crashes, never
     writes outside the state tensors, keeps RES-1/RES-4 and gives exactly the reference's
-    results (no int32 wrap-around anywhere)."""
-    g = Group(device, leases=3, rows=4, guard=True, **SMALL)
+    results (no int32 wrap-around anywhere); with ``writes`` its write outputs are the
+    write_indices op's."""
+    g = Group(device, leases=3, rows=4, guard=True, writes=writes, **SMALL)
     rng = random.Random(5)
     for _ in range(300):
         sel, h, c, lease = nasty_step(rng, [x for x in NASTY if x >= 0])
@@ -457,11 +490,13 @@ def test_op_resolve_bad_device_data_matches_reference(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_op_resolve_bad_device_data_no_crash(device):
+@pytest.mark.parametrize("writes", [False, True])
+def test_op_resolve_bad_device_data_no_crash(device, writes):
     """SAFE-3: fully bad device data (negative histories too) never crashes, never writes
     outside the state tensors, keeps no ordinal twice (RES-1) and leaves unseated leases alone
-    (RES-4). Results are not compared: see test_op_resolve_negative_history_* for why."""
-    g = Group(device, leases=3, rows=4, guard=True, **SMALL)
+    (RES-4). Results are not compared with the reference: see test_op_resolve_negative_history_*
+    for why; with ``writes`` the write outputs are compared with the write_indices op's."""
+    g = Group(device, leases=3, rows=4, guard=True, writes=writes, **SMALL)
     rng = random.Random(6)
     for _ in range(300):
         sel, h, c, lease = nasty_step(rng, NASTY)
@@ -544,10 +579,45 @@ def test_op_resolve_bad_host_arguments_raise():
     # S not a multiple of E = P/U
     with pytest.raises((RuntimeError, ValueError)):
         ops.resolve(g.resident[:, :7].contiguous(), g.recency[:, :7].contiguous(), *args[2:])
+    # the write outputs: both or neither, write_indices' rules, one row per selected row
+    table, start = torch.zeros(1, 5, dtype=I32), torch.zeros(1, dtype=I32)
+    for writes in ((table, None), (None, start), (table.long(), start), (table[:, :4], start),
+                   (torch.zeros(2, 5, dtype=I32), torch.zeros(2, dtype=I32))):
+        with pytest.raises((RuntimeError, ValueError)):
+            ops.resolve(*args, None, *writes)
     for a, b in zip(args[:7], snapshot):
         assert torch.equal(a, b)
+    assert table.tolist() == [[0] * 5] and start.tolist() == [0]
     ops.resolve(*args)  # the good call works
     assert g.counters.tolist() == [0, 4, 0]
+
+
+def test_op_resolve_step_bad_arguments_change_nothing():
+    """OP-STEP, SAFE-3: resolve_step checks every argument (its resolve's, its write outputs',
+    its fetch's) before any part runs: a bad fetch argument leaves residency, the miss list and
+    the cells untouched."""
+    g = small_group("cpu", rows=1, writes=True)
+    layer = Layer("cpu", gen=torch.Generator().manual_seed(1), num_leases=2, S=8, P=4, U=2,
+                  chunks=1, bpt=4, host_slots=4, rows=1, max_pages=4)
+    sel, h, c, lease = t32([[0, 1, 2, 3]], "cpu"), t32([8], "cpu"), t32([8], "cpu"), t32([0], "cpu")
+    good = [g.resident, g.recency, g.index_table, g.miss_list, g.miss_count, g.counters,
+            g.inflight_slots, g.write_table, g.write_start, [layer.cells], sel, h, c, lease,
+            [layer.pool], [layer.pos], [layer.page_table], 2, 4, 4, 0]
+    watched = good[:9] + [layer.cells]
+    before = [t.clone() for t in watched]
+    bad = {"fetch positions": (15, [layer.pos, 0]), "fetch page table": (16, [layer.page_table.long()]),
+           "fetch cells": (9, [layer.cells.view(torch.int32)]), "write start": (8, h.long()),
+           "write table": (7, g.write_table[:, :2].contiguous())}
+    for label, (i, value) in bad.items():
+        call = list(good)
+        call[i] = value
+        with pytest.raises((RuntimeError, ValueError)):
+            ops.resolve_step(*call)
+        for t, b in zip(watched, before):
+            assert torch.equal(t, b), f"{label}: written before raising"
+    ops.resolve_step(*good)  # the good call resolves, writes and fetches
+    assert g.counters.tolist() == [0, 4, 0] and int(g.miss_count[0]) > 0
+    assert not torch.equal(layer.cells, before[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1023,16 +1093,20 @@ class RandomDriver:
         return sel
 
 
-def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectable_only=False):
-    """Runs the sequence on each device; returns the first device's counters and the most
-    miss-list entries one row produced in one step. ``selectable_only`` turns every selected
+def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectable_only=False,
+                        step_op=False):
+    """Runs the sequence on each device (resolve writing its write outputs too, checked against
+    the write_indices op); returns the first device's counters and the most miss-list entries
+    one row produced in one step. ``selectable_only`` turns every selected
     ordinal its row cannot select into padding, so every row fits the CUDA resolve's direct unit
-    table (bad or out-of-range ordinals send a row to the hash)."""
+    table (bad or out-of-range ordinals send a row to the hash). ``step_op`` runs each step as
+    one resolve_step (OP-STEP: resolve, write outputs and fetch in one call) under the same
+    checks."""
     params = RANDOM_CONFIGS.get(config) or LARGE_CONFIGS[config]
     U, P, K, I, S, window, leases, rows, max_tokens = params
     drv = RandomDriver(seed, *params)
-    groups = [Group(d, leases=leases, rows=rows, K=K, U=U, P=P, I=I, S=S, window=window)
-              for d in devices]
+    groups = [Group(d, leases=leases, rows=rows, K=K, U=U, P=P, I=I, S=S, window=window,
+                    writes=True) for d in devices]
     gen = torch.Generator().manual_seed(seed)
     max_pages = ref.ceil_div(max_tokens, P)
     most_placed = 0
@@ -1042,6 +1116,9 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectabl
                      host_slots=rows * max_pages, rows=rows, max_pages=max_pages,
                      bad_page_frac=0.05)
         layers = [base.clone_to(d) for d in devices]
+    if step_op:
+        for layer, g in zip(layers, groups):
+            g.fetch_layers = [layer]
     for step in range(steps):
         for ell in drv.evolve():
             for g in groups:
@@ -1060,7 +1137,8 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectabl
         per_row = collections.Counter(m[2] for m in outs[0][1])
         most_placed = max([most_placed, *per_row.values()])
         for layer, g in zip(layers, groups):
-            run_fetch([layer], g.miss_list, g.miss_count, S, U)
+            if not step_op:
+                run_fetch([layer], g.miss_list, g.miss_count, S, U)
             ref_fetch([layer], g.op_misses(), S, U)
             layer.check()
         # INT-4: every device gives bit-identical outputs and state (miss list compared sorted)
@@ -1069,6 +1147,8 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectabl
             assert torch.equal(g.resident.cpu(), groups[0].resident.cpu())
             assert torch.equal(g.recency.cpu(), groups[0].recency.cpu())
             assert torch.equal(g.counters.cpu(), groups[0].counters.cpu())
+            assert torch.equal(g.write_table.cpu(), groups[0].write_table.cpu())
+            assert torch.equal(g.write_start.cpu(), groups[0].write_start.cpu())
         for layer in layers[1:]:
             assert torch.equal(layer.cells.cpu(), layers[0].cells.cpu())
     return groups[0].counters.cpu().tolist(), most_placed
@@ -1086,12 +1166,25 @@ def test_op_resolve_random_sequence_matches_reference(device, config, steps):
     assert hits > steps // 2 and misses > steps // 10 and invalid > steps // 10
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
 @pytest.mark.parametrize("config", list(RANDOM_CONFIGS))
-def test_op_resolve_random_sequence_cpu_cuda_identical(config):
+def test_op_resolve_step_random_sequence_matches_reference(device, config):
+    """OP-STEP: resolve_step (resolve, its write outputs, the fetch, in one call) over a random
+    sequence: every output and the full state agree with the reference, the write outputs with
+    the write_indices op, the cells with the reference's fetch, after every step."""
+    (hits, misses, invalid), _ = run_random_sequence([device], config, seed=13, steps=300,
+                                                     step_op=True)
+    assert hits > 0 and misses > 0 and invalid > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("step_op", [False, True], ids=["ops", "resolve_step"])
+@pytest.mark.parametrize("config", list(RANDOM_CONFIGS))
+def test_op_resolve_random_sequence_cpu_cuda_identical(config, step_op):
     """INT-4: the same random sequence on CPU and CUDA side by side gives bit-identical state,
-    index tables, counters and cells, and the same miss lists up to order."""
-    (hits, misses, _), _ = run_random_sequence(["cpu", "cuda"], config, seed=23, steps=400)
+    index tables, write outputs, counters and cells, and the same miss lists up to order."""
+    (hits, misses, _), _ = run_random_sequence(["cpu", "cuda"], config, seed=23, steps=400,
+                                               step_op=step_op)
     assert hits > 0 and misses > 0
 
 

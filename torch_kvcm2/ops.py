@@ -100,6 +100,8 @@ def resolve(
     max_inflight_tokens: int,
     window: int = 0,
     scratch: Optional[Tensor] = None,
+    write_table: Optional[Tensor] = None,
+    write_start: Optional[Tensor] = None,
 ) -> None:
     """OP-RESOLVE for one selection group over every row (REQUIREMENTS §8; docs/DESIGN.md).
 
@@ -116,11 +118,14 @@ def resolve(
     ``window`` is 0 for full attention. ``scratch`` (CUDA only; ignored on CPU) is uint8 of at
     least ``R * memory.resolve_scratch_bytes(T'*K)`` bytes: the table region of rows whose
     resolve does not fit shared memory (docs/MTP.md); without it such rows raise.
+    ``write_table`` and ``write_start`` (both or neither): also OP-WRITE's outputs, what
+    ``write_indices(write_table, write_start, resident, inflight_slots, history, capacity,
+    lease, ...)`` would write right after, in the same call (on CUDA by the resolve kernel).
     """
     _ops.resolve(
         resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
         history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
-        scratch,
+        scratch, write_table, write_start,
     )
 
 
@@ -171,11 +176,11 @@ def resolve_step(
     scratch: Optional[Tensor] = None,
 ) -> None:
     """OP-STEP: one selection group's part of a decode step in one call, with the results of
-    ``resolve(...)``, then ``write_indices(write_table, write_start, ...)`` and, when ``cells``
-    is not empty, ``fetch(cells, host_pools, positions, page_tables, miss_list, miss_count,
-    S, tokens_per_unit)`` (S = ``resident.size(1)``), bit for bit: the arguments are theirs.
-    Every argument is checked before any part runs. It saves host time only: one call instead
-    of three. Mutates what the three ops mutate.
+    ``resolve(..., write_table, write_start)`` and then, when ``cells`` is not empty,
+    ``fetch(cells, host_pools, positions, page_tables, miss_list, miss_count, S,
+    tokens_per_unit)`` (S = ``resident.size(1)``), bit for bit: the arguments are theirs. Every
+    argument is checked before any part runs. It saves host time: one call instead of three
+    (resolve, write_indices, fetch). Mutates what they mutate.
     """
     _ops.resolve_step(
         resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
@@ -334,7 +339,8 @@ def _(out, selected, page_table, capacity, scale, pos, tokens_per_page):
 @torch.library.register_fake("torch_kvcm2::resolve")
 def _fake_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                   inflight_slots, selected, history, capacity, lease, tokens_per_unit,
-                  tokens_per_page, max_inflight_tokens, window, scratch=None):
+                  tokens_per_page, max_inflight_tokens, window, scratch=None, write_table=None,
+                  write_start=None):
     for name, t in (("selected", selected), ("index_table", index_table)):
         _check(t.dtype == torch.int32, f"resolve: {name} must be int32, got {t.dtype}")
         _check(t.dim() in (2, 3), f"resolve: {name} must be 2-D [rows, K] or 3-D "
@@ -348,6 +354,13 @@ def _fake_resolve(resident, recency, index_table, miss_list, miss_count, counter
         "resolve: miss_list has fewer rows than rows x (query tokens x K + in-flight units)")
     _check(recency.shape == resident.shape, "resolve: recency and resident differ in shape")
     _check(miss_count.shape == (MISS_COUNT_WORDS,), "resolve: miss_count must have shape [4]")
+    _check((write_table is None) == (write_start is None),
+           "resolve: pass both write_table and write_start, or neither")
+    if write_table is not None:
+        _fake_write_indices(write_table, write_start, resident, inflight_slots, history,
+                            capacity, lease, tokens_per_unit, max_inflight_tokens)
+        _check(write_table.shape[0] == selected.shape[0],
+               "resolve: write_table and selected differ in rows")
 
 
 @torch.library.register_fake("torch_kvcm2::fetch")
@@ -375,11 +388,7 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_
       tokens_per_unit, tokens_per_page, max_inflight_tokens, window, scratch=None):
     _fake_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                   selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
-                  max_inflight_tokens, window, scratch)
-    _fake_write_indices(write_table, write_start, resident, inflight_slots, history, capacity,
-                        lease, tokens_per_unit, max_inflight_tokens)
-    _check(write_table.shape[0] == selected.shape[0],
-           "resolve_step: write_table and selected differ in rows")
+                  max_inflight_tokens, window, scratch, write_table, write_start)
     if cells:
         _fake_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count,
                     resident.shape[1], tokens_per_unit)

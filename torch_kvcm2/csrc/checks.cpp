@@ -331,4 +331,21 @@ void check_flush(const at::Tensor& host_pool, at::IntArrayRef positions,
   }
 }
 
+bool check_resolve_write(const std::optional<at::Tensor>& write_table,
+                         const std::optional<at::Tensor>& write_start, const at::Tensor& selected,
+                         const at::Tensor& resident, const at::Tensor& inflight_slots,
+                         const at::Tensor& history, const at::Tensor& capacity,
+                         const at::Tensor& lease, int64_t tokens_per_unit,
+                         int64_t max_inflight_tokens) {
+  const bool table = write_table.has_value() && write_table->defined();
+  const bool start = write_start.has_value() && write_start->defined();
+  TORCH_CHECK(table == start, "resolve: pass both write_table and write_start, or neither");
+  if (!table) return false;
+  check_write_indices(*write_table, *write_start, resident, inflight_slots, history, capacity,
+                      lease, tokens_per_unit, max_inflight_tokens);
+  TORCH_CHECK(write_table->size(0) == selected.size(0), "resolve: write_table has ",
+              write_table->size(0), " rows, selected ", selected.size(0));
+  return true;
+}
+
 }  // namespace torch_kvcm2

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 #ifdef __CUDACC__
 #define KVCM2_HD __host__ __device__ __forceinline__
@@ -274,6 +275,15 @@ void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& r
                            int64_t max_inflight_tokens);
 
 void check_write_indices(const at::Tensor& out, const at::Tensor& inflight_start,
+                         const at::Tensor& resident, const at::Tensor& inflight_slots,
+                         const at::Tensor& history, const at::Tensor& capacity,
+                         const at::Tensor& lease, int64_t tokens_per_unit,
+                         int64_t max_inflight_tokens);
+
+// resolve's optional write outputs (OP-WRITE in the same call): both or neither; when given,
+// write_indices' rules for them and one row per selected row. True when given.
+bool check_resolve_write(const std::optional<at::Tensor>& write_table,
+                         const std::optional<at::Tensor>& write_start, const at::Tensor& selected,
                          const at::Tensor& resident, const at::Tensor& inflight_slots,
                          const at::Tensor& history, const at::Tensor& capacity,
                          const at::Tensor& lease, int64_t tokens_per_unit,

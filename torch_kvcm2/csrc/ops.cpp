@@ -24,21 +24,22 @@ TORCH_LIBRARY(torch_kvcm2, m) {
   // OP-RESOLVE: one selection group, every seated row. Also records, per row, the slot of each
   // in-flight unit (column k: unit floor(s0/U) + k) for write_indices and flush. selected and
   // index_table are [rows, K] or [rows, T', K] (MTP-2). scratch: the CUDA kernel's table region
-  // for rows too wide for shared memory (ignored on CPU; docs/MTP.md).
+  // for rows too wide for shared memory (ignored on CPU; docs/MTP.md). write_table and
+  // write_start (both or neither): OP-WRITE's outputs, as write_indices would write them next.
   m.def(
       "resolve(Tensor(a!) resident, Tensor(b!) recency, Tensor(c!) index_table, "
       "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "
       "Tensor(g!) inflight_slots, Tensor selected, Tensor history, Tensor capacity, Tensor lease, "
       "int tokens_per_unit, int tokens_per_page, int max_inflight_tokens, int window, "
-      "Tensor(h!)? scratch=None) -> ()");
+      "Tensor(h!)? scratch=None, Tensor(i!)? write_table=None, Tensor(j!)? write_start=None) -> ()");
   // OP-FETCH: layers of one selection group, every missed unit of each of their sparse buffers,
   // host page -> cell. A buffer's host pages are (its pool group's whole pool, its position in a
   // slot): ops never take two views of one pool, which would alias (see HostPages in kvcm2.h).
   m.def(
       "fetch(Tensor(a!)[] cells, Tensor[] host_pools, int[] positions, Tensor[] page_tables, "
       "Tensor miss_list, Tensor miss_count, int slots, int tokens_per_unit) -> ()");
-  // OP-STEP: resolve, then write_indices (write_table, write_start) from the state it leaves,
-  // then fetch of the given buffers (none: no fetch), one call (csrc/step.cpp).
+  // OP-STEP: resolve with its write outputs (write_table, write_start), then fetch of the given
+  // buffers (none: no fetch), one call (csrc/step.cpp).
   m.def(
       "resolve_step(Tensor(a!) resident, Tensor(b!) recency, Tensor(c!) index_table, "
       "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "

@@ -121,10 +121,18 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
                  const at::Tensor& inflight_slots, const at::Tensor& selected,
                  const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
                  int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
-                 int64_t window, const std::optional<at::Tensor>& /*scratch: CUDA's only*/) {
+                 int64_t window, const std::optional<at::Tensor>& /*scratch: CUDA's only*/,
+                 const std::optional<at::Tensor>& write_table,
+                 const std::optional<at::Tensor>& write_start) {
   check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                 selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
                 max_inflight_tokens, window);
+  const bool writes = check_resolve_write(write_table, write_start, selected, resident,
+                                          inflight_slots, history, capacity, lease,
+                                          tokens_per_unit, max_inflight_tokens);
+  const int64_t width = writes ? write_table->size(1) : 0;
+  int32_t* const write = writes ? write_table->data_ptr<int32_t>() : nullptr;
+  int32_t* const start = writes ? write_start->data_ptr<int32_t>() : nullptr;
   const int64_t miu = inflight_slots.size(1);
   int32_t* located = inflight_slots.data_ptr<int32_t>();
   // K: a row's columns over all its query tokens ([rows, T', K] is [rows, T'*K] in memory), the
@@ -148,6 +156,10 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
     if (l < 0 || l >= leases) {  // hole, suspended row, or a bad lease: touch no residency
       std::fill(out + r * K, out + (r + 1) * K, BAD);
       std::fill(located + r * miu, located + (r + 1) * miu, BAD);
+      if (writes) {
+        std::fill(write + r * width, write + (r + 1) * width, BAD);
+        start[r] = BAD;
+      }
       continue;
     }
     const RowRange range(hist[r], cap[r], tokens_per_unit, tokens_per_page, max_inflight_tokens,
@@ -155,6 +167,9 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
     resolve_row(res + l * S, rec + l * S, out + r * K, sel + r * K, K, S, l, r, range,
                 miss_list.data_ptr<int32_t>(), count, c);
     record_inflight(res + l * S, S, range, located + r * miu, miu);  // after the row's resolve
+    if (writes)  // as write_indices reads them next
+      start[r] = write_row(res + l * S, S, l, range, located + r * miu, miu, write + r * width,
+                           width);
   }
   int64_t* total = counters.data_ptr<int64_t>();
   total[kHits] += c.hits;

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "../kvcm2.h"
+#include "locate_inflight.h"
 
 namespace torch_kvcm2 {
 namespace {
@@ -25,23 +26,18 @@ void write_indices_cpu(const at::Tensor& out, const at::Tensor& inflight_start,
   int32_t* dst = out.data_ptr<int32_t>();
   int32_t* start = inflight_start.data_ptr<int32_t>();
   const int64_t U = tokens_per_unit;
+  const int32_t* res = resident.data_ptr<int32_t>();
+  const int32_t* slots = inflight_slots.data_ptr<int32_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    int32_t* row_out = dst + r * width;
-    std::fill(row_out, row_out + width, BAD);
     const int64_t l = own[r];
     if (l < 0 || l >= leases) {
+      std::fill(dst + r * width, dst + (r + 1) * width, BAD);
       start[r] = BAD;
       continue;
     }
     // tokens_per_page does not enter the in-flight range: pass U so first_live_unit stays 0.
     const RowRange range(hist[r], cap[r], U, U, max_inflight_tokens, 0);
-    start[r] = static_cast<int32_t>(range.inflight_start);
-    for (int64_t j = 0; j < width && range.inflight_start + j < range.capacity; ++j) {
-      const int64_t t = range.inflight_start + j;
-      const int64_t slot = inflight_slot(range, t / U, inflight_slots.data_ptr<int32_t>() + r * miu,
-                                         miu, resident.data_ptr<int32_t>() + l * S, S);
-      if (slot != BAD) row_out[j] = static_cast<int32_t>((l * S + slot) * U + t % U);
-    }
+    start[r] = write_row(res + l * S, S, l, range, slots + r * miu, miu, dst + r * width, width);
   }
 }
 

@@ -154,6 +154,12 @@ __device__ __forceinline__ void leave_hole(const ResolveParams& p, const Row& ro
   for (int j = tid; j < row.K; j += kResolveThreads) row.out[j] = BAD;
 #pragma unroll 1
   for (int i = tid; i < p.MI; i += kResolveThreads) row.located[i] = BAD;
+  if (p.write_table != nullptr) {
+    int32_t* const write = p.write_table + static_cast<int64_t>(row.r) * p.write_width;
+#pragma unroll 1
+    for (int j = tid; j < p.write_width; j += kResolveThreads) write[j] = BAD;
+    if (tid == 0) p.write_start[row.r] = BAD;
+  }
 }
 
 // Takes the values read after the wait; false for a hole, which it has left. (opaque: in the
@@ -624,6 +630,34 @@ __device__ __forceinline__ void place(const Arrays& A, const Row& row, const Tab
   __syncthreads();
 }
 
+// OP-WRITE in the same launch (the outputs of write_indices_kernel, cuda/write_indices.cu, bit
+// for bit): token s0 + j of row r goes to cell token index (l*S + slot)*U + t mod U, from the
+// in-flight slot records `infl` (nF of them, from unit a) and the resident row `res` as place
+// left them (final: place ends in a barrier); BAD past capacity c and where the unit has no
+// slot. One pass of the table's I + U - 1 columns. Not inlined, and given values rather than the
+// kernel's structures, so that the resolve kernel's own code is the same with or without it.
+__device__ __noinline__ void write_entries(int32_t* table, int32_t* start, int width, int r,
+                                           int64_t U, int64_t s0, int64_t c, int64_t a, int nF,
+                                           int64_t l, int S, const int32_t* infl,
+                                           const int32_t* res) {
+  int32_t* const out = table + static_cast<int64_t>(r) * width;
+#pragma unroll 1
+  for (int j = threadIdx.x; j < width; j += kResolveThreads) {
+    const int64_t t = s0 + j;
+    int32_t v = BAD;
+    if (t < c) {
+      const int64_t u = t / U;
+      const int64_t k = u - a;
+      if (k >= 0 && k < nF) {
+        const int32_t sl = infl[k];
+        if (sl >= 0 && sl < S && res[sl] == u) v = static_cast<int32_t>((l * S + sl) * U + t % U);
+      }
+    }
+    out[j] = v;
+  }
+  if (threadIdx.x == 0) start[r] = static_cast<int32_t>(s0);
+}
+
 // ---- index: the in-flight slot records (final since place): the lowest slot that held the unit
 // (pinned, so it still does), or the admission's slot; BAD for an admission that found no
 // victim. Stored first, so their stores drain under the index and scan-2 phases instead of
@@ -639,6 +673,10 @@ __device__ __forceinline__ void write_index(const ResolveParams& p, const Arrays
 #pragma unroll 1
   for (int i = tid; i < p.MI; i += kResolveThreads)
     row.located[i] = (i < row.nF && A.infl[i] != kNoSlot) ? A.infl[i] : BAD;
+  if (p.write_table != nullptr)
+    write_entries(p.write_table, p.write_start, p.write_width, row.r, p.tokens_per_unit,
+                  row.range.inflight_start, row.range.capacity, row.range.first_inflight, row.nF,
+                  row.l, row.S, A.infl, A.res);
 
   const int32_t lease_base = row.l * row.S;
   const bool redo_all = s_erased != 0;
@@ -847,10 +885,15 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                   const at::Tensor& inflight_slots, const at::Tensor& selected,
                   const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
                   int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
-                  int64_t window, const std::optional<at::Tensor>& scratch) {
+                  int64_t window, const std::optional<at::Tensor>& scratch,
+                  const std::optional<at::Tensor>& write_table,
+                  const std::optional<at::Tensor>& write_start) {
   check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                 selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
                 max_inflight_tokens, window);
+  const bool writes = check_resolve_write(write_table, write_start, selected, resident,
+                                          inflight_slots, history, capacity, lease,
+                                          tokens_per_unit, max_inflight_tokens);
   const c10::cuda::CUDAGuard guard(resident.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // K: a row's columns over all its query tokens ([rows, T', K] is [rows, T'*K] in memory); the
@@ -935,6 +978,9 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   p.force_stale = tuning().resolve_force_stale ? 1 : 0;
 #endif
   p.table_scratch = table_scratch;
+  p.write_table = writes ? write_table->data_ptr<int32_t>() : nullptr;
+  p.write_start = writes ? write_start->data_ptr<int32_t>() : nullptr;
+  p.write_width = writes ? static_cast<int32_t>(write_table->size(1)) : 0;
   p.L = ResolveLayout<uint32_t>(static_cast<uint32_t>(S), static_cast<uint32_t>(K),
                                 uint32_t{1} << bits, static_cast<uint32_t>(MI),
                                 table_scratch != nullptr);

@@ -102,6 +102,10 @@ struct ResolveParams {
   // only by resolve_kernel<true>; nullptr for resolve_kernel<false>, whose table region is in
   // shared memory.
   unsigned char* table_scratch;
+  // OP-WRITE's outputs when resolve writes them too ([rows, write_width], [rows]); nullptr: not.
+  int32_t* write_table;
+  int32_t* write_start;
+  int32_t write_width;
 #ifdef KVCM2_DEV
   int32_t force_stale;  // Tuning::resolve_force_stale (launch.cuh)
 #endif
