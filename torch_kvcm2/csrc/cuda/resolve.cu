@@ -38,9 +38,10 @@
 // Scans run over blocked per-thread ranges of whole 4/8/16-byte chunks (load_chunk /
 // store_chunk), so the sequential shared arrays are read without bank conflicts. Every phase
 // function is __forceinline__: the kernel compiles to one function, as if written in one piece.
-// It is compiled twice, once per memory space of the table region (resolve_kernel<kGlobalTable>):
+// It is compiled once per memory space of the table region (resolve_kernel<kGlobalTable, ...>):
 // in shared memory for every row that fits the shared layout, in a global scratch for wide rows
-// (multi-token selections); everything else is in shared memory in both.
+// (multi-token selections); everything else is in shared memory in both. Each is compiled with
+// and without OP-WRITE's outputs (kWrites), written after the index phase.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -154,12 +155,6 @@ __device__ __forceinline__ void leave_hole(const ResolveParams& p, const Row& ro
   for (int j = tid; j < row.K; j += kResolveThreads) row.out[j] = BAD;
 #pragma unroll 1
   for (int i = tid; i < p.MI; i += kResolveThreads) row.located[i] = BAD;
-  if (p.write_table != nullptr) {
-    int32_t* const write = p.write_table + static_cast<int64_t>(row.r) * p.write_width;
-#pragma unroll 1
-    for (int j = tid; j < p.write_width; j += kResolveThreads) write[j] = BAD;
-    if (tid == 0) p.write_start[row.r] = BAD;
-  }
 }
 
 // Takes the values read after the wait; false for a hole, which it has left. (opaque: in the
@@ -634,8 +629,8 @@ __device__ __forceinline__ void place(const Arrays& A, const Row& row, const Tab
 // for bit): token s0 + j of row r goes to cell token index (l*S + slot)*U + t mod U, from the
 // in-flight slot records `infl` (nF of them, from unit a) and the resident row `res` as place
 // left them (final: place ends in a barrier); BAD past capacity c and where the unit has no
-// slot. One pass of the table's I + U - 1 columns. Not inlined, and given values rather than the
-// kernel's structures, so that the resolve kernel's own code is the same with or without it.
+// slot. One pass of the table's I + U - 1 columns, after the index phase (resolve_kernel's
+// kWrites instantiations only: the others' code is the resolve alone).
 __device__ __noinline__ void write_entries(int32_t* table, int32_t* start, int width, int r,
                                            int64_t U, int64_t s0, int64_t c, int64_t a, int nF,
                                            int64_t l, int S, const int32_t* infl,
@@ -658,6 +653,14 @@ __device__ __noinline__ void write_entries(int32_t* table, int32_t* start, int w
   if (threadIdx.x == 0) start[r] = static_cast<int32_t>(s0);
 }
 
+// A hole's write outputs (write_indices_kernel's): BAD throughout.
+__device__ __noinline__ void write_hole(int32_t* table, int32_t* start, int width, int r) {
+  int32_t* const out = table + static_cast<int64_t>(r) * width;
+#pragma unroll 1
+  for (int j = threadIdx.x; j < width; j += kResolveThreads) out[j] = BAD;
+  if (threadIdx.x == 0) start[r] = BAD;
+}
+
 // ---- index: the in-flight slot records (final since place): the lowest slot that held the unit
 // (pinned, so it still does), or the admission's slot; BAD for an admission that found no
 // victim. Stored first, so their stores drain under the index and scan-2 phases instead of
@@ -673,10 +676,6 @@ __device__ __forceinline__ void write_index(const ResolveParams& p, const Arrays
 #pragma unroll 1
   for (int i = tid; i < p.MI; i += kResolveThreads)
     row.located[i] = (i < row.nF && A.infl[i] != kNoSlot) ? A.infl[i] : BAD;
-  if (p.write_table != nullptr)
-    write_entries(p.write_table, p.write_start, p.write_width, row.r, p.tokens_per_unit,
-                  row.range.inflight_start, row.range.capacity, row.range.first_inflight, row.nF,
-                  row.l, row.S, A.infl, A.res);
 
   const int32_t lease_base = row.l * row.S;
   const bool redo_all = s_erased != 0;
@@ -801,8 +800,9 @@ __device__ __forceinline__ void write_back(const ResolveParams& p, const Arrays&
   KVCM2_PROF_PART(7);
 }
 
-// The phases after the table mode is chosen, compiled once per mode.
-template <bool kDirect>
+// The phases after the table mode is chosen, compiled once per mode (and per kWrites: the write
+// outputs too).
+template <bool kDirect, bool kWrites>
 __device__ __forceinline__ void resolve_row(const ResolveParams& p, const Arrays& A,
                                             const Row& row) {
   const Table<kDirect> table{A.word, A.first, A.key, A.hslot, row.unit0, row.end, row.bits};
@@ -819,6 +819,10 @@ __device__ __forceinline__ void resolve_row(const ResolveParams& p, const Arrays
   place(A, row, table, pl);
   KVCM2_PROF(9);
   write_index(p, A, row, table);
+  if (kWrites)  // A.infl and A.res are final since place's barrier
+    write_entries(p.write_table, p.write_start, p.write_width, row.r, p.tokens_per_unit,
+                  row.range.inflight_start, row.range.capacity, row.range.first_inflight, row.nF,
+                  row.l, row.S, A.infl, A.res);
   KVCM2_PROF(10);
   partition_recency(A, row.S);
   if (threadIdx.x == 0) {  // the atomic's latency overlapped place/index/scan 2
@@ -843,7 +847,9 @@ __device__ __forceinline__ void resolve_row(const ResolveParams& p, const Arrays
 // compiles to shared-memory instructions (LDS/STS/ATOMS): a pointer that may point into either
 // space is generic, and a generic access costs more than a shared one on this kernel's
 // dependency chains.
-template <bool kGlobalTable>
+// kWrites: the launch also writes OP-WRITE's outputs (p.write_table); a separate instantiation,
+// so that a resolve without them runs exactly the code it ran before they existed.
+template <bool kGlobalTable, bool kWrites>
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   KVCM2_PROF_BEGIN();
@@ -863,12 +869,15 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   KVCM2_PROF(2);
   start_loads(p, A, row);
   bool use_direct;
-  if (!load_rows(p, A, row, use_direct)) return;  // a hole: left
+  if (!load_rows(p, A, row, use_direct)) {  // a hole: left
+    if (kWrites) write_hole(p.write_table, p.write_start, p.write_width, row.r);
+    return;
+  }
   KVCM2_PROF(4);
   if (use_direct)
-    resolve_row<true>(p, A, row);
+    resolve_row<true, kWrites>(p, A, row);
   else
-    resolve_row<false>(p, A, row);
+    resolve_row<false, kWrites>(p, A, row);
 }
 
 // ---- host wrapper
@@ -920,7 +929,14 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
     bits = std::max(1, ceil_log2(2 * K));
   ResolveLayout<int64_t> layout(S, K, int64_t{1} << bits, MI);
   const int device = resident.get_device();
-  int static_bytes = static_smem(kernel_id(resolve_kernel<false>), device);
+  // The kernel of the table region's memory space (global: wide rows' scratch) that writes the
+  // write outputs or not (resolve_kernel).
+  using Kernel = void (*)(ResolveParams);
+  auto kernel_of = [writes](bool global) -> Kernel {
+    if (global) return writes ? resolve_kernel<true, true> : resolve_kernel<true, false>;
+    return writes ? resolve_kernel<false, true> : resolve_kernel<false, false>;
+  };
+  int static_bytes = static_smem(kernel_id(kernel_of(false)), device);
   const int smem_optin = device_info(device).smem_optin;
   // Rows too wide for the shared layout (multi-token selections) take the table region from
   // `scratch`: the hash of >= 2K entries, resolve_scratch_bytes in torch_kvcm2/memory.py.
@@ -938,11 +954,9 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
                 "resolve: scratch must be 16-byte aligned");
     table_scratch = static_cast<unsigned char*>(t.data_ptr());
-    static_bytes = static_smem(kernel_id(resolve_kernel<true>), device);
+    static_bytes = static_smem(kernel_id(kernel_of(true)), device);
   }
-  // The kernel of the table region's memory space (resolve_kernel).
-  void (*const kernel)(ResolveParams) =
-      table_scratch != nullptr ? resolve_kernel<true> : resolve_kernel<false>;
+  const Kernel kernel = kernel_of(table_scratch != nullptr);
   TORCH_CHECK(layout.bytes + static_bytes <= smem_optin, "resolve: S=", S,
               ", selected columns per row (query tokens x K)=", K, ", max in-flight units=", MI,
               " need ", layout.bytes + static_bytes,
