@@ -608,7 +608,9 @@ class Batch(LengthsPath):
             if isinstance(new_history, torch.Tensor):
                 self._check_not_meta("new_history", new_history)
                 from_device = True
-                target = new_history.to(self.config.device)
+                target = new_history
+                if new_history.device.type != self.config.device.type:  # e.g. host targets
+                    target = new_history.to(self.config.device)
             elif isinstance(new_history, (int, float, np.integer)):
                 raise TypeError(
                     f"Batch.flush: new_history must be None (every in-flight token), a sequence of "
@@ -617,7 +619,7 @@ class Batch(LengthsPath):
             else:
                 known = self._int_sequence("new_history", new_history)
                 target = torch.tensor(known, dtype=INT32).to(self.config.device)
-            self._check_index_tensor("new_history", target.view(-1, 1), 1)
+            self._check_rows_tensor("new_history", target)
         for pool, positions, cells, resident, slots, table, params in self._flush_args:
             ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
                       self.capacity, self.lease, params)
@@ -862,10 +864,7 @@ class Batch(LengthsPath):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be an int32[{self.max_rows}] tensor, got "
                             f"{type(t).__name__}")
-        self._check_not_meta(name, t)
-        if tuple(t.shape) != (self.max_rows,):
-            raise ValueError(f"{name} must have shape ({self.max_rows},), got {tuple(t.shape)}")
-        self._check_index_tensor(name, t.view(-1, 1), 1)
+        self._check_index_tensor(name, t, 0, (self.max_rows,))
 
     def _int_sequence(self, name: str, values, length: Optional[int] = -1) -> list[int]:
         """``values`` (a sequence, numpy array or tensor of ints in [0, 2**31)) as a list of
@@ -919,12 +918,13 @@ class Batch(LengthsPath):
         (``()`` checks everything but the shape)."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        self._check_not_meta(name, t)
+        device, dev = t.device, self.config.device
+        if device.type == "meta":
+            self._check_not_meta(name, t)
         if t.dtype != INT32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
-        dev = self.config.device
-        if t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index):
-            raise ValueError(f"{name} must be on {self.config.device}, got {t.device}")
+        if device.type != dev.type or (dev.index is not None and device.index != dev.index):
+            raise ValueError(f"{name} must be on {self.config.device}, got {device}")
         want = (self.max_rows, width) if shape is None else shape
         if want != () and tuple(t.shape) != want:
             raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")

@@ -129,7 +129,7 @@ class LengthsPath:
             return
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        self.record_advance()
+        self._queue_readback()
 
     def record_advance(self) -> None:
         """Queue the read-back of the device lengths after ``advance`` (on the current stream;
@@ -138,6 +138,10 @@ class LengthsPath:
         it has arrived. The read-backs go round a ring of pinned buffers, so a host running
         steps ahead of the GPU still takes the newest one that has arrived."""
         self._check_host_call("Batch.record_advance")
+        self._queue_readback()
+
+    def _queue_readback(self) -> None:
+        """``record_advance`` without its checks (``advance`` has made them)."""
         k = self._next_readback
         ring = len(self._snapshot_events)
         self._next_readback = (k + 1) % ring
