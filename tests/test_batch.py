@@ -249,6 +249,78 @@ def test_fetch_of_several_layers_in_one_call_equals_fetch_per_layer(manager):
             assert bool((together[entry // 4, 0, entry % 4] == 50 * i + unit).all()), (layer, unit)
 
 
+def test_resolve_with_fetch_equals_resolve_then_fetch(manager):
+    """OP-STEP: resolve(group, selected, fetch=True | layers) leaves the cells, index table,
+    residency and write indices of resolve followed by fetch(*layers); a layer name alone is one
+    layer; layers of another group and anything but a bool or a non-empty sequence of names are
+    refused before anything runs."""
+    layers = ["shared0", "shared1", "shared2"]
+    selected = torch.full((4, 4), -1, dtype=torch.int32)
+    selected[0] = torch.tensor([9, 1, 4, 11])
+    results = []
+    for how in ("separate", True, tuple(layers), "shared1"):
+        mgr = kv.KVCacheManager(dsa_config())
+        batch = kv.Batch(mgr)
+        cache = cache_with(mgr, 12)
+        batch.add(cache)
+        batch.publish()
+        for i, layer in enumerate(layers):
+            fill_host_tokens(mgr, cache, layer, lambda t, i=i: 50 * i + t)
+        if how == "separate":
+            index = batch.resolve("idx", selected)
+            batch.fetch(*layers)
+        else:
+            index = batch.resolve("idx", selected, fetch=how)
+        state = batch.group("idx")
+        fetched = ["shared1"] if how == "shared1" else layers
+        results.append((index.clone(), state.resident.clone(), state.write_table.clone(),
+                        state.inflight_start.clone(),
+                        [batch.cells(layer, "kv").clone() for layer in fetched]))
+        if how == "shared1":
+            before = [t.clone() for t in (state.resident, state.recency, state.counters)]
+            for bad, error in ((("private",), ValueError), (None, TypeError), (1, TypeError),
+                               ((), TypeError), ("nosuchlayer", KeyError)):
+                with pytest.raises(error):
+                    batch.resolve("idx", selected, fetch=bad)
+            after = (state.resident, state.recency, state.counters)
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), "a refused call ran"
+    want = results[0]
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]))
+    assert all(torch.equal(a, b) for a, b in zip(results[1][4], want[4]))
+    assert all(torch.equal(a, b) for a, b in zip(results[2][4], want[4]))
+    assert torch.equal(results[3][4][0], want[4][1])  # shared1's cells, fetched alone
+
+
+def test_write_indices_after_a_publish_without_resolve_are_recomputed(manager):
+    """OP-WRITE: write_indices(group) returns the tables this step's resolve computed (no
+    launch) and, after a publish or advance that moved the lengths with no resolve since,
+    computes them again: it always equals write_indices(group, out)."""
+    batch = kv.Batch(manager)
+    cache = cache_with(manager, 12, history=11)
+    batch.add(cache)
+    batch.publish()
+    batch.resolve("idx", torch.full((4, 4), -1, dtype=torch.int32))
+    table, start = batch.write_indices("idx")
+    assert int(start[0]) == 11 and int(table[0, 0]) >= 0  # token 11 is in flight
+    other = cache_with(manager, 40, history=20)  # seated after the resolve
+    batch.add(other)
+    batch.publish()
+
+    def fresh():
+        out = torch.full_like(table, 7)
+        got = batch.write_indices("idx", out)
+        return out.clone(), got[1].clone()
+
+    got_table, got_start = (t.clone() for t in batch.write_indices("idx"))
+    want_table, want_start = fresh()
+    assert int(got_start[1]) >= 20 and torch.equal(got_start, want_start)  # not stale (BAD)
+    assert torch.equal(got_table, want_table)
+    batch.advance(torch.zeros(4, dtype=torch.int32))  # accepted nothing: the same lengths
+    got = [t.clone() for t in batch.write_indices("idx")]
+    assert all(torch.equal(a, b) for a, b in zip(got, fresh()))
+
+
 def test_fused_fetch_is_for_layers_alone_in_their_group(manager):
     """OP-FETCH-FUSED: a shared group is refused with ValueError."""
     batch = kv.Batch(manager)

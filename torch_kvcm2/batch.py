@@ -118,6 +118,9 @@ class Batch(LengthsPath):
         self._cells: dict[tuple[str, str], torch.Tensor] = {}
         self._fetch_args: dict[str, tuple] = {}
         self._fetch_plans: dict[tuple, tuple] = {}  # fetch(*layers)'s checked arguments
+        # Per selection group: its write table is the one its last resolve computed from the
+        # device lengths and residency as they still are (no publish or advance since).
+        self._writes_fresh = [False] * len(config.selection_groups)
         for group in config.selection_groups:
             for layer in group.layers:
                 self._fetch_args[layer] = self._new_cells(group, layer, allocated)
@@ -416,6 +419,7 @@ class Batch(LengthsPath):
         leases = sorted(self._granted)
         self._mirror.publish(rows, owners, values, leases, self._clear_leases,
                              lengths=(ALLOCATED,) if pages_only else None)
+        self._writes_fresh = [False] * len(self.groups)
         self._reserve_tokens[rows] = reserves
         self._urgent_at[rows] = self.urgent_capacity(values, np.asarray(reserves, dtype=np.int64))
         if self._reserve_rows and not pages_only:  # a pages-only publish may keep old pages
@@ -467,7 +471,8 @@ class Batch(LengthsPath):
         group's write indices (``write_indices`` returns them).
 
         ``fetch``: also fetch the misses into the cells of every layer of the group (True) or of
-        the named layers of it (a sequence), as ``fetch(*layers)`` right after would; False
+        the named layers of it (a layer name or a sequence of them), as ``fetch(*layers)`` right
+        after would; False
         (default) leaves the fetch to the caller, per layer or several at once. Resolve, write
         indices and fetch run in one call (OP-STEP: one op instead of three, which is what an
         eager step spends its host time on).
@@ -487,7 +492,16 @@ class Batch(LengthsPath):
         if fetch is False:
             cells = pools = positions = tables = ()
         else:
-            layers = state.spec.layers if fetch is True else tuple(fetch)
+            if fetch is True:
+                layers = state.spec.layers
+            elif isinstance(fetch, str):
+                layers = (fetch,)
+            elif isinstance(fetch, (tuple, list)) and fetch:
+                layers = tuple(fetch)
+            else:
+                raise TypeError(f"Batch.resolve: fetch must be False, True (every layer of the "
+                                f"group) or a non-empty sequence of the group's layer names, got "
+                                f"{fetch!r}")
             fetched, cells, pools, positions, tables = self._plan_of(layers)
             if fetched is not state:
                 raise ValueError(f"Batch.resolve: fetch names layers of another selection group "
@@ -500,6 +514,8 @@ class Batch(LengthsPath):
                          self.lease, pools, positions, tables, sp.tokens_per_unit,
                          self.config.tokens_per_page, sp.max_inflight_tokens,
                          state.spec.window or 0, state.resolve_scratch)
+        if not torch.compiler.is_compiling():  # traced: no host state (write_indices knows)
+            self._writes_fresh[state.spec.index] = True
         return table
 
     def fetch(self, *layers: str) -> None:
@@ -563,14 +579,18 @@ class Batch(LengthsPath):
         BAD beyond the in-flight range and for holes and suspended rows. Tokens in
         ``[history, start)`` are written straight to host pages (``host_token_indices``).
 
-        This step's resolve of the group computed them (from the lengths and residency it saw,
-        in the same call): without ``out`` they are returned as they are, the batch's own
-        tensors, with no launch; ``out`` gets them computed again by the ``write_indices`` op.
-        Call it after this step's resolve of the group, as the model's write needs."""
+        The group's resolve computes them in the same call (from the lengths and residency it
+        leaves): without ``out``, after this step's resolve, they are returned as they are, the
+        batch's own tensors, with no launch; after a publish or ``advance`` with no resolve since
+        (eagerly), and into an ``out``, the ``write_indices`` op computes them again. Inside a
+        compiled or captured step they are always resolve's: resolve the group first, as the
+        model's write needs."""
         state = self.group(group)
         self._check_step("Batch.write_indices")
         if out is None:
-            return state.write_table, state.inflight_start
+            if torch.compiler.is_compiling() or self._writes_fresh[state.spec.index]:
+                return state.write_table, state.inflight_start
+            out = state.write_table
         sp = state.spec.sparse
         self._check_index_tensor("out", out, state.write_table.shape[1])
         ops.write_indices(out, state.inflight_start, state.resident, state.inflight_slots,
@@ -608,9 +628,9 @@ class Batch(LengthsPath):
             if isinstance(new_history, torch.Tensor):
                 self._check_not_meta("new_history", new_history)
                 from_device = True
-                target = new_history
-                if new_history.device.type != self.config.device.type:  # e.g. host targets
-                    target = new_history.to(self.config.device)
+                target, dev, where = new_history, self.config.device, new_history.device
+                if where.type != dev.type or (dev.index is not None and where.index != dev.index):
+                    target = new_history.to(dev)  # e.g. targets computed on the host
             elif isinstance(new_history, (int, float, np.integer)):
                 raise TypeError(
                     f"Batch.flush: new_history must be None (every in-flight token), a sequence of "

@@ -120,7 +120,8 @@ def resolve(
     resolve does not fit shared memory (docs/MTP.md); without it such rows raise.
     ``write_table`` and ``write_start`` (both or neither): also OP-WRITE's outputs, what
     ``write_indices(write_table, write_start, resident, inflight_slots, history, capacity,
-    lease, ...)`` would write right after, in the same call (on CUDA by the resolve kernel).
+    lease, ...)`` would write right after, in the same call (on CUDA by the resolve kernel), for
+    rows of distinct leases (as a batch has; two rows of one lease race on CUDA anyway).
     """
     _ops.resolve(
         resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
