@@ -472,10 +472,9 @@ class Batch(LengthsPath):
 
         ``fetch``: also fetch the misses into the cells of every layer of the group (True) or of
         the named layers of it (a layer name or a sequence of them), as ``fetch(*layers)`` right
-        after would; False
-        (default) leaves the fetch to the caller, per layer or several at once. Resolve, write
-        indices and fetch run in one call (OP-STEP: one op instead of three, which is what an
-        eager step spends its host time on).
+        after would; False (default) leaves the fetch to the caller, per layer or several at
+        once. Resolve, write indices and fetch run in one call (OP-STEP: one op instead of three,
+        which is what an eager step spends its host time on).
 
         A multi-token step resolves the union of each row's T' selections once (MTP-3, docs/MTP.md):
         a unit selected by several query tokens is one hit or one miss, in one slot, and every
@@ -581,9 +580,9 @@ class Batch(LengthsPath):
 
         The group's resolve computes them in the same call (from the lengths and residency it
         leaves): without ``out``, after this step's resolve, they are returned as they are, the
-        batch's own tensors, with no launch; after a publish or ``advance`` with no resolve since
-        (eagerly), and into an ``out``, the ``write_indices`` op computes them again. Inside a
-        compiled or captured step they are always resolve's: resolve the group first, as the
+        batch's own tensors, with no launch; after a publish or ``advance`` (or ``record_advance``)
+        with no resolve since, and into an ``out``, the ``write_indices`` op computes them again.
+        Inside ``torch.compile`` they are always resolve's: resolve the group first, as the
         model's write needs."""
         state = self.group(group)
         self._check_step("Batch.write_indices")
