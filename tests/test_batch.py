@@ -218,21 +218,28 @@ def fill_host_tokens(manager, cache, layer, value):
             host[slot * scale + place.pos, 0, t] = value(ordinal * P + t)
 
 
+def shared_layers_batch(layers):
+    """A fresh batch seating one 12-token request whose host tokens t of ``layers[i]`` hold
+    50*i + t, and a selection of units 9, 1, 4, 11 for its row."""
+    mgr = kv.KVCacheManager(dsa_config())
+    batch = kv.Batch(mgr)
+    cache = cache_with(mgr, 12)
+    batch.add(cache)
+    batch.publish()
+    for i, layer in enumerate(layers):
+        fill_host_tokens(mgr, cache, layer, lambda t, i=i: 50 * i + t)
+    selected = torch.full((4, 4), -1, dtype=torch.int32)
+    selected[0] = torch.tensor([9, 1, 4, 11])
+    return batch, selected
+
+
 def test_fetch_of_several_layers_in_one_call_equals_fetch_per_layer(manager):
     """OP-FETCH: Batch.fetch(a, b, ...) of layers of one group fills each layer's cells exactly
     as one fetch per layer does (one launch serves several layers' buffers)."""
     layers = ["shared0", "shared1", "shared2"]
     batches = []
     for together in (False, True):
-        mgr = kv.KVCacheManager(dsa_config())
-        batch = kv.Batch(mgr)
-        cache = cache_with(mgr, 12)
-        batch.add(cache)
-        batch.publish()
-        for i, layer in enumerate(layers):
-            fill_host_tokens(mgr, cache, layer, lambda t, i=i: 50 * i + t)
-        selected = torch.full((4, 4), -1, dtype=torch.int32)
-        selected[0] = torch.tensor([9, 1, 4, 11])
+        batch, selected = shared_layers_batch(layers)
         batch.resolve("idx", selected)
         if together:
             batch.fetch(*layers)
@@ -255,17 +262,9 @@ def test_resolve_with_fetch_equals_resolve_then_fetch(manager):
     layer; layers of another group and anything but a bool or a non-empty sequence of names are
     refused before anything runs."""
     layers = ["shared0", "shared1", "shared2"]
-    selected = torch.full((4, 4), -1, dtype=torch.int32)
-    selected[0] = torch.tensor([9, 1, 4, 11])
     results = []
     for how in ("separate", True, tuple(layers), "shared1"):
-        mgr = kv.KVCacheManager(dsa_config())
-        batch = kv.Batch(mgr)
-        cache = cache_with(mgr, 12)
-        batch.add(cache)
-        batch.publish()
-        for i, layer in enumerate(layers):
-            fill_host_tokens(mgr, cache, layer, lambda t, i=i: 50 * i + t)
+        batch, selected = shared_layers_batch(layers)
         if how == "separate":
             index = batch.resolve("idx", selected)
             batch.fetch(*layers)

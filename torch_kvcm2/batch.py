@@ -118,9 +118,10 @@ class Batch(LengthsPath):
         self._cells: dict[tuple[str, str], torch.Tensor] = {}
         self._fetch_args: dict[str, tuple] = {}
         self._fetch_plans: dict[tuple, tuple] = {}  # fetch(*layers)'s checked arguments
-        # Per selection group: its write table is the one its last resolve computed from the
-        # device lengths and residency as they still are (no publish or advance since).
-        self._writes_fresh = [False] * len(config.selection_groups)
+        # A group's write table is current when its last resolve saw the lengths' epoch, which
+        # every publish and advance moves on (write_indices).
+        self._lengths_epoch = 0
+        self._writes_epoch = [-1] * len(config.selection_groups)
         for group in config.selection_groups:
             for layer in group.layers:
                 self._fetch_args[layer] = self._new_cells(group, layer, allocated)
@@ -419,7 +420,7 @@ class Batch(LengthsPath):
         leases = sorted(self._granted)
         self._mirror.publish(rows, owners, values, leases, self._clear_leases,
                              lengths=(ALLOCATED,) if pages_only else None)
-        self._writes_fresh = [False] * len(self.groups)
+        self._lengths_epoch += 1
         self._reserve_tokens[rows] = reserves
         self._urgent_at[rows] = self.urgent_capacity(values, np.asarray(reserves, dtype=np.int64))
         if self._reserve_rows and not pages_only:  # a pages-only publish may keep old pages
@@ -514,7 +515,7 @@ class Batch(LengthsPath):
                          self.config.tokens_per_page, sp.max_inflight_tokens,
                          state.spec.window or 0, state.resolve_scratch)
         if not torch.compiler.is_compiling():  # traced: no host state (write_indices knows)
-            self._writes_fresh[state.spec.index] = True
+            self._writes_epoch[state.spec.index] = self._lengths_epoch
         return table
 
     def fetch(self, *layers: str) -> None:
@@ -587,7 +588,8 @@ class Batch(LengthsPath):
         state = self.group(group)
         self._check_step("Batch.write_indices")
         if out is None:
-            if torch.compiler.is_compiling() or self._writes_fresh[state.spec.index]:
+            if (torch.compiler.is_compiling()
+                    or self._writes_epoch[state.spec.index] == self._lengths_epoch):
                 return state.write_table, state.inflight_start
             out = state.write_table
         sp = state.spec.sparse

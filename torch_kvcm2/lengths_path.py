@@ -142,7 +142,7 @@ class LengthsPath:
 
     def _queue_readback(self) -> None:
         """``record_advance`` without its checks (``advance`` has made them)."""
-        self._writes_fresh = [False] * len(self.groups)  # the lengths moved under them
+        self._lengths_epoch += 1  # the lengths moved under the groups' write tables
         k = self._next_readback
         ring = len(self._snapshot_events)
         self._next_readback = (k + 1) % ring
