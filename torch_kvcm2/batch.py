@@ -126,6 +126,7 @@ class Batch(LengthsPath):
             for layer in group.layers:
                 self._fetch_args[layer] = self._new_cells(group, layer, allocated)
         self._flush_args = self._new_flush_args()
+        self._plan = self._new_step_plan()
         self._rows: list[Optional[KVCache]] = [None] * max_rows
         self._row_lease = [BAD] * max_rows
         self._free_leases = list(range(max_rows))
@@ -209,6 +210,27 @@ class Batch(LengthsPath):
         tensors += [args[0] for args in self._flush_args]
         unique = {id(t): t for t in tensors}
         return list(unique.values())
+
+    def _new_step_plan(self):
+        """The native ``StepPlan`` (csrc/step.cpp): every selection group's ``resolve_step``
+        arguments bound once, with the fetch of all its layers, so that an eager
+        ``resolve(group, selected[, fetch=True])`` passes only the selection to native code (an
+        op call's host cost is mostly parsing its arguments, benchmarks/op_call_cost.py)."""
+        plan = torch.classes.torch_kvcm2.StepPlan()
+        for spec, state in zip(self.config.selection_groups, self.groups):
+            _, cells, pools, positions, tables = self._fetch_plan(tuple(spec.layers))
+            sp = spec.sparse
+            plan.add_group([state.resident, state.recency, state.index_table, state.miss_list,
+                            state.miss_count, state.counters, state.inflight_slots,
+                            state.write_table, state.inflight_start, self.history,
+                            self.capacity, self.lease], state.resolve_scratch, cells, pools,
+                           positions, tables, sp.tokens_per_unit, self.config.tokens_per_page,
+                           sp.max_inflight_tokens, spec.window or 0)
+        for pool, positions, cells, resident, slots, table, params in self._flush_args:
+            plan.add_flush(pool, positions, cells, resident, slots, table, params)
+        plan.set_watermark([self.written, self._declared, self.history, self.capacity,
+                            self.lease], self._shape_pairs)
+        return plan
 
     def _new_flush_args(self) -> list[tuple]:
         """Per sparse pool group with cells: the arguments of its one flush launch, covering
@@ -485,6 +507,13 @@ class Batch(LengthsPath):
         self._check_step("Batch.resolve")
         sp = state.spec.sparse
         tokens = self._check_selection("selected", selected, sp)
+        if (out is None and tokens == 1 and selected.dim() == 2 and isinstance(fetch, bool)
+                and not torch.compiler.is_compiling()):  # the bound arguments (_new_step_plan)
+            if self._fetch_events:
+                self._wait_fetches(state)
+            self._plan.resolve(state.spec.index, selected, fetch)
+            self._writes_fresh[state.spec.index] = True
+            return state.index_table
         table = state.index_table if selected.dim() == 2 else state.index_views[tokens - 1]
         if out is not None:
             self._check_index_tensor("out", out, 0, tuple(selected.shape))
@@ -641,13 +670,14 @@ class Batch(LengthsPath):
                 known = self._int_sequence("new_history", new_history)
                 target = torch.tensor(known, dtype=INT32).to(self.config.device)
             self._check_rows_tensor("new_history", target)
-        for pool, positions, cells, resident, slots, table, params in self._flush_args:
-            ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
-                      self.capacity, self.lease, params)
-        ops.flush_watermark(self.written, self._declared, target, self.history, self.capacity,
-                            self.lease, self._shape_pairs)
         if torch.compiler.is_compiling():
+            for pool, positions, cells, resident, slots, table, params in self._flush_args:
+                ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
+                          self.capacity, self.lease, params)
+            ops.flush_watermark(self.written, self._declared, target, self.history,
+                                self.capacity, self.lease, self._shape_pairs)
             return
+        self._plan.flush(target)  # the same ops on the bound arguments (_new_step_plan)
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         if from_device:  # a read-back queued before this flush lacks its watermark

@@ -10,9 +10,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <vector>
 
 #include "kvcm2.h"
 
@@ -57,7 +59,101 @@ void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_coun
                tokens_per_unit);
 }
 
+// A batch's resolve_step arguments, bound once per selection group (Batch, eagerly: the host cost
+// of an op call is mostly parsing its arguments against the schema, ~0.2 us per tensor on the
+// CPU machine, benchmarks/op_call_cost.py). resolve(group, selected, fetch) is resolve_step with
+// the group's bound tensors and, with fetch, every layer of the group fetched. Its mutations are
+// not visible to torch.compile: compiled code calls the op.
+struct StepPlan : torch::CustomClassHolder {
+  struct Group {
+    std::vector<at::Tensor> state;  // resident .. write_start (9), history, capacity, lease
+    std::optional<at::Tensor> scratch;
+    std::vector<at::Tensor> cells, pools, tables;
+    std::vector<int64_t> positions;
+    int64_t tokens_per_unit, tokens_per_page, max_inflight_tokens, window;
+  };
+  std::vector<Group> groups;
+  // flush's arguments per sparse pool group, then flush_watermark's (Batch.flush)
+  struct Flush {
+    at::Tensor pool, page_table;
+    std::vector<int64_t> positions, params;
+    std::vector<at::Tensor> cells, resident, inflight_slots;
+  };
+  std::vector<Flush> flushes;
+  std::vector<at::Tensor> lengths;  // written, declared, history, capacity, lease
+  std::vector<int64_t> shapes;
+
+  int64_t add_group(std::vector<at::Tensor> state, std::optional<at::Tensor> scratch,
+                    std::vector<at::Tensor> cells, std::vector<at::Tensor> pools,
+                    std::vector<int64_t> positions, std::vector<at::Tensor> tables,
+                    int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
+                    int64_t window) {
+    TORCH_CHECK(state.size() == 12, "StepPlan.add_group: 12 state tensors, got ", state.size());
+    TORCH_CHECK(cells.size() == pools.size() && cells.size() == positions.size() &&
+                    cells.size() == tables.size(),
+                "StepPlan.add_group: one pool, position and page table per cell tensor");
+    groups.push_back(Group{std::move(state), std::move(scratch), std::move(cells),
+                           std::move(pools), std::move(tables), std::move(positions),
+                           tokens_per_unit, tokens_per_page, max_inflight_tokens, window});
+    return static_cast<int64_t>(groups.size()) - 1;
+  }
+
+  void add_flush(at::Tensor pool, std::vector<int64_t> positions, std::vector<at::Tensor> cells,
+                 std::vector<at::Tensor> resident, std::vector<at::Tensor> inflight_slots,
+                 at::Tensor page_table, std::vector<int64_t> params) {
+    flushes.push_back(Flush{std::move(pool), std::move(page_table), std::move(positions),
+                            std::move(params), std::move(cells), std::move(resident),
+                            std::move(inflight_slots)});
+  }
+
+  void set_watermark(std::vector<at::Tensor> tensors, std::vector<int64_t> shape_pairs) {
+    TORCH_CHECK(tensors.size() == 5, "StepPlan.set_watermark: 5 tensors, got ", tensors.size());
+    lengths = std::move(tensors);
+    shapes = std::move(shape_pairs);
+  }
+
+  // Batch.flush's device work for targets new_history: every pool group's flush, then the
+  // watermark, through the dispatcher (each op checks its arguments first).
+  void flush(const at::Tensor& new_history) {
+    TORCH_CHECK(lengths.size() == 5, "StepPlan.flush: set_watermark first");
+    using FlushFn = void(T, at::IntArrayRef, const at::TensorList&, const at::TensorList&,
+                         const at::TensorList&, T, T, T, T, T, at::IntArrayRef);
+    using WatermarkFn = void(T, T, T, T, T, T, at::IntArrayRef);
+    static const auto flush_op = handle<FlushFn>("torch_kvcm2::flush");
+    static const auto watermark = handle<WatermarkFn>("torch_kvcm2::flush_watermark");
+    const c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    const std::vector<at::Tensor>& w = lengths;
+    for (const Flush& f : flushes)
+      flush_op.call(f.pool, f.positions, f.cells, f.resident, f.inflight_slots, f.page_table,
+                    new_history, w[2], w[3], w[4], f.params);
+    watermark.call(w[0], w[1], new_history, w[2], w[3], w[4], shapes);
+  }
+
+  void resolve(int64_t group, const at::Tensor& selected, bool fetch) {
+    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups.size()),
+                "StepPlan.resolve: no group ", group);
+    const Group& g = groups[group];
+    const std::vector<at::Tensor>& s = g.state;
+    const std::vector<at::Tensor> none;
+    const std::vector<int64_t> no_positions;
+    resolve_step(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], fetch ? g.cells : none,
+                 selected, s[9], s[10], s[11], fetch ? g.pools : none,
+                 fetch ? g.positions : no_positions, fetch ? g.tables : none, g.tokens_per_unit,
+                 g.tokens_per_page, g.max_inflight_tokens, g.window, g.scratch);
+  }
+};
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_kvcm2, m) {
+  m.class_<StepPlan>("StepPlan")
+      .def(torch::init<>())
+      .def("add_group", &StepPlan::add_group)
+      .def("resolve", &StepPlan::resolve)
+      .def("add_flush", &StepPlan::add_flush)
+      .def("set_watermark", &StepPlan::set_watermark)
+      .def("flush", &StepPlan::flush);
+}
 
 TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) { m.impl("resolve_step", &resolve_step); }
 #ifdef TORCH_KVCM2_WITH_CUDA
