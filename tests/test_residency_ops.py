@@ -581,9 +581,12 @@ def test_op_resolve_bad_host_arguments_raise():
         ops.resolve(g.resident[:, :7].contiguous(), g.recency[:, :7].contiguous(), *args[2:])
     # the write outputs: both or neither, write_indices' rules, one row per selected row
     table, start = torch.zeros(1, 5, dtype=I32), torch.zeros(1, dtype=I32)
-    for writes in ((table, None), (None, start), (table.long(), start), (table[:, :4], start),
-                   (torch.zeros(2, 5, dtype=I32), torch.zeros(2, dtype=I32))):
-        with pytest.raises((RuntimeError, ValueError)):
+    for writes, name in (((table, None), "write_start"), ((None, start), "write_start"),
+                         ((table.long(), start), "write_table"),
+                         ((table[:, :4], start), "write_table"),
+                         ((torch.zeros(2, 5, dtype=I32), torch.zeros(2, dtype=I32)),
+                          "write_table")):
+        with pytest.raises((RuntimeError, ValueError), match=name):
             ops.resolve(*args, None, *writes)
     for a, b in zip(args[:7], snapshot):
         assert torch.equal(a, b)
@@ -607,7 +610,8 @@ def test_op_resolve_step_bad_arguments_change_nothing():
     before = [t.clone() for t in watched]
     bad = {"fetch positions": (15, [layer.pos, 0]), "fetch page table": (16, [layer.page_table.long()]),
            "fetch cells": (9, [layer.cells.view(torch.int32)]), "write start": (8, h.long()),
-           "write table": (7, g.write_table[:, :2].contiguous())}
+           "write table": (7, g.write_table[:, :2].contiguous()),
+           "pools without cells": (9, [])}
     for label, (i, value) in bad.items():
         call = list(good)
         call[i] = value

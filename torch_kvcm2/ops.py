@@ -358,10 +358,10 @@ def _fake_resolve(resident, recency, index_table, miss_list, miss_count, counter
     _check((write_table is None) == (write_start is None),
            "resolve: pass both write_table and write_start, or neither")
     if write_table is not None:
-        _fake_write_indices(write_table, write_start, resident, inflight_slots, history,
-                            capacity, lease, tokens_per_unit, max_inflight_tokens)
-        _check(write_table.shape[0] == selected.shape[0],
-               "resolve: write_table and selected differ in rows")
+        _check(write_table.dim() >= 1 and write_table.shape[0] == selected.shape[0],
+               "resolve: write_table must have one row per selected row")
+        _check(write_table.shape[1] >= max_inflight_tokens + tokens_per_unit - 1,
+               "resolve: write_table is too narrow")
 
 
 @torch.library.register_fake("torch_kvcm2::fetch")

@@ -279,18 +279,19 @@ void check_write_indices(const at::Tensor& out, const at::Tensor& inflight_start
                          const at::Tensor& resident, const at::Tensor& inflight_slots,
                          const at::Tensor& history, const at::Tensor& capacity,
                          const at::Tensor& lease, int64_t tokens_per_unit,
-                         int64_t max_inflight_tokens) {
-  const char* op = "write_indices";
-  check_int32_2d(out, op, "out");
+                         int64_t max_inflight_tokens, const char* op, const char* out_name,
+                         const char* start_name) {
+  check_int32_2d(out, op, out_name);
   check_int32_2d(resident, op, "resident");
   const int64_t rows = out.size(0);
-  check_int32_1d(inflight_start, rows, op, "inflight_start");
+  check_int32_1d(inflight_start, rows, op, start_name);
   check_lengths(out, rows, history, capacity, lease, op);
   for (const at::Tensor* t : {&inflight_start, &resident, &inflight_slots}) {
     check_same_device(out, *t, op, "every tensor");
   }
   check_inflight_slots(inflight_slots, rows, tokens_per_unit, max_inflight_tokens, op);
-  TORCH_CHECK(out.size(1) >= max_inflight_tokens + tokens_per_unit - 1, op, ": out is too narrow: ",
+  TORCH_CHECK(out.size(1) >= max_inflight_tokens + tokens_per_unit - 1, op, ": ", out_name,
+              " is too narrow: ",
               out.size(1), " columns, an in-flight range can hold ",
               max_inflight_tokens + tokens_per_unit - 1, " tokens");
 }
@@ -341,10 +342,12 @@ bool check_resolve_write(const std::optional<at::Tensor>& write_table,
   const bool start = write_start.has_value() && write_start->defined();
   TORCH_CHECK(table == start, "resolve: pass both write_table and write_start, or neither");
   if (!table) return false;
+  TORCH_CHECK(write_table->dim() >= 1 && write_table->size(0) == selected.size(0),
+              "resolve: write_table must have one row per selected row (", selected.size(0),
+              "), got shape ", write_table->sizes());
   check_write_indices(*write_table, *write_start, resident, inflight_slots, history, capacity,
-                      lease, tokens_per_unit, max_inflight_tokens);
-  TORCH_CHECK(write_table->size(0) == selected.size(0), "resolve: write_table has ",
-              write_table->size(0), " rows, selected ", selected.size(0));
+                      lease, tokens_per_unit, max_inflight_tokens, "resolve", "write_table",
+                      "write_start");
   return true;
 }
 

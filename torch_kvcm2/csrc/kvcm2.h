@@ -274,11 +274,14 @@ void check_locate_inflight(const at::Tensor& inflight_slots, const at::Tensor& r
                            const at::Tensor& lease, int64_t tokens_per_unit,
                            int64_t max_inflight_tokens);
 
+// op, out_name, start_name: how errors name the op and its two outputs (resolve's write
+// outputs are checked by the same rules).
 void check_write_indices(const at::Tensor& out, const at::Tensor& inflight_start,
                          const at::Tensor& resident, const at::Tensor& inflight_slots,
                          const at::Tensor& history, const at::Tensor& capacity,
                          const at::Tensor& lease, int64_t tokens_per_unit,
-                         int64_t max_inflight_tokens);
+                         int64_t max_inflight_tokens, const char* op = "write_indices",
+                         const char* out_name = "out", const char* start_name = "inflight_start");
 
 // resolve's optional write outputs (OP-WRITE in the same call): both or neither; when given,
 // write_indices' rules for them and one row per selected row. True when given.

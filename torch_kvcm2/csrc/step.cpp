@@ -47,6 +47,9 @@ void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_coun
   if (!cells.empty())
     check_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count,
                 resident.size(1), tokens_per_unit);
+  else
+    TORCH_CHECK(host_pools.empty() && positions.empty() && page_tables.empty(),
+                "resolve_step: no cells, so no host pools, positions or page tables either");
   static const auto resolve = handle<ResolveFn>("torch_kvcm2::resolve");
   static const auto fetch = handle<FetchFn>("torch_kvcm2::fetch");
   // The parts are this op's implementation, not calls of their own: straight to the backend.

@@ -626,31 +626,27 @@ __device__ __forceinline__ void place(const Arrays& A, const Row& row, const Tab
 }
 
 // OP-WRITE in the same launch (the outputs of write_indices_kernel, cuda/write_indices.cu, bit
-// for bit): token s0 + j of row r goes to cell token index (l*S + slot)*U + t mod U, from the
-// in-flight slot records `infl` (nF of them, from unit a) and the resident row `res` as place
-// left them (final: place ends in a barrier); BAD past capacity c and where the unit has no
-// slot. One pass of the table's I + U - 1 columns, after the index phase (resolve_kernel's
-// kWrites instantiations only: the others' code is the resolve alone).
+// for bit, through the same inflight_slot rule): token s0 + j of row r goes to cell token index
+// (l*S + slot)*U + t mod U, from the in-flight slot records `infl` (nF of them) and the resident
+// row `res` as place left them (final: place ends in a barrier); BAD past capacity and where the
+// unit has no slot. One pass of the table's I + U - 1 columns, after the index phase
+// (resolve_kernel's kWrites instantiations only: the others' code is the resolve alone).
 __device__ __noinline__ void write_entries(int32_t* table, int32_t* start, int width, int r,
-                                           int64_t U, int64_t s0, int64_t c, int64_t a, int nF,
-                                           int64_t l, int S, const int32_t* infl,
-                                           const int32_t* res) {
+                                           const RowRange range, int nF, int64_t l, int S,
+                                           const int32_t* infl, const int32_t* res) {
   int32_t* const out = table + static_cast<int64_t>(r) * width;
+  const int64_t U = range.tokens_per_unit;
 #pragma unroll 1
   for (int j = threadIdx.x; j < width; j += kResolveThreads) {
-    const int64_t t = s0 + j;
+    const int64_t t = range.inflight_start + j;
     int32_t v = BAD;
-    if (t < c) {
-      const int64_t u = t / U;
-      const int64_t k = u - a;
-      if (k >= 0 && k < nF) {
-        const int32_t sl = infl[k];
-        if (sl >= 0 && sl < S && res[sl] == u) v = static_cast<int32_t>((l * S + sl) * U + t % U);
-      }
+    if (t < range.capacity) {
+      const int64_t slot = inflight_slot(range, t / U, infl, nF, res, S);
+      if (slot != BAD) v = static_cast<int32_t>((l * S + slot) * U + t % U);
     }
     out[j] = v;
   }
-  if (threadIdx.x == 0) start[r] = static_cast<int32_t>(s0);
+  if (threadIdx.x == 0) start[r] = static_cast<int32_t>(range.inflight_start);
 }
 
 // A hole's write outputs (write_indices_kernel's): BAD throughout.
@@ -820,9 +816,8 @@ __device__ __forceinline__ void resolve_row(const ResolveParams& p, const Arrays
   KVCM2_PROF(9);
   write_index(p, A, row, table);
   if (kWrites)  // A.infl and A.res are final since place's barrier
-    write_entries(p.write_table, p.write_start, p.write_width, row.r, p.tokens_per_unit,
-                  row.range.inflight_start, row.range.capacity, row.range.first_inflight, row.nF,
-                  row.l, row.S, A.infl, A.res);
+    write_entries(p.write_table, p.write_start, p.write_width, row.r, row.range, row.nF, row.l,
+                  row.S, A.infl, A.res);
   KVCM2_PROF(10);
   partition_recency(A, row.S);
   if (threadIdx.x == 0) {  // the atomic's latency overlapped place/index/scan 2
