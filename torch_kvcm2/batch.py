@@ -512,7 +512,7 @@ class Batch(LengthsPath):
             if self._fetch_events:
                 self._wait_fetches(state)
             self._plan.resolve(state.spec.index, selected, fetch)
-            self._writes_fresh[state.spec.index] = True
+            self._writes_epoch[state.spec.index] = self._lengths_epoch
             return state.index_table
         table = state.index_table if selected.dim() == 2 else state.index_views[tokens - 1]
         if out is not None:
