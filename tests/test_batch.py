@@ -384,3 +384,41 @@ def test_host_side_calls_refuse_to_run_during_stream_capture():
             graph.capture_end()
     assert batch.row_of(cache) == 0 and cache.capacity == 8 and not cache.closed
     assert batch.published
+
+
+def test_eager_step_of_recorded_launches_equals_the_ops(device):
+    """OP-STEP: the eager path (StepPlan in csrc/step.cpp; on CUDA the ops' kernel launches
+    recorded once and made again with the selection's or targets' address) leaves every state
+    tensor the ops leave: resolve with and without the fetch, a fetch after it, writes into the
+    cells, flush to a tensor of targets, over steps with misses and membership changes. A
+    selection at another alignment takes the ops, with the same result."""
+    from stepping import Driver, write_tokens
+    from test_cuda_graphs import assert_same_state
+    recorded, called = Driver(device, seed=3), Driver(device, seed=3)
+    called.batch._plan = called.batch._new_step_plan(record_launches=False)
+    for number in range(12):
+        for driver in (recorded, called):
+            batch = driver.batch
+            batch.publish()
+            selected, tokens = driver.inputs()
+            for spec, sel in zip(batch.config.selection_groups, selected):
+                if number == 5:  # 4 bytes into an allocation: not the recorded alignment
+                    shifted = torch.empty(sel.numel() + 1, dtype=torch.int32, device=device)
+                    shifted[1:].copy_(sel.flatten())
+                    sel = shifted[1:].view(sel.shape)
+                fetch = spec.index % 2 == 0 or number % 3 == 0
+                batch.resolve(spec.index, sel, fetch=fetch)
+                if not fetch:
+                    batch.fetch(*spec.layers)
+                table, _ = batch.write_indices(spec.index)
+                for layer in spec.layers:
+                    write_tokens(batch.cells(layer, "kv"), table[:, 0], tokens[layer])
+            batch.flush(batch.capacity.clone())
+        assert_same_state(recorded.batch, called.batch)
+        for driver in (recorded, called):
+            driver.advance()
+            if number in (3, 8):
+                driver.leave()
+                driver.join()
+    assert [c.history_length for c in recorded.caches] == [c.history_length for c in called.caches]
+    assert sum(int(s.counters[1]) for s in recorded.batch.groups) > 0, "no step missed a unit"

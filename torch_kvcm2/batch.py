@@ -211,12 +211,14 @@ class Batch(LengthsPath):
         unique = {id(t): t for t in tensors}
         return list(unique.values())
 
-    def _new_step_plan(self):
+    def _new_step_plan(self, record_launches: bool = True):
         """The native ``StepPlan`` (csrc/step.cpp): every selection group's ``resolve_step``
         arguments bound once, with the fetch of all its layers, so that an eager
         ``resolve(group, selected[, fetch=True])`` passes only the selection to native code (an
-        op call's host cost is mostly parsing its arguments, benchmarks/op_call_cost.py)."""
-        plan = torch.classes.torch_kvcm2.StepPlan()
+        op call's host cost is mostly parsing its arguments, benchmarks/op_call_cost.py), and
+        likewise ``flush(targets)``. On CUDA it records the ops' kernel launches once and makes
+        them again per call (``record_launches`` False: it calls the ops every time)."""
+        plan = torch.classes.torch_kvcm2.StepPlan(record_launches)
         for spec, state in zip(self.config.selection_groups, self.groups):
             _, cells, pools, positions, tables = self._fetch_plan(tuple(spec.layers))
             sp = spec.sparse

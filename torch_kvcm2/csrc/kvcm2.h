@@ -6,6 +6,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
 #include <optional>
 
 #ifdef __CUDACC__
@@ -291,5 +294,39 @@ bool check_resolve_write(const std::optional<at::Tensor>& write_table,
                          const at::Tensor& history, const at::Tensor& capacity,
                          const at::Tensor& lease, int64_t tokens_per_unit,
                          int64_t max_inflight_tokens);
+
+#ifdef TORCH_KVCM2_WITH_CUDA
+// ---- recorded launches (csrc/cuda/launch.cu; StepPlan in csrc/step.cpp) ----
+// The kernel launches of some op calls, made once with their checks and parameter set-up and
+// kept, so that an eager step launches them again with nothing but the launch itself. `record`
+// runs `calls` (op calls on CUDA tensors) with every launch_kernel kept instead of launched;
+// each kernel's parameters are kept by value. `variable` (may be undefined) is a tensor the
+// calls take in place of one argument that changes between launches: every parameter word equal
+// to its data pointer is replaced by the data pointer of the tensor given to `launch`. Returns
+// nullptr when a call did device work that is not a kernel launch (it cannot be replayed).
+class RecordedLaunches {
+ public:
+  static std::shared_ptr<RecordedLaunches> record(const std::function<void()>& calls,
+                                                  const at::Tensor& variable);
+  // `variable` may take the recorded one's place: the same dtype, device, shape, contiguity
+  // and alignment to 16 bytes (undefined when none was recorded).
+  bool matches(const at::Tensor& variable) const;
+  // The kept launches on the current stream of the recorded device, with `variable`'s data in
+  // place of the recorded variable's (it must match).
+  void launch(const at::Tensor& variable);
+  struct Entry;
+  ~RecordedLaunches();
+
+ private:
+  std::vector<Entry> entries_;
+  at::Tensor variable_;  // the recorded one, kept alive so its address stays unique
+  int device_ = 0;
+};
+
+// Inside RecordedLaunches::record: device work that is not a kernel launch makes the recording
+// unusable (the wrapper still does the work, at record time only).
+bool recording_launches();
+void mark_unrecordable();
+#endif
 
 }  // namespace torch_kvcm2

@@ -7,6 +7,7 @@
 // (docs/HOST_PATH.md). Every argument is checked before any part runs, so a bad one changes
 // nothing.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -62,18 +63,37 @@ void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_coun
                tokens_per_unit);
 }
 
+#ifdef TORCH_KVCM2_WITH_CUDA
+// A tensor like one the calls will take, at an address no other tensor starts or ends at (16
+// bytes into its own allocation): the variable of a recording (RecordedLaunches in kvcm2.h).
+at::Tensor recording_variable(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  int64_t n = 1;
+  for (const int64_t s : sizes) n *= s;
+  return at::empty({n + 4}, options).narrow(0, 4, n).view(sizes);
+}
+#endif
+
 // A batch's resolve_step arguments, bound once per selection group (Batch, eagerly: the host cost
 // of an op call is mostly parsing its arguments against the schema, ~0.2 us per tensor on the
 // CPU machine, benchmarks/op_call_cost.py). resolve(group, selected, fetch) is resolve_step with
-// the group's bound tensors and, with fetch, every layer of the group fetched. Its mutations are
-// not visible to torch.compile: compiled code calls the op.
+// the group's bound tensors and, with fetch, every layer of the group fetched; flush(targets)
+// the flush of every pool group and its watermark. On CUDA the kernel launches of each are
+// recorded once (their checks and parameters done) and made again with the selection's or the
+// targets' address, so a call costs its launches only; a tensor that does not match the
+// recorded one goes through the ops (whose checks name what is wrong). Its mutations are not
+// visible to torch.compile: compiled code calls the ops.
 struct StepPlan : torch::CustomClassHolder {
+  // record_launches false: every call goes through the ops (tests compare the two).
+  explicit StepPlan(bool record_launches) : record(record_launches) {}
   struct Group {
     std::vector<at::Tensor> state;  // resident .. write_start (9), history, capacity, lease
     std::optional<at::Tensor> scratch;
     std::vector<at::Tensor> cells, pools, tables;
     std::vector<int64_t> positions;
     int64_t tokens_per_unit, tokens_per_page, max_inflight_tokens, window;
+#ifdef TORCH_KVCM2_WITH_CUDA
+    std::shared_ptr<RecordedLaunches> bare, fetched;  // resolve_step without, with the fetch
+#endif
   };
   std::vector<Group> groups;
   // flush's arguments per sparse pool group, then flush_watermark's (Batch.flush)
@@ -95,15 +115,25 @@ struct StepPlan : torch::CustomClassHolder {
     TORCH_CHECK(cells.size() == pools.size() && cells.size() == positions.size() &&
                     cells.size() == tables.size(),
                 "StepPlan.add_group: one pool, position and page table per cell tensor");
-    groups.push_back(Group{std::move(state), std::move(scratch), std::move(cells),
-                           std::move(pools), std::move(tables), std::move(positions),
-                           tokens_per_unit, tokens_per_page, max_inflight_tokens, window});
+    Group g{std::move(state), std::move(scratch), std::move(cells), std::move(pools),
+            std::move(tables), std::move(positions), tokens_per_unit, tokens_per_page,
+            max_inflight_tokens, window};
+#ifdef TORCH_KVCM2_WITH_CUDA
+    const at::Tensor& index_table = g.state[2];
+    if (record && index_table.is_cuda() && index_table.dim() == 2) {
+      const at::Tensor selected = recording_variable(index_table.sizes(), index_table.options());
+      g.bare = RecordedLaunches::record([&] { run(g, selected, false); }, selected);
+      g.fetched = RecordedLaunches::record([&] { run(g, selected, true); }, selected);
+    }
+#endif
+    groups.push_back(std::move(g));
     return static_cast<int64_t>(groups.size()) - 1;
   }
 
   void add_flush(at::Tensor pool, std::vector<int64_t> positions, std::vector<at::Tensor> cells,
                  std::vector<at::Tensor> resident, std::vector<at::Tensor> inflight_slots,
                  at::Tensor page_table, std::vector<int64_t> params) {
+    TORCH_CHECK(lengths.empty(), "StepPlan.add_flush: every flush before set_watermark");
     flushes.push_back(Flush{std::move(pool), std::move(page_table), std::move(positions),
                             std::move(params), std::move(cells), std::move(resident),
                             std::move(inflight_slots)});
@@ -113,12 +143,44 @@ struct StepPlan : torch::CustomClassHolder {
     TORCH_CHECK(tensors.size() == 5, "StepPlan.set_watermark: 5 tensors, got ", tensors.size());
     lengths = std::move(tensors);
     shapes = std::move(shape_pairs);
+#ifdef TORCH_KVCM2_WITH_CUDA
+    const at::Tensor& history = lengths[2];
+    if (record && history.is_cuda() && history.dim() == 1) {
+      const at::Tensor target = recording_variable(history.sizes(), history.options());
+      flushed = RecordedLaunches::record([&] { run_flush(target); }, target);
+    }
+#endif
   }
 
   // Batch.flush's device work for targets new_history: every pool group's flush, then the
-  // watermark, through the dispatcher (each op checks its arguments first).
+  // watermark (add_flush before set_watermark).
   void flush(const at::Tensor& new_history) {
     TORCH_CHECK(lengths.size() == 5, "StepPlan.flush: set_watermark first");
+#ifdef TORCH_KVCM2_WITH_CUDA
+    if (flushed && flushed->matches(new_history)) return flushed->launch(new_history);
+#endif
+    run_flush(new_history);
+  }
+
+  void resolve(int64_t group, const at::Tensor& selected, bool fetch) {
+    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups.size()),
+                "StepPlan.resolve: no group ", group);
+    const Group& g = groups[group];
+#ifdef TORCH_KVCM2_WITH_CUDA
+    const std::shared_ptr<RecordedLaunches>& recorded = fetch ? g.fetched : g.bare;
+    if (recorded && recorded->matches(selected)) return recorded->launch(selected);
+#endif
+    run(g, selected, fetch);
+  }
+
+ private:
+  bool record;
+#ifdef TORCH_KVCM2_WITH_CUDA
+  std::shared_ptr<RecordedLaunches> flushed;
+#endif
+
+  // The ops through the dispatcher (each checks its arguments first).
+  void run_flush(const at::Tensor& new_history) {
     using FlushFn = void(T, at::IntArrayRef, const at::TensorList&, const at::TensorList&,
                          const at::TensorList&, T, T, T, T, T, at::IntArrayRef);
     using WatermarkFn = void(T, T, T, T, T, T, at::IntArrayRef);
@@ -132,10 +194,7 @@ struct StepPlan : torch::CustomClassHolder {
     watermark.call(w[0], w[1], new_history, w[2], w[3], w[4], shapes);
   }
 
-  void resolve(int64_t group, const at::Tensor& selected, bool fetch) {
-    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups.size()),
-                "StepPlan.resolve: no group ", group);
-    const Group& g = groups[group];
+  static void run(const Group& g, const at::Tensor& selected, bool fetch) {
     const std::vector<at::Tensor>& s = g.state;
     const std::vector<at::Tensor> none;
     const std::vector<int64_t> no_positions;
@@ -150,11 +209,11 @@ struct StepPlan : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(torch_kvcm2, m) {
   m.class_<StepPlan>("StepPlan")
-      .def(torch::init<>())
+      .def(torch::init<bool>())
       .def("add_group", &StepPlan::add_group)
-      .def("resolve", &StepPlan::resolve)
       .def("add_flush", &StepPlan::add_flush)
       .def("set_watermark", &StepPlan::set_watermark)
+      .def("resolve", &StepPlan::resolve)
       .def("flush", &StepPlan::flush);
 }
 

@@ -1,6 +1,8 @@
 // The device-fact cache and the development knobs of launch.cuh.
 #include "launch.cuh"
 
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -103,6 +105,89 @@ const DeviceInfo& device_info(int device) {
     }
   }
   return slot.info;
+}
+
+// ---- recorded launches ----
+
+namespace {
+thread_local std::vector<RecordedLaunches::Entry>* t_recording = nullptr;
+thread_local bool t_unrecordable = false;
+}  // namespace
+
+std::vector<RecordedLaunches::Entry>*& active_recording() { return t_recording; }
+bool recording_launches() { return t_recording != nullptr; }
+void mark_unrecordable() { t_unrecordable = true; }
+
+RecordedLaunches::~RecordedLaunches() = default;
+
+std::shared_ptr<RecordedLaunches> RecordedLaunches::record(const std::function<void()>& calls,
+                                                           const at::Tensor& variable) {
+  TORCH_CHECK(t_recording == nullptr, "RecordedLaunches::record: already recording");
+  auto kept = std::make_shared<RecordedLaunches>();
+  t_recording = &kept->entries_;
+  t_unrecordable = false;
+  try {
+    calls();
+  } catch (...) {
+    t_recording = nullptr;
+    throw;
+  }
+  t_recording = nullptr;
+  if (t_unrecordable) return nullptr;
+  kept->variable_ = variable;
+  for (const Entry& e : kept->entries_) {
+    if (e.device != kept->entries_[0].device) return nullptr;  // one device guard per replay
+    kept->device_ = e.device;
+  }
+  if (variable.defined()) {
+    const void* const address = variable.data_ptr();
+    for (Entry& e : kept->entries_)
+      for (size_t off = 0; off + sizeof(void*) <= e.params.size(); off += alignof(void*)) {
+        const void* word;
+        std::memcpy(&word, e.params.data() + off, sizeof word);
+        if (word == address) e.relocations.push_back(off);
+      }
+  }
+  return kept;
+}
+
+bool RecordedLaunches::matches(const at::Tensor& variable) const {
+  if (!variable_.defined()) return !variable.defined();
+  // The same metadata and alignment: a wrapper may have chosen its kernel by either.
+  return variable.defined() && variable.scalar_type() == variable_.scalar_type() &&
+         variable.device() == variable_.device() && variable.sizes() == variable_.sizes() &&
+         variable.is_contiguous() &&
+         reinterpret_cast<uintptr_t>(variable.data_ptr()) % 16 ==
+             reinterpret_cast<uintptr_t>(variable_.data_ptr()) % 16;
+}
+
+void RecordedLaunches::launch(const at::Tensor& variable) {
+  TORCH_CHECK(!variable_.defined() || matches(variable), "recorded launches: the variable must be "
+              "a contiguous ", variable_.scalar_type(), " tensor of shape ", variable_.sizes(),
+              " on ", variable_.device(), " aligned as the recorded one (to 16 bytes)");
+  TORCH_CHECK(variable_.defined() || !variable.defined(),
+              "recorded launches: none was recorded with a variable");
+  if (entries_.empty()) return;
+  void* const address = variable_.defined() ? variable.data_ptr() : nullptr;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  for (Entry& e : entries_) {
+    for (const size_t off : e.relocations) std::memcpy(e.params.data() + off, &address, sizeof address);
+    cudaLaunchConfig_t config{};
+    config.gridDim = e.grid;
+    config.blockDim = e.block;
+    config.dynamicSmemBytes = e.smem;
+    config.stream = stream;
+    if (e.pdl) {
+      config.attrs = attribute;
+      config.numAttrs = 1;
+    }
+    void* args[] = {e.params.data()};
+    C10_CUDA_CHECK(cudaLaunchKernelExC(&config, e.kernel, args));
+  }
 }
 
 // The queries and cudaFuncSetAttribute act on the current device: the wrappers' CUDAGuard has made
