@@ -63,3 +63,20 @@ def test_scaling_table_is_checked_and_follows_bytes(bench):
     miss = [p for p in points if p["sweep"] == "miss"]
     assert [p["miss_pct"] for p in miss] == sorted(p["miss_pct"] for p in miss)
     assert miss[-1]["miss_pct"] == 100 and miss[-1]["misses"] == miss[-1]["rows"] * miss[-1]["K"]
+
+
+def test_eager_parts_runs_its_checks_and_prints_every_part():
+    """benchmarks/eager_parts.py (CPU): its checks pass (valid entries; the recorded and the
+    op path give the same index table) and it prints the step's runs and every part."""
+    import subprocess
+    here = os.path.dirname(__file__)
+    script = os.path.join(here, "..", "benchmarks", "eager_parts.py")
+    out = subprocess.run([sys.executable, script, "cpu"], capture_output=True, text=True,
+                         cwd=os.path.join(here, "..", "benchmarks"), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert sum(line.startswith("step [") for line in lines) == 10
+    for part in ("StepPlan [recorded] .resolve(0, sel, True)", "StepPlan [ops] .flush(targets)",
+                 "Batch.resolve(0, sel, fetch=True)", "Batch.advance(zeros)",
+                 "Batch.resolve Python only", "Batch.flush Python only"):
+        assert any(line.startswith(part) and line.endswith(" us") for line in lines), part
