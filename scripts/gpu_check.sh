@@ -11,7 +11,8 @@
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
 #   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
 #   reduce-overhead, --graph; shared_prefix.py).
-#   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only).
+#   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only); without it the
+#   benchmarks end with benchmarks/eager_parts.py (the eager step's host time per call).
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
 #   set, clocks left alone): ncu_resolve.txt (details) and ncu_resolve_source.csv (per-SASS
 #   instruction stall samples). NCU_CACHE=none keeps the caches warm between the profiler's
@@ -80,6 +81,7 @@ fi
 if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/run.py --json "$OUT/bench.json" ${SCALING:+--scaling} \
     ${BENCH_ONLY:+--only "$BENCH_ONLY"} 2>&1 | tee "$OUT/bench.txt"
+  [ -z "${BENCH_ONLY:-}" ] && python3 benchmarks/eager_parts.py 2>&1 | tee "$OUT/eager_parts.txt"
 fi
 if [ "${NCU:-0}" = 1 ]; then
   # launch 1 is P-RES's cold first resolve (every unit a miss); launch 2 is the timer's warm-up
