@@ -395,7 +395,7 @@ def test_eager_step_of_recorded_launches_equals_the_ops(device):
     from stepping import Driver, write_tokens
     from test_cuda_graphs import assert_same_state
     recorded, called = Driver(device, seed=3), Driver(device, seed=3)
-    called.batch._plan = called.batch._new_step_plan(record_launches=False)
+    called.batch._use_step_plan(called.batch._new_step_plan(record_launches=False))
     for number in range(12):
         for driver in (recorded, called):
             batch = driver.batch

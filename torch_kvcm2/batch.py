@@ -126,7 +126,7 @@ class Batch(LengthsPath):
             for layer in group.layers:
                 self._fetch_args[layer] = self._new_cells(group, layer, allocated)
         self._flush_args = self._new_flush_args()
-        self._plan = self._new_step_plan()
+        self._use_step_plan(self._new_step_plan())
         self._rows: list[Optional[KVCache]] = [None] * max_rows
         self._row_lease = [BAD] * max_rows
         self._free_leases = list(range(max_rows))
@@ -211,12 +211,20 @@ class Batch(LengthsPath):
         unique = {id(t): t for t in tensors}
         return list(unique.values())
 
+    def _use_step_plan(self, plan) -> None:
+        """The eager path's plan, and its methods looked up once (a lookup costs about a
+        quarter of a call)."""
+        self._plan = plan
+        self._resolve_bound = plan.resolve_bound
+        self._flush_bound = plan.flush_bound
+        self._advance_bound = plan.advance_bound
+
     def _new_step_plan(self, record_launches: bool = True):
         """The native ``StepPlan`` (csrc/step.cpp): every selection group's ``resolve_step``
         arguments bound once, with the fetch of all its layers, so that an eager
         ``resolve(group, selected[, fetch=True])`` passes only the selection to native code (an
         op call's host cost is mostly parsing its arguments, benchmarks/op_call_cost.py), and
-        likewise ``flush(targets)``. On CUDA it records the ops' kernel launches once and makes
+        likewise ``flush(targets)`` and ``advance(accepted)``. On CUDA it records the ops' kernel launches once and makes
         them again per call (``record_launches`` False: it calls the ops every time)."""
         plan = torch.classes.torch_kvcm2.StepPlan(record_launches)
         for spec, state in zip(self.config.selection_groups, self.groups):
@@ -232,6 +240,7 @@ class Batch(LengthsPath):
             plan.add_flush(pool, positions, cells, resident, slots, table, params)
         plan.set_watermark([self.written, self._declared, self.history, self.capacity,
                             self.lease], self._shape_pairs)
+        plan.set_advance(self._mirror.lengths, self.advance_counters)
         return plan
 
     def _new_flush_args(self) -> list[tuple]:
@@ -505,17 +514,20 @@ class Batch(LengthsPath):
         a unit selected by several query tokens is one hit or one miss, in one slot, and every
         token's entry for it is the same. The batch's own tables for every T' share one address
         (fixed, BAT-1); T' is part of the shape, so a captured graph serves one T'."""
+        if (out is None and fetch.__class__ is bool and group.__class__ is int
+                and 0 <= group < len(self.groups) and selected.__class__ is torch.Tensor
+                and not self._dirty and not self._granted and not self._closed
+                and not self._fetch_events and not torch.compiler.is_compiling()):
+            # the eager path (_new_step_plan): the bound arguments, when the selection has their
+            # shape; anything else takes the checks below and the op
+            self.manager._check_open("Batch.resolve")
+            if self._resolve_bound(group, selected, fetch):
+                self._writes_epoch[group] = self._lengths_epoch
+                return self.groups[group].index_table
         state = self.group(group)
         self._check_step("Batch.resolve")
         sp = state.spec.sparse
         tokens = self._check_selection("selected", selected, sp)
-        if (out is None and tokens == 1 and selected.dim() == 2 and isinstance(fetch, bool)
-                and not torch.compiler.is_compiling()):  # the bound arguments (_new_step_plan)
-            if self._fetch_events:
-                self._wait_fetches(state)
-            self._plan.resolve(state.spec.index, selected, fetch)
-            self._writes_epoch[state.spec.index] = self._lengths_epoch
-            return state.index_table
         table = state.index_table if selected.dim() == 2 else state.index_views[tokens - 1]
         if out is not None:
             self._check_index_tensor("out", out, 0, tuple(selected.shape))
@@ -652,6 +664,12 @@ class Batch(LengthsPath):
         compiled call or the replay. The work-list bound (``max_total_input_tokens``) is
         enforced by ``publish``."""
         self._check_step("Batch.flush")
+        if new_history.__class__ is torch.Tensor and not torch.compiler.is_compiling():
+            # the eager path (_new_step_plan): targets of the bound shape and device
+            if self._flush_bound(new_history):
+                if self.config.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+                    self._owed = True  # a read-back queued before this flush lacks its watermark
+                return
         known = None  # host-visible per-row targets
         from_device = False  # the host takes the device's watermark through the read-back
         if new_history is None:
@@ -672,14 +690,13 @@ class Batch(LengthsPath):
                 known = self._int_sequence("new_history", new_history)
                 target = torch.tensor(known, dtype=INT32).to(self.config.device)
             self._check_rows_tensor("new_history", target)
+        for pool, positions, cells, resident, slots, table, params in self._flush_args:
+            ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
+                      self.capacity, self.lease, params)
+        ops.flush_watermark(self.written, self._declared, target, self.history,
+                            self.capacity, self.lease, self._shape_pairs)
         if torch.compiler.is_compiling():
-            for pool, positions, cells, resident, slots, table, params in self._flush_args:
-                ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
-                          self.capacity, self.lease, params)
-            ops.flush_watermark(self.written, self._declared, target, self.history,
-                                self.capacity, self.lease, self._shape_pairs)
             return
-        self._plan.flush(target)  # the same ops on the bound arguments (_new_step_plan)
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         if from_device:  # a read-back queued before this flush lacks its watermark

@@ -123,10 +123,14 @@ class LengthsPath:
         ``record_advance()``. Windowed pages behind the window are released, and reserves taken
         again, at the first ``publish`` after that catch-up."""
         self._check_step("Batch.advance")
-        self._check_rows_tensor("accepted", accepted)
-        ops.advance(self._mirror.lengths, self.advance_counters, accepted)
         if torch.compiler.is_compiling():
+            self._check_rows_tensor("accepted", accepted)
+            ops.advance(self._mirror.lengths, self.advance_counters, accepted)
             return
+        # the eager path (Batch._new_step_plan): counts of the bound shape and device
+        if accepted.__class__ is not torch.Tensor or not self._advance_bound(accepted):
+            self._check_rows_tensor("accepted", accepted)
+            ops.advance(self._mirror.lengths, self.advance_counters, accepted)
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         self._queue_readback()

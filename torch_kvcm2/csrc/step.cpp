@@ -73,15 +73,14 @@ at::Tensor recording_variable(at::IntArrayRef sizes, const at::TensorOptions& op
 }
 #endif
 
-// A batch's resolve_step arguments, bound once per selection group (Batch, eagerly: the host cost
-// of an op call is mostly parsing its arguments against the schema, ~0.2 us per tensor on the
-// CPU machine, benchmarks/op_call_cost.py). resolve(group, selected, fetch) is resolve_step with
-// the group's bound tensors and, with fetch, every layer of the group fetched; flush(targets)
-// the flush of every pool group and its watermark. On CUDA the kernel launches of each are
-// recorded once (their checks and parameters done) and made again with the selection's or the
-// targets' address, so a call costs its launches only; a tensor that does not match the
-// recorded one goes through the ops (whose checks name what is wrong). Its mutations are not
-// visible to torch.compile: compiled code calls the ops.
+// A batch's resolve_step arguments, bound once per selection group, and its flush's (Batch,
+// eagerly: the host cost of an op call is mostly parsing its arguments against the schema, ~0.2
+// us per tensor on the CPU machine, benchmarks/op_call_cost.py). resolve_bound(group, selected,
+// fetch) is resolve_step with the group's bound tensors and, with fetch, every layer of the
+// group fetched; flush_bound(targets) is the flush of every pool group and its watermark. On
+// CUDA the kernel launches of each are recorded once (their checks and parameters done) and
+// made again with the selection's or the targets' address, so a call costs its launches only.
+// Its mutations are not visible to torch.compile: compiled code calls the ops.
 struct StepPlan : torch::CustomClassHolder {
   // record_launches false: every call goes through the ops (tests compare the two).
   explicit StepPlan(bool record_launches) : record(record_launches) {}
@@ -152,32 +151,87 @@ struct StepPlan : torch::CustomClassHolder {
 #endif
   }
 
-  // Batch.flush's device work for targets new_history: every pool group's flush, then the
-  // watermark (add_flush before set_watermark).
-  void flush(const at::Tensor& new_history) {
-    TORCH_CHECK(lengths.size() == 5, "StepPlan.flush: set_watermark first");
-#ifdef TORCH_KVCM2_WITH_CUDA
-    if (flushed && flushed->matches(new_history)) return flushed->launch(new_history);
-#endif
-    run_flush(new_history);
-  }
-
-  void resolve(int64_t group, const at::Tensor& selected, bool fetch) {
+  // Batch.resolve's eager path: resolve_step of group `group` with the bound arguments and
+  // `selected`, with the fetch of every layer of the group or without, when the selection has
+  // the bound shape (int32 [rows, K], contiguous, on the bound device): through the recorded
+  // launches when it matches them, else through the ops. False, and nothing done, for any other
+  // selection (the caller checks it and calls the op).
+  bool resolve_bound(int64_t group, const at::Tensor& selected, bool fetch) {
     TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups.size()),
-                "StepPlan.resolve: no group ", group);
-    const Group& g = groups[group];
+                "StepPlan.resolve_bound: no group ", group);
+    Group& g = groups[group];
 #ifdef TORCH_KVCM2_WITH_CUDA
     const std::shared_ptr<RecordedLaunches>& recorded = fetch ? g.fetched : g.bare;
-    if (recorded && recorded->matches(selected)) return recorded->launch(selected);
+    if (recorded && recorded->matches(selected)) {
+      recorded->launch(selected);
+      return true;
+    }
 #endif
+    if (!like(selected, g.state[2])) return false;  // the index table's shape
     run(g, selected, fetch);
+    return true;
+  }
+
+  // Batch.flush's eager path, for targets new_history like the bound history: every pool
+  // group's flush, then the watermark (add_flush before set_watermark); false, and nothing
+  // done, for other targets.
+  bool flush_bound(const at::Tensor& new_history) {
+    TORCH_CHECK(lengths.size() == 5, "StepPlan.flush_bound: set_watermark first");
+#ifdef TORCH_KVCM2_WITH_CUDA
+    if (flushed && flushed->matches(new_history)) {
+      flushed->launch(new_history);
+      return true;
+    }
+#endif
+    if (!like(new_history, lengths[2])) return false;
+    run_flush(new_history);
+    return true;
+  }
+
+  // Batch.advance's eager path, for accepted counts like the bound history: the advance op
+  // on the bound lengths and counters; false, and nothing done, for other counts.
+  bool advance_bound(const at::Tensor& accepted) {
+    TORCH_CHECK(advance_state.size() == 2, "StepPlan.advance_bound: set_advance first");
+#ifdef TORCH_KVCM2_WITH_CUDA
+    if (advanced && advanced->matches(accepted)) {
+      advanced->launch(accepted);
+      return true;
+    }
+#endif
+    if (!like(accepted, lengths[2])) return false;
+    run_advance(accepted);
+    return true;
+  }
+
+  void set_advance(at::Tensor lengths_table, at::Tensor counters) {
+    TORCH_CHECK(lengths.size() == 5, "StepPlan.set_advance: set_watermark first");
+    advance_state = {std::move(lengths_table), std::move(counters)};
+#ifdef TORCH_KVCM2_WITH_CUDA
+    const at::Tensor& history = lengths[2];
+    if (record && history.is_cuda()) {
+      const at::Tensor accepted = recording_variable(history.sizes(), history.options());
+      advanced = RecordedLaunches::record([&] { run_advance(accepted); }, accepted);
+    }
+#endif
   }
 
  private:
   bool record;
+  std::vector<at::Tensor> advance_state;  // the lengths table [6, rows] and counters
 #ifdef TORCH_KVCM2_WITH_CUDA
-  std::shared_ptr<RecordedLaunches> flushed;
+  std::shared_ptr<RecordedLaunches> flushed, advanced;
 #endif
+
+  void run_advance(const at::Tensor& accepted) {
+    static const auto op = handle<void(T, T, T)>("torch_kvcm2::advance");
+    const c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    op.call(advance_state[0], advance_state[1], accepted);
+  }
+
+  static bool like(const at::Tensor& t, const at::Tensor& bound) {
+    return t.defined() && t.scalar_type() == bound.scalar_type() &&
+           t.device() == bound.device() && t.sizes() == bound.sizes() && t.is_contiguous();
+  }
 
   // The ops through the dispatcher (each checks its arguments first).
   void run_flush(const at::Tensor& new_history) {
@@ -213,8 +267,10 @@ TORCH_LIBRARY_FRAGMENT(torch_kvcm2, m) {
       .def("add_group", &StepPlan::add_group)
       .def("add_flush", &StepPlan::add_flush)
       .def("set_watermark", &StepPlan::set_watermark)
-      .def("resolve", &StepPlan::resolve)
-      .def("flush", &StepPlan::flush);
+      .def("resolve_bound", &StepPlan::resolve_bound)
+      .def("flush_bound", &StepPlan::flush_bound)
+      .def("set_advance", &StepPlan::set_advance)
+      .def("advance_bound", &StepPlan::advance_bound);
 }
 
 TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) { m.impl("resolve_step", &resolve_step); }
