@@ -386,16 +386,27 @@ def test_host_side_calls_refuse_to_run_during_stream_capture():
     assert batch.published
 
 
+def misaligned(t):
+    """``t``'s values at an address 4 bytes into an allocation (not 16-byte aligned)."""
+    shifted = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    shifted[1:].copy_(t.flatten())
+    return shifted[1:].view(t.shape)
+
+
 def test_eager_step_of_recorded_launches_equals_the_ops(device):
     """OP-STEP: the eager path (StepPlan in csrc/step.cpp; on CUDA the ops' kernel launches
     recorded once and made again with the selection's or targets' address) leaves every state
     tensor the ops leave: resolve with and without the fetch, a fetch after it, writes into the
-    cells, flush to a tensor of targets, over steps with misses and membership changes. A
-    selection at another alignment takes the ops, with the same result."""
+    cells, flush to a tensor of targets or to the capacity (None), over steps with misses and
+    membership changes. A selection or targets at another alignment take the ops, with the same
+    result."""
     from stepping import Driver, write_tokens
     from test_cuda_graphs import assert_same_state
     recorded, called = Driver(device, seed=3), Driver(device, seed=3)
     called.batch._use_step_plan(called.batch._new_step_plan(record_launches=False))
+    groups = len(recorded.batch.groups)
+    assert called.batch._plan.recordings() == 0
+    assert recorded.batch._plan.recordings() == (2 * groups + 2 if device == "cuda" else 0)
     for number in range(12):
         for driver in (recorded, called):
             batch = driver.batch
@@ -403,9 +414,7 @@ def test_eager_step_of_recorded_launches_equals_the_ops(device):
             selected, tokens = driver.inputs()
             for spec, sel in zip(batch.config.selection_groups, selected):
                 if number == 5:  # 4 bytes into an allocation: not the recorded alignment
-                    shifted = torch.empty(sel.numel() + 1, dtype=torch.int32, device=device)
-                    shifted[1:].copy_(sel.flatten())
-                    sel = shifted[1:].view(sel.shape)
+                    sel = misaligned(sel)
                 fetch = spec.index % 2 == 0 or number % 3 == 0
                 batch.resolve(spec.index, sel, fetch=fetch)
                 if not fetch:
@@ -413,7 +422,11 @@ def test_eager_step_of_recorded_launches_equals_the_ops(device):
                 table, _ = batch.write_indices(spec.index)
                 for layer in spec.layers:
                     write_tokens(batch.cells(layer, "kv"), table[:, 0], tokens[layer])
-            batch.flush(batch.capacity.clone())
+            targets = batch.capacity.clone()
+            if number % 4 == 1:
+                batch.flush()
+            else:
+                batch.flush(misaligned(targets) if number == 6 else targets)
         assert_same_state(recorded.batch, called.batch)
         for driver in (recorded, called):
             driver.advance()

@@ -514,10 +514,10 @@ class Batch(LengthsPath):
         a unit selected by several query tokens is one hit or one miss, in one slot, and every
         token's entry for it is the same. The batch's own tables for every T' share one address
         (fixed, BAT-1); T' is part of the shape, so a captured graph serves one T'."""
-        if (out is None and fetch.__class__ is bool and group.__class__ is int
-                and 0 <= group < len(self.groups) and selected.__class__ is torch.Tensor
-                and not self._dirty and not self._granted and not self._closed
-                and not self._fetch_events and not torch.compiler.is_compiling()):
+        if (not torch.compiler.is_compiling() and out is None and fetch.__class__ is bool
+                and group.__class__ is int and 0 <= group < len(self.groups)
+                and selected.__class__ is torch.Tensor and not self._dirty and not self._granted
+                and not self._closed and not self._fetch_events):
             # the eager path (_new_step_plan): the bound arguments, when the selection has their
             # shape; anything else takes the checks below and the op
             self.manager._check_open("Batch.resolve")
@@ -528,6 +528,13 @@ class Batch(LengthsPath):
         self._check_step("Batch.resolve")
         sp = state.spec.sparse
         tokens = self._check_selection("selected", selected, sp)
+        if (out is None and tokens == 1 and selected.dim() == 2 and isinstance(fetch, bool)
+                and not torch.compiler.is_compiling()):  # e.g. a group by name: the bound path
+            if self._fetch_events:
+                self._wait_fetches(state)
+            if self._resolve_bound(state.spec.index, selected, fetch):  # true after the checks
+                self._writes_epoch[state.spec.index] = self._lengths_epoch
+                return state.index_table
         table = state.index_table if selected.dim() == 2 else state.index_views[tokens - 1]
         if out is not None:
             self._check_index_tensor("out", out, 0, tuple(selected.shape))
@@ -690,11 +697,12 @@ class Batch(LengthsPath):
                 known = self._int_sequence("new_history", new_history)
                 target = torch.tensor(known, dtype=INT32).to(self.config.device)
             self._check_rows_tensor("new_history", target)
-        for pool, positions, cells, resident, slots, table, params in self._flush_args:
-            ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
-                      self.capacity, self.lease, params)
-        ops.flush_watermark(self.written, self._declared, target, self.history,
-                            self.capacity, self.lease, self._shape_pairs)
+        if torch.compiler.is_compiling() or not self._flush_bound(target):  # checked: bound
+            for pool, positions, cells, resident, slots, table, params in self._flush_args:
+                ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
+                          self.capacity, self.lease, params)
+            ops.flush_watermark(self.written, self._declared, target, self.history,
+                                self.capacity, self.lease, self._shape_pairs)
         if torch.compiler.is_compiling():
             return
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -299,17 +299,19 @@ bool check_resolve_write(const std::optional<at::Tensor>& write_table,
 // ---- recorded launches (csrc/cuda/launch.cu; StepPlan in csrc/step.cpp) ----
 // The kernel launches of some op calls, made once with their checks and parameter set-up and
 // kept, so that an eager step launches them again with nothing but the launch itself. `record`
-// runs `calls` (op calls on CUDA tensors) with every launch_kernel kept instead of launched;
-// each kernel's parameters are kept by value. `variable` (may be undefined) is a tensor the
-// calls take in place of one argument that changes between launches: every parameter word equal
-// to its data pointer is replaced by the data pointer of the tensor given to `launch`. Returns
-// nullptr when a call did device work that is not a kernel launch (it cannot be replayed).
+// runs `calls(variable)` (op calls on CUDA tensors) with every launch_kernel kept instead of
+// launched; each kernel's parameters are kept by value. The variable, a private tensor like
+// `like`, stands for the one argument that changes between launches: every parameter word equal
+// to its data pointer is replaced by the data pointer of the tensor given to `launch`. It runs
+// the calls twice, with two variables, and returns nullptr (the calls cannot be replayed) unless
+// the two differ exactly in those words, or when a call did device work that is not a kernel
+// launch of the library's (it is not made: the recording is dropped).
 class RecordedLaunches {
  public:
-  static std::shared_ptr<RecordedLaunches> record(const std::function<void()>& calls,
-                                                  const at::Tensor& variable);
+  static std::shared_ptr<RecordedLaunches> record(
+      const std::function<void(const at::Tensor&)>& calls, const at::Tensor& like);
   // `variable` may take the recorded one's place: the same dtype, device, shape, contiguity
-  // and alignment to 16 bytes (undefined when none was recorded).
+  // and alignment to 16 bytes.
   bool matches(const at::Tensor& variable) const;
   // The kept launches on the current stream of the recorded device, with `variable`'s data in
   // place of the recorded variable's (it must match).
@@ -323,8 +325,8 @@ class RecordedLaunches {
   int device_ = 0;
 };
 
-// Inside RecordedLaunches::record: device work that is not a kernel launch makes the recording
-// unusable (the wrapper still does the work, at record time only).
+// Inside RecordedLaunches::record: device work that is not a kernel launch of the library's
+// makes the recording unusable; the wrapper skips that work while recording.
 bool recording_launches();
 void mark_unrecordable();
 #endif

@@ -7,7 +7,6 @@
 // (docs/HOST_PATH.md). Every argument is checked before any part runs, so a bad one changes
 // nothing.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -63,16 +62,6 @@ void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_coun
                tokens_per_unit);
 }
 
-#ifdef TORCH_KVCM2_WITH_CUDA
-// A tensor like one the calls will take, at an address no other tensor starts or ends at (16
-// bytes into its own allocation): the variable of a recording (RecordedLaunches in kvcm2.h).
-at::Tensor recording_variable(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  int64_t n = 1;
-  for (const int64_t s : sizes) n *= s;
-  return at::empty({n + 4}, options).narrow(0, 4, n).view(sizes);
-}
-#endif
-
 // A batch's resolve_step arguments, bound once per selection group, and its flush's (Batch,
 // eagerly: the host cost of an op call is mostly parsing its arguments against the schema, ~0.2
 // us per tensor on the CPU machine, benchmarks/op_call_cost.py). resolve_bound(group, selected,
@@ -120,9 +109,8 @@ struct StepPlan : torch::CustomClassHolder {
 #ifdef TORCH_KVCM2_WITH_CUDA
     const at::Tensor& index_table = g.state[2];
     if (record && index_table.is_cuda() && index_table.dim() == 2) {
-      const at::Tensor selected = recording_variable(index_table.sizes(), index_table.options());
-      g.bare = RecordedLaunches::record([&] { run(g, selected, false); }, selected);
-      g.fetched = RecordedLaunches::record([&] { run(g, selected, true); }, selected);
+      g.bare = RecordedLaunches::record([&](T selected) { run(g, selected, false); }, index_table);
+      g.fetched = RecordedLaunches::record([&](T selected) { run(g, selected, true); }, index_table);
     }
 #endif
     groups.push_back(std::move(g));
@@ -145,8 +133,7 @@ struct StepPlan : torch::CustomClassHolder {
 #ifdef TORCH_KVCM2_WITH_CUDA
     const at::Tensor& history = lengths[2];
     if (record && history.is_cuda() && history.dim() == 1) {
-      const at::Tensor target = recording_variable(history.sizes(), history.options());
-      flushed = RecordedLaunches::record([&] { run_flush(target); }, target);
+      flushed = RecordedLaunches::record([&](T target) { run_flush(target); }, history);
     }
 #endif
   }
@@ -203,14 +190,24 @@ struct StepPlan : torch::CustomClassHolder {
     return true;
   }
 
+  // How many of the bound calls make recorded launches (tests: 0 on CPU; on CUDA two per
+  // group, the flush and the advance).
+  int64_t recordings() const {
+    int64_t n = 0;
+#ifdef TORCH_KVCM2_WITH_CUDA
+    for (const Group& g : groups) n += (g.bare != nullptr) + (g.fetched != nullptr);
+    n += (flushed != nullptr) + (advanced != nullptr);
+#endif
+    return n;
+  }
+
   void set_advance(at::Tensor lengths_table, at::Tensor counters) {
     TORCH_CHECK(lengths.size() == 5, "StepPlan.set_advance: set_watermark first");
     advance_state = {std::move(lengths_table), std::move(counters)};
 #ifdef TORCH_KVCM2_WITH_CUDA
     const at::Tensor& history = lengths[2];
     if (record && history.is_cuda()) {
-      const at::Tensor accepted = recording_variable(history.sizes(), history.options());
-      advanced = RecordedLaunches::record([&] { run_advance(accepted); }, accepted);
+      advanced = RecordedLaunches::record([&](T accepted) { run_advance(accepted); }, history);
     }
 #endif
   }
@@ -270,7 +267,8 @@ TORCH_LIBRARY_FRAGMENT(torch_kvcm2, m) {
       .def("resolve_bound", &StepPlan::resolve_bound)
       .def("flush_bound", &StepPlan::flush_bound)
       .def("set_advance", &StepPlan::set_advance)
-      .def("advance_bound", &StepPlan::advance_bound);
+      .def("advance_bound", &StepPlan::advance_bound)
+      .def("recordings", &StepPlan::recordings);
 }
 
 TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) { m.impl("resolve_step", &resolve_step); }

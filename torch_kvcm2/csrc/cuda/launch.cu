@@ -3,6 +3,7 @@
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -120,40 +121,87 @@ void mark_unrecordable() { t_unrecordable = true; }
 
 RecordedLaunches::~RecordedLaunches() = default;
 
-std::shared_ptr<RecordedLaunches> RecordedLaunches::record(const std::function<void()>& calls,
-                                                           const at::Tensor& variable) {
+namespace {
+
+// A tensor like `like`, at an address no other tensor starts or ends at (16 bytes into its own
+// allocation).
+at::Tensor private_like(const at::Tensor& like) {
+  const int64_t n = like.numel();
+  return at::empty({n + 4}, like.options()).narrow(0, 4, n).view(like.sizes());
+}
+
+// The launches `calls(variable)` makes, kept; nullptr after device work that is not one, or
+// when a call refuses its arguments (the op path raises the same error when called).
+std::unique_ptr<std::vector<RecordedLaunches::Entry>> keep_launches(
+    const std::function<void(const at::Tensor&)>& calls, const at::Tensor& variable) {
   TORCH_CHECK(t_recording == nullptr, "RecordedLaunches::record: already recording");
-  auto kept = std::make_shared<RecordedLaunches>();
-  t_recording = &kept->entries_;
+  auto kept = std::make_unique<std::vector<RecordedLaunches::Entry>>();
+  t_recording = kept.get();
   t_unrecordable = false;
   try {
-    calls();
+    calls(variable);
+  } catch (const c10::Error&) {
+    t_recording = nullptr;
+    return nullptr;
   } catch (...) {
     t_recording = nullptr;
     throw;
   }
   t_recording = nullptr;
   if (t_unrecordable) return nullptr;
+  return kept;
+}
+
+// The offsets of the 8-byte-aligned words of `e`'s parameters that hold `address`.
+std::vector<size_t> words_holding(const RecordedLaunches::Entry& e, const void* address) {
+  std::vector<size_t> found;
+  for (size_t off = 0; off + sizeof(void*) <= e.params.size(); off += alignof(void*)) {
+    const void* word;
+    std::memcpy(&word, e.params.data() + off, sizeof word);
+    if (word == address) found.push_back(off);
+  }
+  return found;
+}
+
+}  // namespace
+
+std::shared_ptr<RecordedLaunches> RecordedLaunches::record(
+    const std::function<void(const at::Tensor&)>& calls, const at::Tensor& like) {
+  // Recorded twice, with two variables: the launches must be the same and their parameters
+  // differ exactly in the words that hold the variable's address (so no parameter is derived
+  // from the address in another way, or chosen by it).
+  const at::Tensor variable = private_like(like), other = private_like(like);
+  auto first = keep_launches(calls, variable);
+  auto second = keep_launches(calls, other);
+  if (!first || !second || first->size() != second->size()) return nullptr;
+  auto kept = std::make_shared<RecordedLaunches>();
   kept->variable_ = variable;
-  for (const Entry& e : kept->entries_) {
-    if (e.device != kept->entries_[0].device) return nullptr;  // one device guard per replay
+  for (size_t i = 0; i < first->size(); ++i) {
+    Entry& e = (*first)[i];
+    const Entry& f = (*second)[i];
+    if (e.kernel != f.kernel || e.grid.x != f.grid.x || e.grid.y != f.grid.y ||
+        e.grid.z != f.grid.z || e.block.x != f.block.x || e.block.y != f.block.y ||
+        e.block.z != f.block.z || e.smem != f.smem || e.pdl != f.pdl || e.device != f.device ||
+        e.params.size() != f.params.size() || e.device != (*first)[0].device)
+      return nullptr;  // (one device: one guard per launch of the recording)
+    e.relocations = words_holding(e, variable.data_ptr());
+    Entry patched = f;
+    const void* const address = variable.data_ptr();
+    for (const size_t off : e.relocations) {
+      const void* word;
+      std::memcpy(&word, f.params.data() + off, sizeof word);
+      if (word != other.data_ptr()) return nullptr;
+      std::memcpy(patched.params.data() + off, &address, sizeof address);
+    }
+    if (patched.params != e.params) return nullptr;
     kept->device_ = e.device;
   }
-  if (variable.defined()) {
-    const void* const address = variable.data_ptr();
-    for (Entry& e : kept->entries_)
-      for (size_t off = 0; off + sizeof(void*) <= e.params.size(); off += alignof(void*)) {
-        const void* word;
-        std::memcpy(&word, e.params.data() + off, sizeof word);
-        if (word == address) e.relocations.push_back(off);
-      }
-  }
+  kept->entries_ = std::move(*first);
   return kept;
 }
 
 bool RecordedLaunches::matches(const at::Tensor& variable) const {
-  if (!variable_.defined()) return !variable.defined();
-  // The same metadata and alignment: a wrapper may have chosen its kernel by either.
+  // The same metadata and alignment (docs/DESIGN.md: recorded launches).
   return variable.defined() && variable.scalar_type() == variable_.scalar_type() &&
          variable.device() == variable_.device() && variable.sizes() == variable_.sizes() &&
          variable.is_contiguous() &&
@@ -162,13 +210,11 @@ bool RecordedLaunches::matches(const at::Tensor& variable) const {
 }
 
 void RecordedLaunches::launch(const at::Tensor& variable) {
-  TORCH_CHECK(!variable_.defined() || matches(variable), "recorded launches: the variable must be "
-              "a contiguous ", variable_.scalar_type(), " tensor of shape ", variable_.sizes(),
-              " on ", variable_.device(), " aligned as the recorded one (to 16 bytes)");
-  TORCH_CHECK(variable_.defined() || !variable.defined(),
-              "recorded launches: none was recorded with a variable");
+  TORCH_CHECK(matches(variable), "recorded launches: the variable must be a contiguous ",
+              variable_.scalar_type(), " tensor of shape ", variable_.sizes(), " on ",
+              variable_.device(), " aligned as the recorded one (to 16 bytes)");
   if (entries_.empty()) return;
-  void* const address = variable_.defined() ? variable.data_ptr() : nullptr;
+  void* const address = variable.data_ptr();
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
   cudaLaunchAttribute attribute[1];

@@ -164,7 +164,8 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
                   static_cast<const Params&>(args)...);
       return;
     } else {
-      mark_unrecordable();
+      mark_unrecordable();  // not kept, and not made either: the recording is dropped
+      return;
     }
   }
   cudaLaunchConfig_t config{};
