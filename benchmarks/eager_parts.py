@@ -71,13 +71,13 @@ def main() -> None:
         assert bool((batch.groups[g].index_table >= 0).all()), f"group {g}: an invalid entry"
     tables = {}
     for name, plan in plans.items():  # every unit of sel[0] is resident by now: the same entries
-        batch._plan = plan
+        batch._use_step_plan(plan)
         tables[name] = batch.resolve(0, sel[0], fetch=True).clone()
     assert torch.equal(tables["recorded"], tables["ops"]), "recorded and op paths differ"
     # the step's wall time, the two plans alternating (the host's speed drifts within a process)
     for rep in range(10):
         name = "recorded" if rep % 2 == 0 else "ops"
-        batch._plan = plans[name]
+        batch._use_step_plan(plans[name])
         sync()
         start = time.perf_counter_ns()
         for _ in range(40):
@@ -86,7 +86,7 @@ def main() -> None:
         sync()
         wall = (time.perf_counter_ns() - start) / 40e3
         print(f"step [{name:8s}] host {host:6.0f} us, wall {wall:6.0f} us per step", flush=True)
-    batch._plan = plans["recorded"]
+    batch._use_step_plan(plans["recorded"])
     state, sp = batch.groups[0], batch.groups[0].spec.sparse
     layers = tuple(config.selection_groups[0].layers)
     _, cells, pools, positions, page_tables = batch._plan_of(layers)
@@ -97,9 +97,12 @@ def main() -> None:
     if device == "cuda":
         rows.append(("torch.cuda._sleep(0)", lambda: torch.cuda._sleep(0)))
     for name, plan in plans.items():
-        rows += [(f"StepPlan [{name}] .resolve(0, sel, True)", lambda p=plan: p.resolve(0, sel[0], True)),
-                 (f"StepPlan [{name}] .resolve(0, sel, False)", lambda p=plan: p.resolve(0, sel[0], False)),
-                 (f"StepPlan [{name}] .flush(targets)", lambda p=plan: p.flush(targets))]
+        rows += [(f"StepPlan [{name}] .resolve_bound(0, sel, True)",
+                  lambda p=plan: p.resolve_bound(0, sel[0], True)),
+                 (f"StepPlan [{name}] .resolve_bound(0, sel, False)",
+                  lambda p=plan: p.resolve_bound(0, sel[0], False)),
+                 (f"StepPlan [{name}] .flush_bound(targets)", lambda p=plan: p.flush_bound(targets)),
+                 (f"StepPlan [{name}] .advance_bound(zeros)", lambda p=plan: p.advance_bound(zeros))]
     rows += [
         ("Batch.resolve(0, sel, fetch=True)", lambda: batch.resolve(0, sel[0], fetch=True)),
         ("ops.resolve (no write outputs)", lambda: ops.resolve(
@@ -117,20 +120,24 @@ def main() -> None:
         ("Batch.publish() (nothing changed)", batch.publish),
         ("history + ones", lambda: batch.history + ones)]
     for label, fn in rows:
-        print(f"{label:48s} median {median_us(fn, sync):7.2f} us", flush=True)
+        print(f"{label:52s} median {median_us(fn, sync):7.2f} us", flush=True)
 
     class NoOps:  # the Python around the native calls
-        def resolve(self, *args):
-            pass
+        def resolve_bound(self, *args):
+            return True
 
-        def flush(self, *args):
-            pass
+        def flush_bound(self, *args):
+            return True
 
-    batch._plan = NoOps()
+        def advance_bound(self, *args):
+            return True
+
+    batch._use_step_plan(NoOps())
     for label, fn in [("Batch.resolve Python only", lambda: batch.resolve(0, sel[0], fetch=True)),
-                      ("Batch.flush Python only", lambda: batch.flush(targets))]:
-        print(f"{label:48s} median {median_us(fn, sync):7.2f} us", flush=True)
-    batch._plan = plans["recorded"]
+                      ("Batch.flush Python only", lambda: batch.flush(targets)),
+                      ("Batch.advance Python only", lambda: batch.advance(zeros))]:
+        print(f"{label:52s} median {median_us(fn, sync):7.2f} us", flush=True)
+    batch._use_step_plan(plans["recorded"])
     if device == "cuda" and "--profile" in sys.argv[1:]:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -76,7 +76,8 @@ def test_eager_parts_runs_its_checks_and_prints_every_part():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert sum(line.startswith("step [") for line in lines) == 10
-    for part in ("StepPlan [recorded] .resolve(0, sel, True)", "StepPlan [ops] .flush(targets)",
+    for part in ("StepPlan [recorded] .resolve_bound(0, sel, True)",
+                 "StepPlan [ops] .flush_bound(targets)", "StepPlan [ops] .advance_bound(zeros)",
                  "Batch.resolve(0, sel, fetch=True)", "Batch.advance(zeros)",
                  "Batch.resolve Python only", "Batch.flush Python only"):
         assert any(line.startswith(part) and line.endswith(" us") for line in lines), part
