@@ -120,7 +120,7 @@ def main() -> None:
         ("Batch.publish() (nothing changed)", batch.publish),
         ("history + ones", lambda: batch.history + ones)]
     for label, fn in rows:
-        print(f"{label:52s} median {median_us(fn, sync):7.2f} us", flush=True)
+        print(f"{label:60s} median {median_us(fn, sync):7.2f} us", flush=True)
 
     class NoOps:  # the Python around the native calls
         def resolve_bound(self, *args):
@@ -135,8 +135,9 @@ def main() -> None:
     batch._use_step_plan(NoOps())
     for label, fn in [("Batch.resolve Python only", lambda: batch.resolve(0, sel[0], fetch=True)),
                       ("Batch.flush Python only", lambda: batch.flush(targets)),
-                      ("Batch.advance Python only", lambda: batch.advance(zeros))]:
-        print(f"{label:52s} median {median_us(fn, sync):7.2f} us", flush=True)
+                      ("Batch.advance Python only (with the read-back's copy_ and event)",
+                       lambda: batch.advance(zeros))]:
+        print(f"{label:60s} median {median_us(fn, sync):7.2f} us", flush=True)
     batch._use_step_plan(plans["recorded"])
     if device == "cuda" and "--profile" in sys.argv[1:]:
         from torch.profiler import ProfilerActivity, profile

@@ -397,10 +397,10 @@ def test_eager_step_of_recorded_launches_equals_the_ops(device):
     """OP-STEP: the eager path (StepPlan in csrc/step.cpp; on CUDA the ops' kernel launches
     recorded once and made again with the selection's or targets' address) leaves every state
     tensor the ops leave: resolve with and without the fetch, a fetch after it, writes into the
-    cells, flush to a tensor of targets or to the capacity (None), over steps with misses and
-    membership changes. A selection or targets at another alignment take the ops, with the same
-    result."""
-    from stepping import Driver, write_tokens
+    cells, flush to a tensor of targets or to the capacity (None), an advance that refuses a
+    row, over steps with misses and membership changes. A selection, targets or counts at
+    another alignment take the ops, with the same result."""
+    from stepping import ROWS, Driver, write_tokens
     from test_cuda_graphs import assert_same_state
     recorded, called = Driver(device, seed=3), Driver(device, seed=3)
     called.batch._use_step_plan(called.batch._new_step_plan(record_launches=False))
@@ -427,7 +427,11 @@ def test_eager_step_of_recorded_launches_equals_the_ops(device):
                 batch.flush()
             else:
                 batch.flush(misaligned(targets) if number == 6 else targets)
+            accepted = torch.zeros(ROWS, dtype=torch.int32, device=device)
+            accepted[number % ROWS] = -1  # refused if seated: counted, lengths unchanged
+            batch.advance(misaligned(accepted) if number == 7 else accepted)
         assert_same_state(recorded.batch, called.batch)
+        assert torch.equal(recorded.batch.advance_counters, called.batch.advance_counters)
         for driver in (recorded, called):
             driver.advance()
             if number in (3, 8):
@@ -435,3 +439,4 @@ def test_eager_step_of_recorded_launches_equals_the_ops(device):
                 driver.join()
     assert [c.history_length for c in recorded.caches] == [c.history_length for c in called.caches]
     assert sum(int(s.counters[1]) for s in recorded.batch.groups) > 0, "no step missed a unit"
+    assert int(recorded.batch.advance_counters[0]) > 0, "no advance refused a row"

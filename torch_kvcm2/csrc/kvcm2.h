@@ -304,8 +304,9 @@ bool check_resolve_write(const std::optional<at::Tensor>& write_table,
 // `like`, stands for the one argument that changes between launches: every parameter word equal
 // to its data pointer is replaced by the data pointer of the tensor given to `launch`. It runs
 // the calls twice, with two variables, and returns nullptr (the calls cannot be replayed) unless
-// the two differ exactly in those words, or when a call did device work that is not a kernel
-// launch of the library's (it is not made: the recording is dropped).
+// the two differ exactly in those words, when a call refuses its arguments (a c10::Error other
+// than a CUDA error: the op raises it when called), or when a call did device work that is not a
+// kernel launch of the library's (it is not made). A dropped recording warns once per process.
 class RecordedLaunches {
  public:
   static std::shared_ptr<RecordedLaunches> record(
@@ -321,7 +322,9 @@ class RecordedLaunches {
 
  private:
   std::vector<Entry> entries_;
-  at::Tensor variable_;  // the recorded one, kept alive so its address stays unique
+  c10::ScalarType dtype_ = c10::ScalarType::Undefined;  // the recorded variable's metadata
+  c10::Device where_{c10::kCPU};
+  std::vector<int64_t> sizes_;
   int device_ = 0;
 };
 

@@ -62,14 +62,16 @@ void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_coun
                tokens_per_unit);
 }
 
-// A batch's resolve_step arguments, bound once per selection group, and its flush's (Batch,
-// eagerly: the host cost of an op call is mostly parsing its arguments against the schema, ~0.2
-// us per tensor on the CPU machine, benchmarks/op_call_cost.py). resolve_bound(group, selected,
-// fetch) is resolve_step with the group's bound tensors and, with fetch, every layer of the
-// group fetched; flush_bound(targets) is the flush of every pool group and its watermark. On
-// CUDA the kernel launches of each are recorded once (their checks and parameters done) and
-// made again with the selection's or the targets' address, so a call costs its launches only.
-// Its mutations are not visible to torch.compile: compiled code calls the ops.
+// A batch's resolve_step arguments, bound once per selection group, and its flush's and
+// advance's (Batch, eagerly: an op call's host cost is mostly its argument parsing and checks,
+// benchmarks/op_call_cost.py). resolve_bound(group, selected, fetch) is resolve_step with the
+// group's bound tensors and, with fetch, every layer of the group fetched; flush_bound(targets)
+// the flush of every pool group and its watermark; advance_bound(accepted) the advance of the
+// bound lengths. On CUDA the kernel launches of each are recorded once (their checks and
+// parameters done) and made again with the selection's, targets' or counts' address, so a call
+// costs its launches only. Each returns false, having done nothing, for a tensor unlike the
+// bound one (the caller checks it and calls the op). Its mutations are not visible to
+// torch.compile: compiled code calls the ops.
 struct StepPlan : torch::CustomClassHolder {
   // record_launches false: every call goes through the ops (tests compare the two).
   explicit StepPlan(bool record_launches) : record(record_launches) {}

@@ -422,7 +422,8 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   if (miss_list.size(0) == 0) return;
   const int device = miss_list.get_device();
   const DeviceInfo& info = device_info(device);
-  FetchParams p{};
+  FetchParams p;
+  std::memset(&p, 0, sizeof p);  // padding too: a recording compares the parameters' bytes
   p.miss_list = miss_list.data_ptr<int32_t>();
   p.miss_count = miss_count.data_ptr<int32_t>();
   p.list_rows = miss_list.size(0);

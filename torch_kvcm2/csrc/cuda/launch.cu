@@ -1,12 +1,14 @@
 // The device-fact cache and the development knobs of launch.cuh.
 #include "launch.cuh"
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <stdexcept>
 #include <mutex>
 #include <vector>
 #ifdef KVCM2_DEV
@@ -123,23 +125,33 @@ RecordedLaunches::~RecordedLaunches() = default;
 
 namespace {
 
-// A tensor like `like`, at an address no other tensor starts or ends at (16 bytes into its own
-// allocation).
-at::Tensor private_like(const at::Tensor& like) {
-  const int64_t n = like.numel();
-  return at::empty({n + 4}, like.options()).narrow(0, 4, n).view(like.sizes());
+// A tensor like `like`, `offset` bytes into an allocation of its own (so no other tensor starts
+// or ends at its address).
+at::Tensor private_like(const at::Tensor& like, int64_t offset) {
+  const int64_t n = like.numel(), skip = offset / like.element_size();
+  TORCH_INTERNAL_ASSERT(skip * like.element_size() == offset);
+  return at::empty({n + skip}, like.options()).narrow(0, skip, n).view(like.sizes());
+}
+
+// Why a recording was dropped (the calls then take the ops each time).
+void dropped(const char* why) {
+  TORCH_WARN_ONCE("torch_kvcm2: the kernel launches of a step's calls could not be recorded (",
+                  why, "); those calls go through the ops");
 }
 
 // The launches `calls(variable)` makes, kept; nullptr after device work that is not one, or
-// when a call refuses its arguments (the op path raises the same error when called).
+// when a call refuses its arguments (the op raises the same error when called).
 std::unique_ptr<std::vector<RecordedLaunches::Entry>> keep_launches(
     const std::function<void(const at::Tensor&)>& calls, const at::Tensor& variable) {
-  TORCH_CHECK(t_recording == nullptr, "RecordedLaunches::record: already recording");
+  if (t_recording != nullptr) throw std::logic_error("RecordedLaunches::record: already recording");
   auto kept = std::make_unique<std::vector<RecordedLaunches::Entry>>();
   t_recording = kept.get();
   t_unrecordable = false;
   try {
     calls(variable);
+  } catch (const c10::CUDAError&) {
+    t_recording = nullptr;
+    throw;
   } catch (const c10::Error&) {
     t_recording = nullptr;
     return nullptr;
@@ -148,7 +160,10 @@ std::unique_ptr<std::vector<RecordedLaunches::Entry>> keep_launches(
     throw;
   }
   t_recording = nullptr;
-  if (t_unrecordable) return nullptr;
+  if (t_unrecordable) {
+    dropped("device work other than a kernel launch of the library's");
+    return nullptr;
+  }
   return kept;
 }
 
@@ -163,56 +178,75 @@ std::vector<size_t> words_holding(const RecordedLaunches::Entry& e, const void* 
   return found;
 }
 
+bool same_launch(const RecordedLaunches::Entry& e, const RecordedLaunches::Entry& f) {
+  return e.kernel == f.kernel && e.grid.x == f.grid.x && e.grid.y == f.grid.y &&
+         e.grid.z == f.grid.z && e.block.x == f.block.x && e.block.y == f.block.y &&
+         e.block.z == f.block.z && e.smem == f.smem && e.pdl == f.pdl && e.device == f.device &&
+         e.params.size() == f.params.size();
+}
+
 }  // namespace
 
 std::shared_ptr<RecordedLaunches> RecordedLaunches::record(
     const std::function<void(const at::Tensor&)>& calls, const at::Tensor& like) {
-  // Recorded twice, with two variables: the launches must be the same and their parameters
-  // differ exactly in the words that hold the variable's address (so no parameter is derived
-  // from the address in another way, or chosen by it).
-  const at::Tensor variable = private_like(like), other = private_like(like);
+  // Recorded twice, with variables whose addresses differ in more than their last 4 bits (16
+  // and 48 bytes into their allocations): the launches must be the same and their parameters
+  // differ exactly in the words that hold the variable's address, so no parameter is derived
+  // from the address in another way or chosen by it (the alignment to 16 bytes `matches` asks
+  // for excepted).
+  const at::Tensor variable = private_like(like, 16), other = private_like(like, 48);
   auto first = keep_launches(calls, variable);
+  if (!first) return nullptr;
   auto second = keep_launches(calls, other);
-  if (!first || !second || first->size() != second->size()) return nullptr;
+  if (!second) return nullptr;
+  if (first->size() != second->size()) {
+    dropped("a different number of launches for another address");
+    return nullptr;
+  }
   auto kept = std::make_shared<RecordedLaunches>();
-  kept->variable_ = variable;
+  const void* const address = variable.data_ptr();
   for (size_t i = 0; i < first->size(); ++i) {
     Entry& e = (*first)[i];
     const Entry& f = (*second)[i];
-    if (e.kernel != f.kernel || e.grid.x != f.grid.x || e.grid.y != f.grid.y ||
-        e.grid.z != f.grid.z || e.block.x != f.block.x || e.block.y != f.block.y ||
-        e.block.z != f.block.z || e.smem != f.smem || e.pdl != f.pdl || e.device != f.device ||
-        e.params.size() != f.params.size() || e.device != (*first)[0].device)
-      return nullptr;  // (one device: one guard per launch of the recording)
-    e.relocations = words_holding(e, variable.data_ptr());
+    if (!same_launch(e, f) || e.device != (*first)[0].device) {  // one device: one guard
+      dropped("a different launch for another address");
+      return nullptr;
+    }
+    e.relocations = words_holding(e, address);
     Entry patched = f;
-    const void* const address = variable.data_ptr();
     for (const size_t off : e.relocations) {
       const void* word;
       std::memcpy(&word, f.params.data() + off, sizeof word);
-      if (word != other.data_ptr()) return nullptr;
+      if (word != other.data_ptr()) {
+        dropped("a parameter that depends on the address otherwise");
+        return nullptr;
+      }
       std::memcpy(patched.params.data() + off, &address, sizeof address);
     }
-    if (patched.params != e.params) return nullptr;
+    if (patched.params != e.params) {
+      dropped("a parameter that depends on the address otherwise");
+      return nullptr;
+    }
     kept->device_ = e.device;
   }
   kept->entries_ = std::move(*first);
+  kept->dtype_ = like.scalar_type();
+  kept->where_ = like.device();
+  kept->sizes_ = like.sizes().vec();
   return kept;
 }
 
 bool RecordedLaunches::matches(const at::Tensor& variable) const {
-  // The same metadata and alignment (docs/DESIGN.md: recorded launches).
-  return variable.defined() && variable.scalar_type() == variable_.scalar_type() &&
-         variable.device() == variable_.device() && variable.sizes() == variable_.sizes() &&
-         variable.is_contiguous() &&
-         reinterpret_cast<uintptr_t>(variable.data_ptr()) % 16 ==
-             reinterpret_cast<uintptr_t>(variable_.data_ptr()) % 16;
+  // The same metadata, and 16-byte alignment (docs/DESIGN.md: recorded launches).
+  return variable.defined() && variable.scalar_type() == dtype_ && variable.device() == where_ &&
+         variable.sizes() == at::IntArrayRef(sizes_) && variable.is_contiguous() &&
+         reinterpret_cast<uintptr_t>(variable.data_ptr()) % 16 == 0;
 }
 
 void RecordedLaunches::launch(const at::Tensor& variable) {
   TORCH_CHECK(matches(variable), "recorded launches: the variable must be a contiguous ",
-              variable_.scalar_type(), " tensor of shape ", variable_.sizes(), " on ",
-              variable_.device(), " aligned as the recorded one (to 16 bytes)");
+              dtype_, " tensor of shape ", at::IntArrayRef(sizes_), " on ", where_,
+              ", 16-byte aligned");
   if (entries_.empty()) return;
   void* const address = variable.data_ptr();
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));

@@ -962,7 +962,8 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                                        : " (docs/MTP.md)");
   const size_t smem = static_cast<size_t>(layout.bytes);
   allow_dynamic_smem(kernel_id(kernel), device, smem);
-  ResolveParams p{};
+  ResolveParams p;
+  std::memset(&p, 0, sizeof p);  // padding too: a recording compares the parameters' bytes
   p.resident = resident.data_ptr<int32_t>();
   p.recency = recency.data_ptr<int32_t>();
   p.index_table = index_table.data_ptr<int32_t>();
