@@ -72,6 +72,12 @@ void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_coun
 // costs its launches only. Each returns false, having done nothing, for a tensor unlike the
 // bound one (the caller checks it and calls the op). Its mutations are not visible to
 // torch.compile: compiled code calls the ops.
+#ifdef TORCH_KVCM2_WITH_CUDA
+using Recorded = std::shared_ptr<RecordedLaunches>;
+#else
+struct Recorded {};  // a CPU build records nothing
+#endif
+
 struct StepPlan : torch::CustomClassHolder {
   // record_launches false: every call goes through the ops (tests compare the two).
   explicit StepPlan(bool record_launches) : record(record_launches) {}
@@ -81,9 +87,7 @@ struct StepPlan : torch::CustomClassHolder {
     std::vector<at::Tensor> cells, pools, tables;
     std::vector<int64_t> positions;
     int64_t tokens_per_unit, tokens_per_page, max_inflight_tokens, window;
-#ifdef TORCH_KVCM2_WITH_CUDA
-    std::shared_ptr<RecordedLaunches> bare, fetched;  // resolve_step without, with the fetch
-#endif
+    Recorded bare, fetched;  // resolve_step without, with the fetch
   };
   std::vector<Group> groups;
   // flush's arguments per sparse pool group, then flush_watermark's (Batch.flush)
@@ -148,17 +152,9 @@ struct StepPlan : torch::CustomClassHolder {
   bool resolve_bound(int64_t group, const at::Tensor& selected, bool fetch) {
     TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups.size()),
                 "StepPlan.resolve_bound: no group ", group);
-    Group& g = groups[group];
-#ifdef TORCH_KVCM2_WITH_CUDA
-    const std::shared_ptr<RecordedLaunches>& recorded = fetch ? g.fetched : g.bare;
-    if (recorded && recorded->matches(selected)) {
-      recorded->launch(selected);
-      return true;
-    }
-#endif
-    if (!like(selected, g.state[2])) return false;  // the index table's shape
-    run(g, selected, fetch);
-    return true;
+    const Group& g = groups[group];
+    return bound_call(fetch ? g.fetched : g.bare, selected, g.state[2],  // the index table's shape
+                      [&] { run(g, selected, fetch); });
   }
 
   // Batch.flush's eager path, for targets new_history like the bound history: every pool
@@ -166,41 +162,26 @@ struct StepPlan : torch::CustomClassHolder {
   // done, for other targets.
   bool flush_bound(const at::Tensor& new_history) {
     TORCH_CHECK(lengths.size() == 5, "StepPlan.flush_bound: set_watermark first");
-#ifdef TORCH_KVCM2_WITH_CUDA
-    if (flushed && flushed->matches(new_history)) {
-      flushed->launch(new_history);
-      return true;
-    }
-#endif
-    if (!like(new_history, lengths[2])) return false;
-    run_flush(new_history);
-    return true;
+    return bound_call(flushed, new_history, lengths[2], [&] { run_flush(new_history); });
   }
 
   // Batch.advance's eager path, for accepted counts like the bound history: the advance op
   // on the bound lengths and counters; false, and nothing done, for other counts.
   bool advance_bound(const at::Tensor& accepted) {
     TORCH_CHECK(advance_state.size() == 2, "StepPlan.advance_bound: set_advance first");
-#ifdef TORCH_KVCM2_WITH_CUDA
-    if (advanced && advanced->matches(accepted)) {
-      advanced->launch(accepted);
-      return true;
-    }
-#endif
-    if (!like(accepted, lengths[2])) return false;
-    run_advance(accepted);
-    return true;
+    return bound_call(advanced, accepted, lengths[2], [&] { run_advance(accepted); });
   }
 
   // How many of the bound calls make recorded launches (tests: 0 on CPU; on CUDA two per
   // group, the flush and the advance).
   int64_t recordings() const {
-    int64_t n = 0;
 #ifdef TORCH_KVCM2_WITH_CUDA
+    int64_t n = (flushed != nullptr) + (advanced != nullptr);
     for (const Group& g : groups) n += (g.bare != nullptr) + (g.fetched != nullptr);
-    n += (flushed != nullptr) + (advanced != nullptr);
-#endif
     return n;
+#else
+    return 0;
+#endif
   }
 
   void set_advance(at::Tensor lengths_table, at::Tensor counters) {
@@ -217,9 +198,7 @@ struct StepPlan : torch::CustomClassHolder {
  private:
   bool record;
   std::vector<at::Tensor> advance_state;  // the lengths table [6, rows] and counters
-#ifdef TORCH_KVCM2_WITH_CUDA
-  std::shared_ptr<RecordedLaunches> flushed, advanced;
-#endif
+  Recorded flushed, advanced;
 
   void run_advance(const at::Tensor& accepted) {
     static const auto op = handle<void(T, T, T)>("torch_kvcm2::advance");
@@ -227,9 +206,22 @@ struct StepPlan : torch::CustomClassHolder {
     op.call(advance_state[0], advance_state[1], accepted);
   }
 
-  static bool like(const at::Tensor& t, const at::Tensor& bound) {
-    return t.defined() && t.scalar_type() == bound.scalar_type() &&
-           t.device() == bound.device() && t.sizes() == bound.sizes() && t.is_contiguous();
+  // A bound call with tensor `t`: through the recorded launches when `t` matches them, else
+  // through `ops` when `t` is like `bound` (dtype, device, shape, contiguous); false otherwise.
+  template <typename Ops>
+  static bool bound_call(const Recorded& recorded, const at::Tensor& t, const at::Tensor& bound,
+                         const Ops& ops) {
+#ifdef TORCH_KVCM2_WITH_CUDA
+    if (recorded && recorded->matches(t)) {
+      recorded->launch(t);
+      return true;
+    }
+#endif
+    if (!t.defined() || t.scalar_type() != bound.scalar_type() || t.device() != bound.device() ||
+        t.sizes() != bound.sizes() || !t.is_contiguous())
+      return false;
+    ops();
+    return true;
   }
 
   // The ops through the dispatcher (each checks its arguments first).
