@@ -127,6 +127,13 @@ class Batch(LengthsPath):
                 self._fetch_args[layer] = self._new_cells(group, layer, allocated)
         self._flush_args = self._new_flush_args()
         self._use_step_plan(self._new_step_plan())
+        # what group() accepts, to the group's index: layer names, selection ids, indices
+        self._group_index = {layer: spec.index for spec in config.selection_groups
+                             for layer in spec.layers}
+        for spec in config.selection_groups:
+            self._group_index[spec.index] = spec.index
+            if spec.key[0] == "id":
+                self._group_index[spec.key[1]] = spec.index
         self._rows: list[Optional[KVCache]] = [None] * max_rows
         self._row_lease = [BAD] * max_rows
         self._free_leases = list(range(max_rows))
@@ -514,27 +521,21 @@ class Batch(LengthsPath):
         a unit selected by several query tokens is one hit or one miss, in one slot, and every
         token's entry for it is the same. The batch's own tables for every T' share one address
         (fixed, BAT-1); T' is part of the shape, so a captured graph serves one T'."""
-        if (not torch.compiler.is_compiling() and out is None and fetch.__class__ is bool
-                and group.__class__ is int and 0 <= group < len(self.groups)
-                and selected.__class__ is torch.Tensor and not self._dirty and not self._granted
-                and not self._closed and not self._fetch_events):
+        index = self._group_index.get(group) if group.__class__ in (int, str) else None
+        if (index is not None and not torch.compiler.is_compiling() and out is None
+                and fetch.__class__ is bool and selected.__class__ is torch.Tensor
+                and not self._dirty and not self._granted and not self._closed
+                and not self._fetch_events):
             # the eager path (_new_step_plan): the bound arguments, when the selection has their
             # shape; anything else takes the checks below and the op
             self.manager._check_open("Batch.resolve")
-            if self._resolve_bound(group, selected, fetch):
-                self._writes_epoch[group] = self._lengths_epoch
-                return self.groups[group].index_table
+            if self._resolve_bound(index, selected, fetch):
+                self._writes_epoch[index] = self._lengths_epoch
+                return self.groups[index].index_table
         state = self.group(group)
         self._check_step("Batch.resolve")
         sp = state.spec.sparse
         tokens = self._check_selection("selected", selected, sp)
-        if (out is None and tokens == 1 and selected.dim() == 2 and isinstance(fetch, bool)
-                and not torch.compiler.is_compiling()):  # e.g. a group by name: the bound path
-            if self._fetch_events:
-                self._wait_fetches(state)
-            if self._resolve_bound(state.spec.index, selected, fetch):  # true after the checks
-                self._writes_epoch[state.spec.index] = self._lengths_epoch
-                return state.index_table
         table = state.index_table if selected.dim() == 2 else state.index_views[tokens - 1]
         if out is not None:
             self._check_index_tensor("out", out, 0, tuple(selected.shape))
