@@ -251,20 +251,10 @@ void RecordedLaunches::launch(const at::Tensor& variable) {
   void* const address = variable.data_ptr();
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute;
   for (Entry& e : entries_) {
     for (const size_t off : e.relocations) std::memcpy(e.params.data() + off, &address, sizeof address);
-    cudaLaunchConfig_t config{};
-    config.gridDim = e.grid;
-    config.blockDim = e.block;
-    config.dynamicSmemBytes = e.smem;
-    config.stream = stream;
-    if (e.pdl) {
-      config.attrs = attribute;
-      config.numAttrs = 1;
-    }
+    const cudaLaunchConfig_t config = launch_config(e.grid, e.block, e.smem, stream, e.pdl, attribute);
     void* args[] = {e.params.data()};
     C10_CUDA_CHECK(cudaLaunchKernelExC(&config, e.kernel, args));
   }

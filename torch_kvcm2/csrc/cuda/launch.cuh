@@ -125,6 +125,23 @@ __device__ __forceinline__ void pdl_enter() {
   pdl_launch_dependents();
 }
 
+// A launch's configuration, with the PDL attribute (kept in `attribute`) when `pdl`.
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                        bool pdl, cudaLaunchAttribute& attribute) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (pdl) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  return config;
+}
+
 // One kept launch of a recording (RecordedLaunches in kvcm2.h): the kernel, its configuration
 // and its one parameter struct's bytes.
 struct RecordedLaunches::Entry {
@@ -168,18 +185,8 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
       return;
     }
   }
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  if (pdl) {
-    config.attrs = attribute;
-    config.numAttrs = 1;
-  }
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, pdl, attribute);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
