@@ -7,7 +7,7 @@ import sys
 import pytest
 
 IDS = ["P-RES", "P-RES-MTP", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FLUSH", "P-INDEX", "P-INDEX-L", "P-TORCH", "P-STEP",
-       "P-STEP-HS", "P-CAP", "P-HOST", "P-HOST", "P-STEP-WALL", "P-START", "P-START-GROW",
+       "P-STEP-HS", "P-CAP", "P-HOST", "P-HOST", "P-STEP-WALL", "P-STEP-WALL", "P-START", "P-START-GROW",
        "P-START-OLD", "P-PFX", "P-PFX", "P-PFX", "P-TP", "P-TP", "P-TP", "P-TP"]
 
 
