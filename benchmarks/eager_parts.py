@@ -135,7 +135,7 @@ def main() -> None:
     batch._use_step_plan(NoOps())
     for label, fn in [("Batch.resolve Python only", lambda: batch.resolve(0, sel[0], fetch=True)),
                       ("Batch.flush Python only", lambda: batch.flush(targets)),
-                      ("Batch.advance Python only (with the read-back's copy_ and event)",
+                      ("Batch.advance Python only (with the read-back call)",
                        lambda: batch.advance(zeros))]:
         print(f"{label:60s} median {median_us(fn, sync):7.2f} us", flush=True)
     batch._use_step_plan(plans["recorded"])

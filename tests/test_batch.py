@@ -393,6 +393,33 @@ def misaligned(t):
     return shifted[1:].view(t.shape)
 
 
+def test_plan_module_functions_check_their_arguments(device):
+    """The eager step's module functions (_C.plan_resolve, plan_flush, plan_advance) refuse a
+    wrong argument count, plan 0 and a group out of range with an exception, and do nothing
+    (False) for an address that is not 16-byte aligned or a plan without recorded launches."""
+    from torch_kvcm2 import _C
+    from stepping import Driver
+    batch = Driver(device, seed=1).batch
+    plan = batch._plan.address()
+    with pytest.raises(TypeError, match="plan_resolve"):
+        _C.plan_resolve(plan, 0, 16)
+    with pytest.raises(TypeError, match="plan_flush"):
+        _C.plan_flush(plan)
+    with pytest.raises(ValueError, match="StepPlan"):
+        _C.plan_advance(0, 16)
+    with pytest.raises(RuntimeError, match="no group 99"):
+        _C.plan_resolve(plan, 99, 16, True)
+    selected = torch.zeros(batch._selection_shapes[0], dtype=torch.int32, device=device)
+    address = selected.data_ptr()
+    assert not _C.plan_resolve(plan, 0, address + 4, True)  # misaligned: not made
+    assert not _C.plan_flush(plan, address + 8)
+    assert not _C.plan_advance(plan, address + 4)
+    ops_plan = batch._new_step_plan(record_launches=False).address()
+    assert not _C.plan_resolve(ops_plan, 0, address, False)  # no recording: not made
+    assert not _C.plan_flush(ops_plan, address)
+    assert not _C.plan_advance(ops_plan, address)
+
+
 def test_eager_step_of_recorded_launches_equals_the_ops(device):
     """OP-STEP: the eager path (StepPlan in csrc/step.cpp; on CUDA the ops' kernel launches
     recorded once and made again with the selection's or targets' address) leaves every state
@@ -407,6 +434,10 @@ def test_eager_step_of_recorded_launches_equals_the_ops(device):
     groups = len(recorded.batch.groups)
     assert called.batch._plan.recordings() == 0
     assert recorded.batch._plan.recordings() == (2 * groups + 2 if device == "cuda" else 0)
+    # recorded launches are made through the module functions (_C.plan_*), the ops through
+    # the plan's methods
+    assert called.batch._plan_address == 0
+    assert (recorded.batch._plan_address != 0) == (device == "cuda")
     for number in range(12):
         for driver in (recorded, called):
             batch = driver.batch

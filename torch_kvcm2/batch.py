@@ -18,9 +18,10 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from . import _C
 from . import lengths as rules
 from . import ops
-from ._util import ceil_div, refuse_during_capture
+from ._util import bound_like, ceil_div, refuse_during_capture
 from .cache import KVCache
 from .config import BAD, INT32_MAX, SelectionGroup
 from .memory import (ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN,
@@ -107,6 +108,18 @@ class Batch(LengthsPath):
         self._snapshot_buffers = self._snapshot.unbind(0)  # views made once
         self._snapshot_host = self._snapshot.numpy()
         self._snapshot_events: list = [None] * self._snapshot.shape[0]
+        if self._mirror.cuda:  # recorded once, so each has its cudaEvent_t: _C.readback's
+            with torch.cuda.device(dev):
+                self._snapshot_events = [torch.cuda.Event() for _ in self._snapshot_buffers]
+                for event in self._snapshot_events:
+                    event.record()
+            source = self._mirror.lengths
+            assert source.is_contiguous() and self._snapshot.is_contiguous()
+            size = source.numel() * source.element_size()
+            self._readback_args = [(source.get_device(), source.data_ptr(), buffer.data_ptr(), size,
+                                    event.cuda_event)
+                                   for buffer, event in zip(self._snapshot_buffers,
+                                                            self._snapshot_events)]
         self._readbacks: collections.deque = collections.deque()
         self._next_readback = 0
         self._owed = False  # a flush to a tensor of targets ran since the last read-back
@@ -126,6 +139,10 @@ class Batch(LengthsPath):
             for layer in group.layers:
                 self._fetch_args[layer] = self._new_cells(group, layer, allocated)
         self._flush_args = self._new_flush_args()
+        # the bound tensors' shapes and device (bound_like): selections, then targets and counts
+        self._selection_shapes = [tuple(state.index_table.shape) for state in self.groups]
+        self._rows_shape = (max_rows,)
+        self._device_index = self.history.get_device()
         self._use_step_plan(self._new_step_plan())
         # what group() accepts, to the group's index: layer names, selection ids, indices
         self._group_index = {layer: spec.index for spec in config.selection_groups
@@ -220,8 +237,12 @@ class Batch(LengthsPath):
 
     def _use_step_plan(self, plan) -> None:
         """The eager path's plan, and its methods looked up once (a lookup costs about a
-        quarter of a call)."""
+        quarter of a call); with recorded launches, also its address for the module functions
+        ``_C.plan_resolve``, ``plan_flush`` and ``plan_advance``, which make them without the
+        argument parsing of a ``torch.classes`` method call."""
         self._plan = plan
+        recordings = getattr(plan, "recordings", None)
+        self._plan_address = plan.address() if recordings is not None and recordings() else 0
         self._resolve_bound = plan.resolve_bound
         self._flush_bound = plan.flush_bound
         self._advance_bound = plan.advance_bound
@@ -529,7 +550,10 @@ class Batch(LengthsPath):
             # the eager path (_new_step_plan): the bound arguments, when the selection has their
             # shape; anything else takes the checks below and the op
             self.manager._check_open("Batch.resolve")
-            if self._resolve_bound(index, selected, fetch):
+            if ((self._plan_address
+                 and bound_like(selected, self._selection_shapes[index], self._device_index)
+                 and _C.plan_resolve(self._plan_address, index, selected.data_ptr(), fetch))
+                    or self._resolve_bound(index, selected, fetch)):
                 self._writes_epoch[index] = self._lengths_epoch
                 return self.groups[index].index_table
         state = self.group(group)
@@ -636,6 +660,13 @@ class Batch(LengthsPath):
         with no resolve since, and into an ``out``, the ``write_indices`` op computes them again.
         Inside ``torch.compile`` they are always resolve's: resolve the group first, as the
         model's write needs."""
+        index = self._group_index.get(group) if group.__class__ in (int, str) else None
+        if (index is not None and out is None and not torch.compiler.is_compiling()
+                and self._writes_epoch[index] == self._lengths_epoch and not self._dirty
+                and not self._granted and not self._closed and not self.manager._closed):
+            # after this step's resolve: its tables, before any other Python
+            state = self.groups[index]
+            return state.write_table, state.inflight_start
         state = self.group(group)
         self._check_step("Batch.write_indices")
         if out is None:
@@ -674,7 +705,10 @@ class Batch(LengthsPath):
         self._check_step("Batch.flush")
         if new_history.__class__ is torch.Tensor and not torch.compiler.is_compiling():
             # the eager path (_new_step_plan): targets of the bound shape and device
-            if self._flush_bound(new_history):
+            if ((self._plan_address
+                 and bound_like(new_history, self._rows_shape, self._device_index)
+                 and _C.plan_flush(self._plan_address, new_history.data_ptr()))
+                    or self._flush_bound(new_history)):
                 if self.config.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
                     self._owed = True  # a read-back queued before this flush lacks its watermark
                 return

@@ -9,8 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import _C
 from . import lengths as rules
 from . import ops
+from ._util import bound_like
 from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN
 
 
@@ -128,12 +130,14 @@ class LengthsPath:
             ops.advance(self._mirror.lengths, self.advance_counters, accepted)
             return
         # the eager path (Batch._new_step_plan): counts of the bound shape and device
-        if accepted.__class__ is not torch.Tensor or not self._advance_bound(accepted):
+        if accepted.__class__ is not torch.Tensor or not (
+                (self._plan_address
+                 and bound_like(accepted, self._rows_shape, self._device_index)
+                 and _C.plan_advance(self._plan_address, accepted.data_ptr()))
+                or self._advance_bound(accepted)):
             self._check_rows_tensor("accepted", accepted)
             ops.advance(self._mirror.lengths, self.advance_counters, accepted)
-        if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return
-        self._queue_readback()
+        self._queue_readback()  # not while capturing
 
     def record_advance(self) -> None:
         """Queue the read-back of the device lengths after ``advance`` (on the current stream;
@@ -145,20 +149,22 @@ class LengthsPath:
         self._queue_readback()
 
     def _queue_readback(self) -> None:
-        """``record_advance`` without its checks (``advance`` has made them)."""
-        self._lengths_epoch += 1  # the lengths moved under the groups' write tables
+        """``record_advance`` without its checks (``advance`` has made them); nothing while the
+        current CUDA stream is capturing (the replay's ``record_advance`` queues it). On CUDA
+        one native call (``_C.readback``) queues the copy into the next buffer of the ring and
+        records that buffer's event."""
         k = self._next_readback
+        if self._mirror.cuda:
+            if not _C.readback(*self._readback_args[k]):
+                return
+        else:
+            self._snapshot_buffers[k].copy_(self._mirror.lengths)
+        self._lengths_epoch += 1  # the lengths moved under the groups' write tables
         ring = len(self._snapshot_events)
         self._next_readback = (k + 1) % ring
         queue = self._readbacks
         if len(queue) == ring:  # the oldest buffer is copied into again: this copy supersedes it
             queue.popleft()
-        self._snapshot_buffers[k].copy_(self._mirror.lengths, non_blocking=True)
-        if self._mirror.cuda:
-            event = self._snapshot_events[k]
-            if event is None:
-                event = self._snapshot_events[k] = torch.cuda.Event()
-            event.record()
         queue.append(k)
         self._owed = False
 

@@ -317,6 +317,9 @@ class RecordedLaunches {
   // The kept launches on the current stream of the recorded device, with `variable`'s data in
   // place of the recorded variable's (it must match).
   void launch(const at::Tensor& variable);
+  // The same with the data at `address`, whose tensor the caller has found to match but for
+  // its alignment; false, and nothing launched, for an address not 16-byte aligned.
+  bool launch_at(void* address);
   struct Entry;
   ~RecordedLaunches();
 
@@ -327,6 +330,11 @@ class RecordedLaunches {
   std::vector<int64_t> sizes_;
   int device_ = 0;
 };
+
+// The read-back of Batch.advance (torch_kvcm2._C.readback): `bytes` from device memory `src` to
+// pinned host memory `dst` on the current stream of `device`, then the event `event` (a
+// cudaEvent_t) recorded after it; false, and nothing queued, while that stream is capturing.
+bool readback(int device, const void* src, void* dst, size_t bytes, void* event);
 
 // Inside RecordedLaunches::record: device work that is not a kernel launch of the library's
 // makes the recording unusable; the wrapper skips that work while recording.

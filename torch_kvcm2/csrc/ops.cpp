@@ -4,10 +4,16 @@
 #include <Python.h>
 #include <torch/library.h>
 
+namespace torch_kvcm2 {
+PyMethodDef* step_plan_methods();  // step.cpp: the eager step's calls without torch.classes
+}
+
 extern "C" {
-// Importing torch_kvcm2._C only has to load this library so the registrations below run.
+// Importing torch_kvcm2._C loads this library so the registrations below run; its module
+// functions are the eager step's fast calls (step.cpp).
 PyObject* PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
+                               torch_kvcm2::step_plan_methods()};
   return PyModule_Create(&module);
 }
 }

@@ -6,6 +6,8 @@
 // CUDA alike. What it saves is host time: one call from Python instead of three
 // (docs/HOST_PATH.md). Every argument is checked before any part runs, so a bad one changes
 // nothing.
+#include <Python.h>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -172,6 +174,22 @@ struct StepPlan : torch::CustomClassHolder {
     return bound_call(advanced, accepted, lengths[2], [&] { run_advance(accepted); });
   }
 
+  // The module functions' half (plan_call below): the recorded launches of a bound call with
+  // the data at `address`, whose tensor the caller has found like the bound one (dtype, device,
+  // shape, contiguity); false, and nothing done, without a recording or for an address not
+  // 16-byte aligned (the caller then takes the bound call above).
+  bool resolve_at(int64_t group, void* address, bool fetch) {
+    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups.size()),
+                "StepPlan.resolve_at: no group ", group);
+    const Group& g = groups[group];
+    return launch_at(fetch ? g.fetched : g.bare, address);
+  }
+  bool flush_at(void* address) { return launch_at(flushed, address); }
+  bool advance_at(void* address) { return launch_at(advanced, address); }
+
+  // This plan's address, for the module functions (Batch holds the plan while it uses them).
+  int64_t address() { return reinterpret_cast<int64_t>(this); }
+
   // How many of the bound calls make recorded launches (tests: 0 on CPU; on CUDA two per
   // group, the flush and the advance).
   int64_t recordings() const {
@@ -204,6 +222,15 @@ struct StepPlan : torch::CustomClassHolder {
     static const auto op = handle<void(T, T, T)>("torch_kvcm2::advance");
     const c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
     op.call(advance_state[0], advance_state[1], accepted);
+  }
+
+  static bool launch_at(const Recorded& recorded, void* address) {
+#ifdef TORCH_KVCM2_WITH_CUDA
+    return recorded && recorded->launch_at(address);
+#else
+    (void)recorded, (void)address;
+    return false;
+#endif
   }
 
   // A bound call with tensor `t`: through the recorded launches when `t` matches them, else
@@ -250,7 +277,99 @@ struct StepPlan : torch::CustomClassHolder {
   }
 };
 
+// The eager step's calls from Python without a torch.classes method call (whose argument
+// parsing costs about as much as a launch): torch_kvcm2._C.plan_resolve(plan, group, address,
+// fetch), plan_flush(plan, address) and plan_advance(plan, address), with `plan` a StepPlan's
+// address() and `address` the data of a tensor the caller has checked is like the bound one
+// (Batch: dtype, device, shape, contiguity). Each returns True when the recorded launches were
+// made, False when nothing was done.
+enum class Call { resolve, flush, advance };
+
+template <Call call>
+PyObject* plan_call(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  const Py_ssize_t want = call == Call::resolve ? 4 : 2;
+  if (n != want) {
+    PyErr_SetString(PyExc_TypeError, call == Call::resolve
+                                         ? "plan_resolve(plan, group, address, fetch)"
+                                         : "plan_flush / plan_advance(plan, address)");
+    return nullptr;
+  }
+  auto* plan = static_cast<StepPlan*>(PyLong_AsVoidPtr(args[0]));
+  void* const address = PyLong_AsVoidPtr(args[call == Call::resolve ? 2 : 1]);
+  const long long group = call == Call::resolve ? PyLong_AsLongLong(args[1]) : 0;
+  const int fetch = call == Call::resolve ? PyObject_IsTrue(args[3]) : 0;
+  if (PyErr_Occurred()) return nullptr;
+  if (plan == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "plan 0 is not a StepPlan's address");
+    return nullptr;
+  }
+  try {
+    bool done = false;
+    if constexpr (call == Call::resolve) done = plan->resolve_at(group, address, fetch != 0);
+    if constexpr (call == Call::flush) done = plan->flush_at(address);
+    if constexpr (call == Call::advance) done = plan->advance_at(address);
+    return PyBool_FromLong(done);
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+// torch_kvcm2._C.readback(device, src, dst, bytes, event): readback() of kvcm2.h (Batch.advance
+// and record_advance on CUDA, with the batch's lengths, a pinned buffer of its ring and that
+// buffer's event); True when queued, False while the stream is capturing.
+PyObject* readback_call(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 5) {
+    PyErr_SetString(PyExc_TypeError, "readback(device, src, dst, bytes, event)");
+    return nullptr;
+  }
+  const long long device = PyLong_AsLongLong(args[0]);
+  const void* const src = PyLong_AsVoidPtr(args[1]);
+  void* const dst = PyLong_AsVoidPtr(args[2]);
+  const long long bytes = PyLong_AsLongLong(args[3]);
+  void* const event = PyLong_AsVoidPtr(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  if (src == nullptr || dst == nullptr || event == nullptr || bytes < 0) {
+    PyErr_SetString(PyExc_ValueError, "readback: null address or event, or negative size");
+    return nullptr;
+  }
+#ifdef TORCH_KVCM2_WITH_CUDA
+  try {
+    return PyBool_FromLong(readback(static_cast<int>(device), src, dst, static_cast<size_t>(bytes), event));
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+#else
+  (void)device;
+  PyErr_SetString(PyExc_RuntimeError, "readback: this build has no CUDA kernels");
+  return nullptr;
+#endif
+}
+
+template <PyObject* (*fn)(PyObject*, PyObject* const*, Py_ssize_t)>
+PyCFunction fastcall() {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn));
+}
+
 }  // namespace
+
+PyMethodDef* step_plan_methods() {
+  static PyMethodDef methods[] = {
+      {"plan_resolve", fastcall<plan_call<Call::resolve>>(), METH_FASTCALL,
+       "A StepPlan's recorded resolve_step of a group (Batch.resolve's eager path)."},
+      {"plan_flush", fastcall<plan_call<Call::flush>>(), METH_FASTCALL,
+       "A StepPlan's recorded flush and watermark (Batch.flush's eager path)."},
+      {"plan_advance", fastcall<plan_call<Call::advance>>(), METH_FASTCALL,
+       "A StepPlan's recorded advance (Batch.advance's eager path)."},
+      {"readback", fastcall<readback_call>(), METH_FASTCALL,
+       "The lengths' read-back copy and its event (Batch.advance, record_advance on CUDA)."},
+      {nullptr, nullptr, 0, nullptr}};
+  return methods;
+}
 
 TORCH_LIBRARY_FRAGMENT(torch_kvcm2, m) {
   m.class_<StepPlan>("StepPlan")
@@ -262,7 +381,8 @@ TORCH_LIBRARY_FRAGMENT(torch_kvcm2, m) {
       .def("flush_bound", &StepPlan::flush_bound)
       .def("set_advance", &StepPlan::set_advance)
       .def("advance_bound", &StepPlan::advance_bound)
-      .def("recordings", &StepPlan::recordings);
+      .def("recordings", &StepPlan::recordings)
+      .def("address", &StepPlan::address);
 }
 
 TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) { m.impl("resolve_step", &resolve_step); }

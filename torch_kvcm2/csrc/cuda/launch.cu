@@ -247,8 +247,12 @@ void RecordedLaunches::launch(const at::Tensor& variable) {
   TORCH_CHECK(matches(variable), "recorded launches: the variable must be a contiguous ",
               dtype_, " tensor of shape ", at::IntArrayRef(sizes_), " on ", where_,
               ", 16-byte aligned");
-  if (entries_.empty()) return;
-  void* const address = variable.data_ptr();
+  launch_at(variable.data_ptr());
+}
+
+bool RecordedLaunches::launch_at(void* address) {
+  if (reinterpret_cast<uintptr_t>(address) % 16 != 0) return false;
+  if (entries_.empty()) return true;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
   cudaLaunchAttribute attribute;
@@ -258,6 +262,18 @@ void RecordedLaunches::launch(const at::Tensor& variable) {
     void* args[] = {e.params.data()};
     C10_CUDA_CHECK(cudaLaunchKernelExC(&config, e.kernel, args));
   }
+  return true;
+}
+
+bool readback(int device, const void* src, void* dst, size_t bytes, void* event) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) return false;
+  C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));
+  C10_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), stream));
+  return true;
 }
 
 // The queries and cudaFuncSetAttribute act on the current device: the wrappers' CUDAGuard has made
