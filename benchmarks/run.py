@@ -1081,12 +1081,13 @@ def wall_sizes(quick: bool) -> dict:
     last ``period`` steps, every step, for hundreds of steps. A row's selection is a fixed core
     of K - new units plus a window of ``new`` units that walks a further ``period * new`` units
     of its history; a walked unit comes back after ``period`` steps, when the LRU resident set
-    (S slots, the core's always among the newest) has evicted it: period x new > 1.25 x the
-    slots left beside the core. The history is the core plus the walk, in whole pages."""
+    (S slots, the core's always among the newest) has evicted it: period x new >= 1.25 x the
+    S - (K - new) slots beside the core. The history is the core plus the walk, in whole
+    pages."""
     sz = step_sizes(quick)
     K, S = sz["K"], sz["S"]
     new = max(1, round(K * 0.02))
-    period = -(-int(1.25 * (S - K + 2 * new)) // new)
+    period = -(-5 * (S - (K - new)) // (4 * new))
     history = -(-(K - new + period * new) // PAGE) * PAGE
     return sz | {"new": new, "period": period, "history": history}
 
@@ -1102,24 +1103,27 @@ def bench_step_wall(timer, device, quick) -> list:
     Two selection streams over the same batch: *P-STEP's* (every row of every group selects
     2% units it has not used for ``period`` steps, so each step fetches P-STEP's bytes: the
     target rows), then *all resident* (four selections 2% apart, rotated, all resident after
-    warm-up: no fetch bytes, a step of launches only, the host-bound extreme: reported). Every
-    step's misses are checked against the stream's count. On the CPU there is no graph and no
-    GPU: the rows compare the eager step with its ops alone."""
+    warm-up: no fetch bytes, a step of launches only, the host-bound extreme: reported). The
+    timed steps' misses, summed, are checked against the stream's count per step. Each step
+    selects from ``period`` precomputed selections (about 540 MB of device memory at
+    P-STEP's shape) and, on CUDA, replays that selection's graph. On the CPU there is no graph and no GPU: the
+    rows compare the eager step with its ops alone."""
     sz = wall_sizes(quick)
     R, K, S, H = sz["rows"], sz["K"], sz["S"], sz["history"]
     new, period = sz["new"], sz["period"]
     groups = sz["groups"]
     G, L = len(groups), sum(groups)
-    # history grows one token a step for ~600 steps: a 24-page reserve is never half used, so
-    # no top-up (page work at a publish) falls in a timed loop
+    # history grows one token a step, for fewer steps than half the reserve (asserted at the
+    # end), so no top-up (page work at a publish) falls in a timed loop
+    reserve = 32 * PAGE
     config = sparse_config(device, rows=R, width=K, slots=S, unit=1, page=PAGE,
                            bytes_per_token=MLA_ROW, layers=L, inflight=16,
-                           tokens_per_row=H + 32 * PAGE, groups=groups)
+                           tokens_per_row=H + reserve + 8 * PAGE, groups=groups)
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     caches = seat(manager, batch, R, H, capacity=H + 1)
     for cache in caches:
-        cache.set_reserve(24 * PAGE)
+        cache.set_reserve(reserve)
         assert cache.resize()
     batch.publish()
     fill_random(manager.storage.groups[0], 11)
@@ -1199,9 +1203,10 @@ def bench_step_wall(timer, device, quick) -> list:
         def ops_alone(i):
             bodies[index(i)]()
 
-        for _ in range(period):  # warm-up: the stream's steady state, and the timed loop itself
-            eager(step[0])
-            step[0] += 1
+        for run in (eager, replayed) if graphs else (eager,):
+            for _ in range(period):  # warm-up: the steady state, each graph's first replay
+                run(step[0])
+                step[0] += 1
         sync()
         before, first = misses(), step[0]
         eager_us = wall(eager)
@@ -1232,6 +1237,7 @@ def bench_step_wall(timer, device, quick) -> list:
     del graphs
     assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran out of pages"
     assert [c.history_length for c in caches] == [H + step[0]] * R, "every step advanced every row"
+    assert step[0] <= reserve // 2, f"{step[0]} steps: a top-up may have fallen in a timed loop"
     for g, st in enumerate(batch.groups):
         assert bool((st.index_table >= 0).all()), f"group {g}: a selected unit has no entry"
     out = []

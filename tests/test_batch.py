@@ -414,10 +414,10 @@ def test_plan_module_functions_check_their_arguments(device):
     assert not _C.plan_resolve(plan, 0, address + 4, True)  # misaligned: not made
     assert not _C.plan_flush(plan, address + 8)
     assert not _C.plan_advance(plan, address + 4)
-    ops_plan = batch._new_step_plan(record_launches=False).address()
-    assert not _C.plan_resolve(ops_plan, 0, address, False)  # no recording: not made
-    assert not _C.plan_flush(ops_plan, address)
-    assert not _C.plan_advance(ops_plan, address)
+    ops = batch._new_step_plan(record_launches=False)  # alive while its address is used
+    assert not _C.plan_resolve(ops.address(), 0, address, False)  # no recording: not made
+    assert not _C.plan_flush(ops.address(), address)
+    assert not _C.plan_advance(ops.address(), address)
 
 
 def test_eager_step_of_recorded_launches_equals_the_ops(device):

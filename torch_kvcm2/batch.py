@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -30,6 +31,11 @@ from .lengths_path import LengthsPath
 from .tables import TableMirror
 
 INT32 = torch.int32
+
+
+def _wait_all(events: list) -> None:
+    for event in events:
+        event.synchronize()
 
 
 @dataclass
@@ -113,6 +119,10 @@ class Batch(LengthsPath):
                 self._snapshot_events = [torch.cuda.Event() for _ in self._snapshot_buffers]
                 for event in self._snapshot_events:
                     event.record()
+            # the copies bypass the pinned allocator's stream tracking: its buffers are freed
+            # only after the copies into them have run
+            finalizer = weakref.finalize(self, _wait_all, self._snapshot_events)
+            finalizer.atexit = False
             source = self._mirror.lengths
             assert source.is_contiguous() and self._snapshot.is_contiguous()
             size = source.numel() * source.element_size()
@@ -240,9 +250,9 @@ class Batch(LengthsPath):
         quarter of a call); with recorded launches, also its address for the module functions
         ``_C.plan_resolve``, ``plan_flush`` and ``plan_advance``, which make them without the
         argument parsing of a ``torch.classes`` method call."""
-        self._plan = plan
         recordings = getattr(plan, "recordings", None)
-        self._plan_address = plan.address() if recordings is not None and recordings() else 0
+        address = plan.address() if recordings is not None and recordings() else 0
+        self._plan, self._plan_address = plan, address
         self._resolve_bound = plan.resolve_bound
         self._flush_bound = plan.flush_bound
         self._advance_bound = plan.advance_bound
@@ -545,11 +555,9 @@ class Batch(LengthsPath):
         index = self._group_index.get(group) if group.__class__ in (int, str) else None
         if (index is not None and not torch.compiler.is_compiling() and out is None
                 and fetch.__class__ is bool and selected.__class__ is torch.Tensor
-                and not self._dirty and not self._granted and not self._closed
-                and not self._fetch_events):
+                and not self._fetch_events and self._step_ready()):
             # the eager path (_new_step_plan): the bound arguments, when the selection has their
             # shape; anything else takes the checks below and the op
-            self.manager._check_open("Batch.resolve")
             if ((self._plan_address
                  and bound_like(selected, self._selection_shapes[index], self._device_index)
                  and _C.plan_resolve(self._plan_address, index, selected.data_ptr(), fetch))
@@ -662,8 +670,7 @@ class Batch(LengthsPath):
         model's write needs."""
         index = self._group_index.get(group) if group.__class__ in (int, str) else None
         if (index is not None and out is None and not torch.compiler.is_compiling()
-                and self._writes_epoch[index] == self._lengths_epoch and not self._dirty
-                and not self._granted and not self._closed and not self.manager._closed):
+                and self._writes_epoch[index] == self._lengths_epoch and self._step_ready()):
             # after this step's resolve: its tables, before any other Python
             state = self.groups[index]
             return state.write_table, state.inflight_start
@@ -952,6 +959,11 @@ class Batch(LengthsPath):
         if self._closed:
             raise RuntimeError(f"{what}: the batch is closed")
         refuse_during_capture(self.config.device, what)
+
+    def _step_ready(self) -> bool:
+        """What ``_check_step`` asks, as a predicate (the eager fast paths; the checks raise)."""
+        return (not self._dirty and not self._granted and not self._closed
+                and not self.manager._closed)
 
     def _check_step(self, what: str) -> None:
         self.manager._check_open(what)

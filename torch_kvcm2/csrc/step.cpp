@@ -15,6 +15,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -285,37 +286,54 @@ struct StepPlan : torch::CustomClassHolder {
 // made, False when nothing was done.
 enum class Call { resolve, flush, advance };
 
+// Python ints to C++ values: false, with the Python exception set, for one that is not an int
+// or out of range.
+bool to_cpp(PyObject* o, long long& value) {
+  value = PyLong_AsLongLong(o);
+  return !PyErr_Occurred();
+}
+bool to_cpp(PyObject* o, void*& value) {
+  value = PyLong_AsVoidPtr(o);
+  return !PyErr_Occurred();
+}
+
+// `done()`'s bool as a Python bool, or a RuntimeError with the C++ exception's message.
+template <typename Done>
+PyObject* python_bool(const Done& done) {
+  try {
+    return PyBool_FromLong(done());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
 template <Call call>
 PyObject* plan_call(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  const Py_ssize_t want = call == Call::resolve ? 4 : 2;
-  if (n != want) {
-    PyErr_SetString(PyExc_TypeError, call == Call::resolve
-                                         ? "plan_resolve(plan, group, address, fetch)"
-                                         : "plan_flush / plan_advance(plan, address)");
+  constexpr bool resolve = call == Call::resolve;
+  if (n != (resolve ? 4 : 2)) {
+    PyErr_SetString(PyExc_TypeError, resolve ? "plan_resolve(plan, group, address, fetch)"
+                                             : "plan_flush / plan_advance(plan, address)");
     return nullptr;
   }
-  auto* plan = static_cast<StepPlan*>(PyLong_AsVoidPtr(args[0]));
-  void* const address = PyLong_AsVoidPtr(args[call == Call::resolve ? 2 : 1]);
-  const long long group = call == Call::resolve ? PyLong_AsLongLong(args[1]) : 0;
-  const int fetch = call == Call::resolve ? PyObject_IsTrue(args[3]) : 0;
-  if (PyErr_Occurred()) return nullptr;
+  void *plan = nullptr, *address = nullptr;
+  long long group = 0;
+  int fetch = 0;
+  if (!to_cpp(args[0], plan) || !to_cpp(args[resolve ? 2 : 1], address)) return nullptr;
+  if (resolve && (!to_cpp(args[1], group) || (fetch = PyObject_IsTrue(args[3])) < 0))
+    return nullptr;
   if (plan == nullptr) {
     PyErr_SetString(PyExc_ValueError, "plan 0 is not a StepPlan's address");
     return nullptr;
   }
-  try {
-    bool done = false;
-    if constexpr (call == Call::resolve) done = plan->resolve_at(group, address, fetch != 0);
-    if constexpr (call == Call::flush) done = plan->flush_at(address);
-    if constexpr (call == Call::advance) done = plan->advance_at(address);
-    return PyBool_FromLong(done);
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-    return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  auto* p = static_cast<StepPlan*>(plan);
+  return python_bool([&] {
+    if constexpr (call == Call::resolve) return p->resolve_at(group, address, fetch != 0);
+    if constexpr (call == Call::flush) return p->flush_at(address);
+    if constexpr (call == Call::advance) return p->advance_at(address);
+  });
 }
 
 // torch_kvcm2._C.readback(device, src, dst, bytes, event): readback() of kvcm2.h (Batch.advance
@@ -326,25 +344,22 @@ PyObject* readback_call(PyObject*, PyObject* const* args, Py_ssize_t n) {
     PyErr_SetString(PyExc_TypeError, "readback(device, src, dst, bytes, event)");
     return nullptr;
   }
-  const long long device = PyLong_AsLongLong(args[0]);
-  const void* const src = PyLong_AsVoidPtr(args[1]);
-  void* const dst = PyLong_AsVoidPtr(args[2]);
-  const long long bytes = PyLong_AsLongLong(args[3]);
-  void* const event = PyLong_AsVoidPtr(args[4]);
-  if (PyErr_Occurred()) return nullptr;
-  if (src == nullptr || dst == nullptr || event == nullptr || bytes < 0) {
-    PyErr_SetString(PyExc_ValueError, "readback: null address or event, or negative size");
+  long long device = 0, bytes = 0;
+  void *src = nullptr, *dst = nullptr, *event = nullptr;
+  if (!to_cpp(args[0], device) || !to_cpp(args[1], src) || !to_cpp(args[2], dst) ||
+      !to_cpp(args[3], bytes) || !to_cpp(args[4], event))
+    return nullptr;
+  if (src == nullptr || dst == nullptr || event == nullptr || bytes < 0 || device < 0 ||
+      device >= std::numeric_limits<c10::DeviceIndex>::max()) {
+    PyErr_SetString(PyExc_ValueError,
+                    "readback: null address or event, negative size or device out of range");
     return nullptr;
   }
 #ifdef TORCH_KVCM2_WITH_CUDA
-  try {
-    return PyBool_FromLong(readback(static_cast<int>(device), src, dst, static_cast<size_t>(bytes), event));
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-    return nullptr;
-  }
+  return python_bool([&] {
+    return readback(static_cast<int>(device), src, dst, static_cast<size_t>(bytes), event);
+  });
 #else
-  (void)device;
   PyErr_SetString(PyExc_RuntimeError, "readback: this build has no CUDA kernels");
   return nullptr;
 #endif
