@@ -10,7 +10,6 @@ reference costs of that host (`x.add_(1)`, a bare launch through `torch.cuda._sl
 
 Checks before it prints the parts: the selections resolve to valid entries and the recorded and
 the op path give the same index table for a resident selection."""
-import statistics
 import sys
 import time
 
@@ -21,19 +20,8 @@ import torch_kvcm2 as kv
 from torch_kvcm2 import ops
 
 
-def median_us(fn, sync, reps=400) -> float:
-    for _ in range(30):
-        fn()
-    sync()
-    times = []
-    for i in range(reps):
-        start = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - start)
-        if i % 16 == 15:  # the GPU keeps up: a queue of at most 16 calls
-            sync()
-    sync()
-    return statistics.median(times) / 1e3
+def median_us(fn, sync) -> float:
+    return run.median_call_us(fn, reps=400, warmup=30, sync=sync)
 
 
 def main() -> None:

@@ -4,12 +4,12 @@ arguments, a ``torch.classes`` method of two arguments, and ``x.add_(1)``; the p
 kernels do nothing, so the times are argument parsing and dispatch. Builds a small probe
 extension with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja, about a
 minute); CPU tensors. ``python benchmarks/op_call_cost.py [calls]`` prints median µs per call."""
-import statistics
 import sys
-import time
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+from run import median_call_us
 
 SOURCE = r"""
 #include <torch/custom_class.h>
@@ -44,17 +44,6 @@ TORCH_LIBRARY_IMPL(kvcm2_call_cost, CPU, m) {
 """
 
 
-def median_us(fn, calls: int) -> float:
-    for _ in range(calls // 20):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - start)
-    return statistics.median(times) / 1e3
-
-
 def main() -> None:
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 20000
     load_inline("kvcm2_call_cost", cpp_sources=[SOURCE], is_python_module=False)
@@ -72,7 +61,7 @@ def main() -> None:
             ("torch.classes method, 2 arguments", lambda: plan.run(t[0], 1)),
             ("x.add_(1)", lambda: x.add_(1))]
     for label, fn in rows:
-        print(f"{label:42s} {median_us(fn, calls):6.2f} us")
+        print(f"{label:42s} {median_call_us(fn, calls, calls // 20):6.2f} us")
     assert bool((x == x[0]).all()) and float(x[0]) > 0, "x.add_ did not run"
 
 

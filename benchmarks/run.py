@@ -185,6 +185,26 @@ class Timer:
         return statistics.median(times)
 
 
+def median_call_us(fn, reps: int, warmup: int, sync=None, sync_every: int = 16) -> float:
+    """Median host time of one call of ``fn`` in µs, over ``reps`` calls after ``warmup``; with
+    ``sync`` (a device's synchronise), called every ``sync_every`` calls outside the timed part,
+    so the GPU keeps up and no call waits on a full launch queue."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    times = []
+    for i in range(reps):
+        start = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - start)
+        if sync and i % sync_every == sync_every - 1:
+            sync()
+    if sync:
+        sync()
+    return statistics.median(times) / 1e3
+
+
 def ceilings(timer: Timer, device: str, quick: bool) -> dict:
     n = (16 if quick else 256) << 20
     pin = device == "cuda"
