@@ -17,8 +17,9 @@ def cache_with(manager, capacity, history=None):
 
 
 def membership(batch):
-    return ({r: c.request_id for r, c in batch.members().items()}, list(batch._row_lease),
-            sorted(batch._free_leases), set(batch._dirty), set(batch._granted))
+    table = batch._table
+    return ({r: c.request_id for r, c in batch.members().items()}, list(table.leases),
+            sorted(table.free_leases), table.state.tolist(), table.unpublished)
 
 
 def test_add_seats_at_the_lowest_free_row_and_holes_are_reused(manager):
@@ -386,68 +387,27 @@ def test_host_side_calls_refuse_to_run_during_stream_capture():
     assert batch.published
 
 
-def misaligned(t):
-    """``t``'s values at an address 4 bytes into an allocation (not 16-byte aligned)."""
-    shifted = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    shifted[1:].copy_(t.flatten())
-    return shifted[1:].view(t.shape)
-
-
-def test_plan_module_functions_check_their_arguments(device):
-    """The eager step's module functions (_C.plan_resolve, plan_flush, plan_advance) refuse a
-    wrong argument count, plan 0 and a group out of range with an exception, and do nothing
-    (False) for an address that is not 16-byte aligned or a plan without recorded launches."""
-    from torch_kvcm2 import _C
-    from stepping import Driver
-    batch = Driver(device, seed=1).batch
-    plan = batch._plan.address()
-    with pytest.raises(TypeError, match="plan_resolve"):
-        _C.plan_resolve(plan, 0, 16)
-    with pytest.raises(TypeError, match="plan_flush"):
-        _C.plan_flush(plan)
-    with pytest.raises(ValueError, match="StepPlan"):
-        _C.plan_advance(0, 16)
-    with pytest.raises(RuntimeError, match="no group 99"):
-        _C.plan_resolve(plan, 99, 16, True)
-    selected = torch.zeros(batch._selection_shapes[0], dtype=torch.int32, device=device)
-    address = selected.data_ptr()
-    assert not _C.plan_resolve(plan, 0, address + 4, True)  # misaligned: not made
-    assert not _C.plan_flush(plan, address + 8)
-    assert not _C.plan_advance(plan, address + 4)
-    ops = batch._new_step_plan(record_launches=False)  # alive while its address is used
-    assert not _C.plan_resolve(ops.address(), 0, address, False)  # no recording: not made
-    assert not _C.plan_flush(ops.address(), address)
-    assert not _C.plan_advance(ops.address(), address)
-
-
-def test_eager_step_of_recorded_launches_equals_the_ops(device):
-    """OP-STEP: the eager path (StepPlan in csrc/step.cpp; on CUDA the ops' kernel launches
-    recorded once and made again with the selection's or targets' address) leaves every state
-    tensor the ops leave: resolve with and without the fetch, a fetch after it, writes into the
-    cells, flush to a tensor of targets or to the capacity (None), an advance that refuses a
-    row, over steps with misses and membership changes. A selection, targets or counts at
-    another alignment take the ops, with the same result."""
+def test_eager_calls_of_the_bound_shapes_equal_the_checked_calls(device):
+    """OP-STEP: an eager call whose tensor has the bound shape (resolve's [max_rows, K]
+    selection with fetch True or False, flush's int32[max_rows] targets) skips the batch's
+    Python checks and passes the bound argument lists to the op; it leaves every state tensor
+    that the checked call leaves (here: a [max_rows, 1, K] selection with the fetch named by
+    layers, and targets as a sequence), over steps with misses and membership changes."""
     from stepping import ROWS, Driver, write_tokens
     from test_cuda_graphs import assert_same_state
-    recorded, called = Driver(device, seed=3), Driver(device, seed=3)
-    called.batch._use_step_plan(called.batch._new_step_plan(record_launches=False))
-    groups = len(recorded.batch.groups)
-    assert called.batch._plan.recordings() == 0
-    assert recorded.batch._plan.recordings() == (2 * groups + 2 if device == "cuda" else 0)
-    # recorded launches are made through the module functions (_C.plan_*), the ops through
-    # the plan's methods
-    assert called.batch._plan_address == 0
-    assert (recorded.batch._plan_address != 0) == (device == "cuda")
+    bound, checked = Driver(device, seed=3), Driver(device, seed=3)
     for number in range(12):
-        for driver in (recorded, called):
+        for driver in (bound, checked):
             batch = driver.batch
             batch.publish()
             selected, tokens = driver.inputs()
             for spec, sel in zip(batch.config.selection_groups, selected):
-                if number == 5:  # 4 bytes into an allocation: not the recorded alignment
-                    sel = misaligned(sel)
                 fetch = spec.index % 2 == 0 or number % 3 == 0
-                batch.resolve(spec.index, sel, fetch=fetch)
+                if driver is bound:
+                    batch.resolve(spec.index, sel, fetch=fetch)
+                else:
+                    batch.resolve(spec.name, sel[:, None], fetch=list(spec.layers) if fetch
+                                  else False)
                 if not fetch:
                     batch.fetch(*spec.layers)
                 table, _ = batch.write_indices(spec.index)
@@ -457,17 +417,18 @@ def test_eager_step_of_recorded_launches_equals_the_ops(device):
             if number % 4 == 1:
                 batch.flush()
             else:
-                batch.flush(misaligned(targets) if number == 6 else targets)
+                batch.flush(targets if driver is bound else targets.tolist())
             accepted = torch.zeros(ROWS, dtype=torch.int32, device=device)
             accepted[number % ROWS] = -1  # refused if seated: counted, lengths unchanged
-            batch.advance(misaligned(accepted) if number == 7 else accepted)
-        assert_same_state(recorded.batch, called.batch)
-        assert torch.equal(recorded.batch.advance_counters, called.batch.advance_counters)
-        for driver in (recorded, called):
+            batch.advance(accepted)
+        assert_same_state(bound.batch, checked.batch)
+        assert torch.equal(bound.batch.advance_counters, checked.batch.advance_counters)
+        for driver in (bound, checked):
             driver.advance()
             if number in (3, 8):
                 driver.leave()
                 driver.join()
-    assert [c.history_length for c in recorded.caches] == [c.history_length for c in called.caches]
-    assert sum(int(s.counters[1]) for s in recorded.batch.groups) > 0, "no step missed a unit"
-    assert int(recorded.batch.advance_counters[0]) > 0, "no advance refused a row"
+    assert [c.history_length for c in bound.caches] == [c.history_length for c in checked.caches]
+    assert [c.written for c in bound.caches] == [c.written for c in checked.caches]
+    assert sum(int(s.counters[1]) for s in bound.batch.groups) > 0, "no step missed a unit"
+    assert int(bound.batch.advance_counters[0]) > 0, "no advance refused a row"

@@ -23,9 +23,9 @@ def op_samples(device):
     selected, _ = driver.inputs()
     batch.resolve(0, selected[0])
     state, sp = batch.groups[0], groups[0].sparse
-    fetch_args = batch._fetch_args["a0"]  # cells, host pools, positions, page tables
-    flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table, params = \
-        batch._flush_args[0]
+    fetch_args = batch._step.fetch_args["a0"]  # cells, host pools, positions, page tables
+    (flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table), \
+        (_, _, _, params) = batch._step.flush_args[0]
     positions = torch.arange(8, dtype=torch.int32, device=device).repeat(4, 1)
     return {
         "convert_page_indices": (torch.empty(4, 16, dtype=torch.int32, device=device),
@@ -49,9 +49,9 @@ def op_samples(device):
                           sp.tokens_per_unit, sp.max_inflight_tokens),
         "flush": (flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table,
                   batch.capacity, batch.history, batch.capacity, batch.lease, params),
-        "flush_watermark": (batch.written, batch._declared, batch.capacity, batch.history,
-                            batch.capacity, batch.lease, batch._shape_pairs),
-        "advance": (batch._mirror.lengths, batch.advance_counters,
+        "flush_watermark": (batch.written, batch._step.declared, batch.capacity, batch.history,
+                            batch.capacity, batch.lease, batch._step.shape_pairs),
+        "advance": (batch._table.mirror.lengths, batch.advance_counters,
                     torch.arange(batch.max_rows, dtype=torch.int32, device=device) % 3 - 1),
         "clear_leases": ([s.resident for s in batch.groups], [s.recency for s in batch.groups],
                          torch.tensor([1, 0], dtype=torch.int64, device=device)),
@@ -68,7 +68,7 @@ def test_state_tensors_never_alias():
     would mutate them through a synthetic base and cudagraph trees would refuse the graph).
     The stepping batch has three layers' latents in one pool group."""
     batch = Driver("cpu", seed=3).batch
-    assert len(batch._flush_args) == 1 and len(batch.manager.storage.groups) == 2
+    assert len(batch._step.flush_args) == 1 and len(batch.manager.storage.groups) == 2
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                    for t in batch.state_tensors() if t.numel())
     for (_, end), (start, _) in zip(spans, spans[1:]):

@@ -121,8 +121,8 @@ def test_a_decode_step_publishes_only_what_changed():
         assert cache.resize(capacity=1)
     batch.publish()
     sizes = []
-    original = batch._mirror._upload
-    batch._mirror._upload = lambda index, value, leases, clear: (
+    original = batch._table.mirror._upload
+    batch._table.mirror._upload = lambda index, value, leases, clear: (
         sizes.append(len(index)), original(index, value, leases, clear))[1]
     for step in range(8):
         batch.flush()
@@ -144,15 +144,15 @@ def test_a_publish_whose_upload_fails_is_redone_whole_by_the_next():
     for cache in caches:
         batch.add(cache)
         assert cache.resize(capacity=9)
-    original = batch._mirror._upload
+    original = batch._table.mirror._upload
 
     def failing(*args):
         raise RuntimeError("injected: upload failed")
 
-    batch._mirror._upload = failing
+    batch._table.mirror._upload = failing
     with pytest.raises(RuntimeError, match="injected"):
         batch.publish()
-    batch._mirror._upload = original
+    batch._table.mirror._upload = original
     batch.publish()
     assert_tables_match(batch)
 
@@ -171,13 +171,13 @@ def test_publish_does_not_wait_on_busy_staging():
         def record(self):
             pass
 
-    for staging in batch._mirror.ring:
+    for staging in batch._table.mirror.ring:
         staging.event = Busy()
     for capacity in (1, 2, 1):
         assert cache.resize(capacity=capacity)
         batch.publish()
         assert_tables_match(batch)
-    assert batch._mirror.extra_staging == 1  # one new buffer, reused (CPU copies finish at once)
+    assert batch._table.mirror.extra_staging == 1  # one new buffer, reused (CPU copies finish at once)
 
 
 def test_resize_rows_is_resize_per_row_all_or_nothing():
@@ -461,7 +461,7 @@ def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting(window_l
         batch.flush(batch.history + ones)
         batch.advance(ones)  # eager: queues its read-back
         late.append(_LateEvent())
-        batch._snapshot_events[batch._readbacks[-1]] = late[-1]  # not arrived yet
+        batch._sync.events[batch._sync.queue[-1]] = late[-1]  # not arrived yet
         if step >= lag:
             late[step - lag].done = True  # the GPU finished the step `lag` steps ago
         assert all(e.waited == 0 for e in late)  # no publish waited for the GPU
@@ -490,12 +490,12 @@ def run_ahead(batch, steps, lag=2):
         capacity = batch.capacity.clone()
         batch.publish()
         # a publish never leaves the device's capacity beyond its allocated pages
-        assert bool((batch.capacity <= batch._allocated).all()) and torch.equal(batch.capacity,
+        assert bool((batch.capacity <= batch._step.allocated).all()) and torch.equal(batch.capacity,
                                                                                   capacity)
         batch.flush(batch.history + ones)
         batch.advance(ones)
         late.append(_LateEvent())
-        batch._snapshot_events[batch._readbacks[-1]] = late[-1]
+        batch._sync.events[batch._sync.queue[-1]] = late[-1]
         if step >= lag:
             late[step - lag].done = True
     return late
@@ -622,8 +622,8 @@ def test_batch_memory_is_what_the_batch_allocates():
     manager = kv.KVCacheManager(dsa_config())
     batch = kv.Batch(manager, max_rows=3)
     pools = {g.device_data.untyped_storage().data_ptr() for g in manager.storage.groups}
-    tensors = batch.state_tensors() + [batch._mirror.delta, batch._snapshot]
-    tensors += [staging.tensor for staging in batch._mirror.ring]
+    tensors = batch.state_tensors() + [batch._table.mirror.delta, batch._sync.snapshot]
+    tensors += [staging.tensor for staging in batch._table.mirror.ring]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
                 if t.untyped_storage().data_ptr() not in pools}
     expected = batch_memory_bytes(manager.config, len(manager.storage.groups), 3)
@@ -655,7 +655,7 @@ def test_a_late_read_back_is_not_waited_for_unless_the_host_publishes_changes():
     batch.flush(batch.history + accepted)
     batch.advance(accepted)
     late = _LateEvent()
-    batch._snapshot_events[batch._readbacks[-1]] = late  # as on CUDA before the copy has run
+    batch._sync.events[batch._sync.queue[-1]] = late  # as on CUDA before the copy has run
     batch.publish()
     assert late.waited == 0 and batch.pending_readback
     assert batch.add(manager.create_cache()) == 3  # membership: not a length read

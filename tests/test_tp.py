@@ -586,7 +586,7 @@ def test_rank_ops_opcheck_and_argument_checks(device, one_rank_group):
     batch = kv.Batch(manager)
     cache = manager.create_cache()
     assert cache.resize(capacity=1)  # commits (and on CUDA registers) the pools' memory:
-    pools = batch._shared_pools      # opcheck copies them, reading every byte on the device
+    pools = batch._step.shared_pools     # opcheck copies them, reading every byte on the device
     header, gen = group.header_device, group.gen
     torch.library.opcheck(torch.ops.torch_kvcm2.rank_signal.default, (header, gen, pools, 0, 1))
     torch.library.opcheck(torch.ops.torch_kvcm2.rank_wait.default,

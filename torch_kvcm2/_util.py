@@ -22,10 +22,3 @@ def check_int(name: str, value, minimum: int = 0) -> int:
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
-
-def bound_like(t: torch.Tensor, shape: tuple, device_index: int) -> bool:
-    """``t`` has what a StepPlan's bound tensor of ``shape`` on the device of index
-    ``device_index`` has (Batch's eager path): int32, that shape, that device, contiguous; the
-    native calls check the alignment themselves."""
-    return (t.dtype is torch.int32 and t.shape == shape and t.is_cuda
-            and t.get_device() == device_index and t.is_contiguous())

@@ -8,11 +8,8 @@ slots, and every write path reaches only pages at or above its history (docs/PRE
 ``resize`` that cannot be satisfied returns False and leaves the cache exactly as it was. A
 resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
 
-A seated cache talks to its batch through a few named methods (``seat_changed``,
-``grant_lease``, ``release_lease``, ``reserve_changed``, ``cell_lengths``, ``sync_member``);
-the batch reads the cache through ``page_row``, ``live_range`` and ``lengths_row``, and writes
-it through ``seat``, ``record_flush``, ``take_written``, ``take_lengths``, ``take_resize``,
-``pages_unmoved``, ``mark_published``, ``retake_pages`` and ``discard_in_flight``.
+A seated cache talks to its batch's row table (``rows.RowTable``) through a private protocol,
+listed in that module's docstring; nothing else calls those methods.
 """
 from __future__ import annotations
 
@@ -54,7 +51,7 @@ class KVCache:
         self._pages_moved = False  # a live range changed since the batch last published this row
         self._shapes = rules.shapes_of(config)
         self._page_tokens, self._max_tokens = config.tokens_per_page, config.max_tokens_per_row
-        self._batch = None  # the Batch this cache is seated in
+        self._table = None  # the row table (rows.RowTable) of the batch it is seated in
         self._row: Optional[int] = None
         self.reused_tokens = 0  # tokens shared from committed pages at creation (PFX-2)
 
@@ -141,7 +138,7 @@ class KVCache:
         """Every rule of a resize to (h, c) (``lengths.resize_violations``), raising ValueError
         for the first one broken; changes nothing."""
         config = self.manager.config
-        cells = (0, 0) if self._batch is None else self._batch.cell_lengths(self._row)
+        cells = (0, 0) if self._table is None else self._table._cell_lengths(self._row)
         cells = (cells[0], min(cells[1], self._lowest_capacity))  # a shrink cut the rest off
         for rule, violated, d in rules.resize_violations(
                 self._h, self._c, h, c, self._flushed, self._declared, cells, self._shapes,
@@ -184,8 +181,8 @@ class KVCache:
             # no page enters or leaves a live range (most decode steps): the lengths only
             changed = (h, c) != (self._h, self._c)
             self._take_lengths(h, c)
-            if changed and self._batch is not None:
-                self._batch.seat_changed(self._row)
+            if changed and self._table is not None:
+                self._table._changed(self._row)
             return True
         needs = [max(keep - max(live[1], first), 0) for (first, keep), live in zip(plans, self._live)]
         allocated = self.manager.storage.allocate_slots(needs)
@@ -212,8 +209,8 @@ class KVCache:
             live[0], live[1] = first, keep
             self._lowest_keep[group.index] = min(self._lowest_keep[group.index], keep)
         self._take_lengths(h, c)
-        if changed and self._batch is not None:
-            self._batch.seat_changed(self._row)
+        if changed and self._table is not None:
+            self._table._changed(self._row)
         return True
 
     def _take_lengths(self, h: int, c: int) -> None:
@@ -258,8 +255,8 @@ class KVCache:
                 f"{bound} (history {self._h}, capacity {self._c}); tokens from {bound} on are "
                 f"in flight: write them into cells and flush them")
         self._declared = max(self._declared, end)
-        if self._batch is not None:
-            self._batch.seat_changed(self._row, declared_only=True)
+        if self._table is not None:
+            self._table._declared(self._row)
 
     def set_reserve(self, tokens: int) -> None:
         """Keep pages allocated for ``tokens`` tokens beyond capacity (rounded up to whole pages,
@@ -268,11 +265,11 @@ class KVCache:
         arguments allocates them now)."""
         self._check_open()
         tokens = check_int("tokens", tokens)
-        if tokens != self._reserve and self._batch is not None:
-            self._batch.reserve_changed(self._row)
+        if tokens != self._reserve and self._table is not None:
+            self._table._reserve_set(self._row)
         self._reserve = tokens
 
-    def record_flush(self, h: int, c: int, target: int) -> None:
+    def _record_flush(self, h: int, c: int, target: int) -> None:
         """A flush of lengths (h, c) to ``target`` ran (Batch.flush / Batch.record_flush)."""
         self._flushed = rules.flushed_watermark(h, c, self._flushed, self._declared, target,
                                                 self._shapes, max, min, rules.pick)
@@ -338,8 +335,8 @@ class KVCache:
                 f"KVCache.suspend: tokens are in flight (history {self._h} < capacity "
                 f"{self._c}); flush and advance history, or shrink capacity, first")
         self.state = SUSPENDED
-        if self._batch is not None:
-            self._batch.release_lease(self._row)
+        if self._table is not None:
+            self._table._release_lease(self._row)
 
     def resume(self) -> None:
         """Take a fresh, empty lease (when seated in a batch)."""
@@ -347,8 +344,8 @@ class KVCache:
         refuse_during_capture(self.manager.config.device, "KVCache.resume")
         if not self.suspended:
             raise RuntimeError("KVCache.resume: the cache is not suspended")
-        if self._batch is not None:
-            self._batch.grant_lease(self._row)
+        if self._table is not None:
+            self._table._grant_lease(self._row)
         self.state = ACTIVE
 
     def close(self) -> None:
@@ -356,8 +353,8 @@ class KVCache:
         Every later call raises RuntimeError."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.close")
-        if self._batch is not None:
-            self._batch.remove(self, discard=True)
+        if self._table is not None:
+            self._table._leave(self)
         for group, row, live in zip(self.manager.storage.groups, self._pages, self._live):
             group.release(row[live[0]:live[1]])
             row[:] = BAD
@@ -365,26 +362,26 @@ class KVCache:
         self._h = self._c = 0
         self.state = CLOSED
 
-    # ---- what the batch reads ----
-    def page_row(self, group: int) -> np.ndarray:
+    # ---- the row table's side of the protocol (rows.py) ----
+    def _page_row(self, group: int) -> np.ndarray:
         """The cache's page row of a pool group (int32[max_pages_per_row], BAD outside the live
         range); read-only for the batch."""
         return self._pages[group]
 
-    def live_range(self, group: int) -> tuple[int, int, int]:
+    def _live_range(self, group: int) -> tuple[int, int, int]:
         """(first live page, allocated pages, the fewest pages allocated since the batch last
         published this cache): entries from the last one on may have new slots."""
         first, keep = self._live[group]
         return first, keep, self._lowest_keep[group]
 
-    def mark_published(self) -> None:
+    def _mark_published(self) -> None:
         """The batch published this cache's lengths and pages."""
         self._lowest_capacity = self._c
         if self._pages_moved:
             self._lowest_keep = [keep for _, keep in self._live]
             self._pages_moved = False
 
-    def retake_pages(self, wait: bool = True, grow_only: bool = False) -> bool:
+    def _retake_pages(self, wait: bool = True, grow_only: bool = False) -> bool:
         """Plan the pages of the current lengths again: the reserve beyond capacity and the
         window's releases, after ``Batch.advance`` moved the lengths on the device (the batch
         calls it at publish, with ``wait`` False: from the lengths read back so far). The
@@ -393,11 +390,11 @@ class KVCache:
         counted as short). ``grow_only`` (lengths older than the device's: a read-back in
         flight) frees no page at the end of the live range, so a smaller reserve never takes
         pages the device's capacity already reached; windowed releases still happen."""
-        if self._batch is not None:
-            self._batch.sync_member(self._row, wait)
+        if self._table is not None:
+            self._table._sync_cache(self._row, wait)
         return self._apply(self._h, self._c, grow_only)
 
-    def lengths_row(self) -> tuple[int, int, int, int, int, int]:
+    def _lengths_row(self) -> tuple[int, int, int, int, int, int]:
         """(history, capacity, written, declared, allocated tokens, reserve tokens) as the batch
         publishes them."""
         P = self._page_tokens
@@ -405,38 +402,38 @@ class KVCache:
         allocated = min(keep * P, self._max_tokens)
         return self._h, self._c, self._flushed, self._declared, allocated, self._reserve
 
-    def pages_unmoved(self) -> bool:
+    def _pages_unmoved(self) -> bool:
         """No page moved since the batch last published this cache: a publish of its row then
         sends its lengths only (and calls ``mark_published`` once the delta is uploaded)."""
         return not self._pages_moved
 
-    def take_written(self, written: int) -> None:
+    def _take_written(self, written: int) -> None:
         """The written watermark after a flush, as the batch computed it for this row."""
         self._flushed = max(self._flushed, written)
 
-    def take_lengths(self, h: int, c: int, written: int) -> None:
+    def _take_device_lengths(self, h: int, c: int, written: int) -> None:
         """Lengths advanced on the device (Batch.advance), as the batch read them back."""
         self._h, self._c = h, c
         self._lowest_capacity = c
         self._flushed = max(self._flushed, written)
 
-    def take_resize(self, h: int, c: int) -> None:
+    def _take_resize(self, h: int, c: int) -> None:
         """Lengths (h, c) that ``Batch.resize_rows`` checked by resize's rules and that keep
         every page where it is (no page enters or leaves the live range)."""
         self._take_lengths(h, c)
 
-    def discard_in_flight(self) -> None:
+    def _discard_in_flight(self) -> None:
         """Drop the tokens in flight: capacity shrinks back to history (the abort path)."""
         if self._c > self._h:
             self._apply(self._h, self._h)  # a shrink: always succeeds, breaks no rule
 
-    def seat(self, batch, row: Optional[int]) -> None:
-        self._batch, self._row = batch, row
+    def _seat(self, table, row: Optional[int]) -> None:
+        self._table, self._row = table, row
 
     @property
     def seated_in(self):
         """(batch, row) of the batch this cache is seated in, or (None, None)."""
-        return self._batch, self._row
+        return (None if self._table is None else self._table.batch), self._row
 
     @property
     def reserve_tokens(self) -> int:
@@ -446,8 +443,8 @@ class KVCache:
     # ---- internals ----
     def _sync(self) -> None:
         """Take lengths the device advanced (Batch.advance) before using them."""
-        if self._batch is not None:
-            self._batch.sync_member(self._row)
+        if self._table is not None:
+            self._table._sync_cache(self._row)
 
     def _check_open(self) -> None:
         self.manager._check_open(f"request {self.request_id}")

@@ -10,6 +10,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import lengths
+
 BAD = -1  #: "no page / no entry"; never scaled, never folded to 0
 INT32_MAX = 2**31 - 1
 
@@ -78,8 +80,8 @@ class SparseSpec:
     def inflight_start(self, history: int, capacity: int) -> int:
         """s0 = max(h, floor((c - I) / U) * U): where a row's in-flight range starts (REQUIREMENTS §2);
         tokens in [h, s0) are written straight to host pages, [s0, c) into cells."""
-        U = self.tokens_per_unit
-        return max(history, (capacity - self.max_inflight_tokens) // U * U)
+        return lengths.inflight_start(history, capacity,
+                                      (self.tokens_per_unit, self.max_inflight_tokens), max)
 
 
 @dataclass(frozen=True)

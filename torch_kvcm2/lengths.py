@@ -10,10 +10,13 @@ groups of one shape have the same in-flight range.
 """
 from __future__ import annotations
 
-from .config import CacheConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # config imports this module (SparseSpec.inflight_start)
+    from .config import CacheConfig
 
 
-def shapes_of(config: CacheConfig) -> tuple:
+def shapes_of(config: "CacheConfig") -> tuple:
     """The distinct in-flight shapes (U, I) of the config's selection groups."""
     return tuple(sorted({(g.sparse.tokens_per_unit, g.sparse.max_inflight_tokens)
                          for g in config.selection_groups}))

@@ -104,6 +104,10 @@ class TableMirror:
         self.published_live = [[(0, 0)] * self.G for _ in range(max_rows)]
         self._length_index = (np.arange(LENGTH_ROWS, dtype=np.int64)[:, None] * max_rows
                               + self.offset)
+        # moves on at every publish and every queued read-back of the lengths (advance): the
+        # lengths the device holds may have changed, so a group's write table is current only
+        # while this has not moved since its resolve (DeviceStep.writes_epoch)
+        self.epoch = 0
         self.extra_staging = 0  # staging buffers made beyond the reserve's
         self._next_staging = 0  # ring position to try first
         self._fixed: dict = {}  # padded sizes -> (device bytes, index, value, lease views)
@@ -126,13 +130,13 @@ class TableMirror:
         published = []  # (row, owner, live ranges) whose page state this delta publishes
         for row, owner in zip(rows, owners):
             previous = self.published_owner[row]
-            if owner is previous and (owner is None or owner.pages_unmoved()):
+            if owner is previous and (owner is None or owner._pages_unmoved()):
                 if owner is not None:  # lengths only: no page entry can differ
                     published.append((row, owner, None))
                 continue
             live = list(self.published_live[row])
             for g in range(self.G):
-                first, end, lowest = owner.live_range(g) if owner is not None else (0, 0, 0)
+                first, end, lowest = owner._live_range(g) if owner is not None else (0, 0, 0)
                 new, old = (first, end), live[g]
                 if owner is previous and new == old and lowest >= end:
                     continue
@@ -144,7 +148,7 @@ class TableMirror:
                         ranges.append((lo, hi))
                 for lo, hi in ranges:
                     index_parts.append(np.arange(base + lo, base + hi, dtype=np.int64))
-                    value_parts.append(owner.page_row(g)[lo:hi] if owner is not None
+                    value_parts.append(owner._page_row(g)[lo:hi] if owner is not None
                                        else np.full(hi - lo, BAD, dtype=np.int32))
                 live[g] = new
             published.append((row, owner, live))
@@ -163,13 +167,13 @@ class TableMirror:
         self.host[index] = value
         for row, owner, live in published:  # only once the delta is on its way
             if live is None:  # lengths only
-                owner.mark_published()
+                owner._mark_published()
                 continue
             self.published_live[row] = live
             self.published_owner[row] = owner
             self.active[row] = owner is not None
             if owner is not None:
-                owner.mark_published()
+                owner._mark_published()
 
     def _upload(self, index: np.ndarray, value: np.ndarray, leases: np.ndarray,
                 clear_leases) -> None:

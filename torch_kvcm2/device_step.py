@@ -1,0 +1,279 @@
+"""The device step of a batch (REQUIREMENTS §7-8, OP-*): each selection group's residency state
+and outputs, the cells, and the per-step ops over these fixed tensors.
+
+Every call goes through the ops (``torch_kvcm2.ops``); the argument lists of the common calls
+are assembled once, at construction (``_resolve_args``, ``_flush_args``), and an eager call only
+puts the caller's tensor into its place. The ops' native checks check every call; the batch's
+own checks (``arguments``) run first where the caller's tensor does not fit the bound shape, so a
+refusal names the caller's argument.
+
+State besides the tensors: per group the lengths epoch its last resolve saw (``writes_epoch``:
+its write table is current while the table store's epoch has not moved since) and the events of
+fetches run on another stream (``fetch_events``, REQUIREMENTS §8).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import lengths as rules
+from . import ops
+from .config import BAD, SelectionGroup
+from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN, sparse_buffers
+
+INT32 = torch.int32
+_ops = torch.ops.torch_kvcm2
+
+
+@dataclass
+class GroupState:
+    """Residency state and per-step outputs of one selection group (REQUIREMENTS §7)."""
+
+    spec: SelectionGroup
+    resident: torch.Tensor  # int32[max_rows, S]: unit held by each slot, -1 when empty
+    recency: torch.Tensor  # int32[max_rows, S]: slots, least to most recently used
+    index_table: torch.Tensor  # int32[max_rows, K]: entries lease*S + slot, BAD
+    # index_views[t - 1]: int32[max_rows, t, K], the index table of a step of t query tokens
+    # (MTP-2); every view, index_table included, starts at the one buffer's address
+    index_views: tuple
+    miss_list: torch.Tensor  # int32[rows, 4]: (lease, slot, row, unit)
+    miss_count: torch.Tensor  # int32[4]: [0] the count (ops.MISS_COUNT_WORDS)
+    counters: torch.Tensor  # int64[3]: cumulative hits, misses, invalid
+    inflight_slots: torch.Tensor  # int32[max_rows, ceil(I/U)+1]: slot of in-flight unit k, BAD
+    write_table: torch.Tensor  # int32[max_rows, I+U-1]: write_indices' output
+    inflight_start: torch.Tensor  # int32[max_rows]: s0 per row (BAD for unseated rows)
+    # uint8: the CUDA resolve's table region for rows too wide for shared memory (CUDA groups
+    # of more than one query token; docs/MTP.md), else None
+    resolve_scratch: Optional[torch.Tensor] = None
+
+
+class DeviceStep:
+    """Group states, cells and the step ops of one batch (module docstring)."""
+
+    def __init__(self, batch, allocated: dict, mirror):
+        self.manager, self.config = batch.manager, batch.config
+        self.max_rows = batch.max_rows
+        self.mirror = mirror  # tables.TableMirror: its epoch dates the write tables
+        self.page_tables = mirror.page_tables
+        self.lengths = L = mirror.lengths  # int32[6, max_rows], the table store's length rows
+        self.history, self.capacity, self.lease = L[HISTORY], L[CAPACITY], L[LEASE]
+        self.written, self.declared, self.allocated = L[WRITTEN], L[DECLARED], L[ALLOCATED]
+        self.advance_counters = allocated["advance_counters"]
+        self.device = self.history.device  # with its index: what arguments.fits compares
+        self.groups = [self._new_group_state(g, allocated) for g in self.config.selection_groups]
+        self.cells: dict[tuple[str, str], torch.Tensor] = {}
+        # per sparse layer: its cells, host pools, positions in a slot and page tables
+        self.fetch_args: dict[str, tuple] = {}
+        for group in self.config.selection_groups:
+            for layer in group.layers:
+                self.fetch_args[layer] = self._new_cells(group, layer, allocated)
+        self.fetch_plans: dict[tuple, tuple] = {}  # fetch(*layers)'s checked arguments
+        self.flush_args = self._new_flush_args()
+        self.shape_pairs = [n for shape in rules.shapes_of(self.config) for n in shape]
+        self.writes_epoch = [-1] * len(self.groups)
+        self.fetch_events: dict[int, torch.cuda.Event] = {}
+        self.selection_shapes = [tuple(s.index_table.shape) for s in self.groups]
+        self.rows_shape = (self.max_rows,)
+        # the bound argument lists: per group (without, with the fetch of all its layers), and
+        # the flush's per pool group plus its watermark
+        self.resolve_args = [(self._resolve_args(s, s.index_table, ()),
+                              self._resolve_args(s, s.index_table, self.fetch_plan(s.spec.layers)))
+                             for s in self.groups]
+        self.watermark_args = ((self.written, self.declared),
+                               (self.history, self.capacity, self.lease, self.shape_pairs))
+
+    # ---- construction ----
+    def _new_group_state(self, group: SelectionGroup, allocated: dict) -> GroupState:
+        g, rows, sp = group.index, self.max_rows, group.sparse
+        index_buffer = allocated[f"index_table{g}"].fill_(BAD)  # int32[max_rows, T*K]
+        state = GroupState(
+            spec=group,
+            resident=allocated[f"resident{g}"].fill_(BAD),
+            recency=allocated[f"recency{g}"],
+            index_table=index_buffer if sp.max_query_tokens == 1
+            else index_buffer.view(-1)[:rows * sp.width].view(rows, sp.width),
+            index_views=tuple(index_buffer.view(-1)[:rows * t * sp.width].view(rows, t, sp.width)
+                              for t in range(1, sp.max_query_tokens + 1)),
+            miss_list=allocated[f"miss_list{g}"],
+            miss_count=allocated[f"miss_count{g}"],
+            counters=allocated[f"counters{g}"],
+            inflight_slots=allocated[f"inflight_slots{g}"].fill_(BAD),
+            write_table=allocated[f"write_table{g}"].fill_(BAD),
+            inflight_start=allocated[f"inflight_start{g}"].fill_(BAD),
+            resolve_scratch=allocated.get(f"resolve_scratch{g}"),
+        )
+        state.recency.copy_(torch.arange(sp.slots, dtype=INT32).expand(rows, sp.slots))
+        return state
+
+    def _new_cells(self, group: SelectionGroup, layer: str, allocated: dict) -> tuple:
+        """Cells of each non-zero sparse buffer of ``layer`` (``num_leases*S/E`` cells laid out
+        like pages of that buffer), with what fetch reads for each: its pool group's memory,
+        its position in a slot, and the group's page table."""
+        storage = self.manager.storage
+        cells, pools, positions, tables = [], [], [], []
+        for buf in sparse_buffers(self.config, layer):
+            place = storage.place(layer, buf.role)
+            cell = allocated[f"cells:{layer}:{buf.role}"]
+            self.cells[(layer, buf.role)] = cell
+            cells.append(cell)
+            pool, pos = storage.pool(layer, buf.role)
+            pools.append(pool)
+            positions.append(pos)
+            tables.append(self.page_tables[place.group])
+        return cells, pools, positions, tables
+
+    def _new_flush_args(self) -> list[tuple]:
+        """Per sparse pool group with cells, the arguments of its one flush launch, covering
+        every non-zero sparse buffer of every sparse layer in it (OP-FLUSH), as (before the
+        targets, after them). With a host group (TP-3) only this rank's share: the buffers of
+        the layers, or the pool groups, it owns (``HostGroup.split``); ``shared_pools`` are the
+        host pools every rank orders on."""
+        storage, host_group = self.manager.storage, self.manager.host_group
+        layer_index = {layer.name: i for i, layer in enumerate(self.config.layers)}
+        self.shared_pools = [g.device_data for g in storage.groups if g.sparse]
+        per_pool: dict[int, list] = {}
+        for group, state in zip(self.config.selection_groups, self.groups):
+            sp = group.sparse
+            for layer in group.layers:
+                for buf in sparse_buffers(self.config, layer):
+                    place = storage.place(layer, buf.role)
+                    if host_group is not None and not host_group.owns(layer_index[layer],
+                                                                      place.group):
+                        continue
+                    per_pool.setdefault(place.group, []).append((
+                        place.pos, self.cells[(layer, buf.role)], state.resident,
+                        state.inflight_slots, (sp.slots, sp.tokens_per_unit, sp.max_inflight_tokens)))
+        args = []
+        for pool, entries in per_pool.items():
+            positions, cells, resident, slots, params = zip(*entries)
+            args.append(((storage.groups[pool].device_data, list(positions), list(cells),
+                          list(resident), list(slots), self.page_tables[pool]),
+                         (self.history, self.capacity, self.lease,
+                          [p for ps in params for p in ps])))
+        return args
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the per-step ops read or write (tables, residency, outputs, cells and the
+        host pools' device views), each once; their addresses never change (BAT-1)."""
+        tensors = [*self.page_tables, self.history, self.capacity, self.lease, self.written,
+                   self.declared, self.allocated, self.advance_counters]
+        for state in self.groups:
+            tensors += [state.resident, state.recency, state.index_table, state.miss_list,
+                        state.miss_count, state.counters, state.inflight_slots, state.write_table,
+                        state.inflight_start]
+            if state.resolve_scratch is not None:
+                tensors.append(state.resolve_scratch)
+        for cells, pools, _, _ in self.fetch_args.values():
+            tensors += cells + pools
+        tensors += [before[0] for before, _ in self.flush_args]
+        unique = {id(t): t for t in tensors}
+        return list(unique.values())
+
+    # ---- fetch plans ----
+    def fetch_plan(self, layers: tuple) -> tuple:
+        """The checked arguments of a fetch of ``layers`` (all of one selection group): (group
+        state, cells, host pools, positions, tables); kept per tuple of layers outside
+        torch.compile (traced once there: a cache would only add guards)."""
+        if not torch.compiler.is_compiling():
+            plan = self.fetch_plans.get(layers)
+            if plan is not None:
+                return plan
+        if not layers:
+            raise TypeError("Batch.fetch: name at least one layer")
+        args = [self._layer_args(layer) for layer in layers]
+        group = self.config.group_of(layers[0])
+        for layer in layers[1:]:
+            if self.config.group_of(layer) is not group:
+                raise ValueError(f"Batch.fetch: layers {layers[0]!r} and {layer!r} are in "
+                                 f"different selection groups; one fetch serves one group's miss "
+                                 f"list")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"Batch.fetch: a layer is named twice in {list(layers)}")
+        cells, pools, positions, tables = ([x for a in args for x in a[i]] for i in range(4))
+        plan = (self.groups[group.index], cells, pools, positions, tables)
+        if not torch.compiler.is_compiling():
+            self.fetch_plans[layers] = plan
+        return plan
+
+    def _layer_args(self, layer: str) -> tuple:
+        try:
+            return self.fetch_args[layer]
+        except KeyError:
+            self.config.layer(layer)  # KeyError for an unknown layer
+            raise KeyError(f"layer {layer!r} has no sparse buffers") from None
+
+    # ---- the step ops ----
+    def _resolve_args(self, state: GroupState, table: torch.Tensor, plan: tuple) -> tuple:
+        """``resolve_step``'s arguments around the selection: (before it, after it); ``plan``
+        a fetch plan, or () for no fetch."""
+        sp = state.spec.sparse
+        cells, pools, positions, tables = plan[1:] if plan else ([], [], [], [])
+        return ((state.resident, state.recency, table, state.miss_list, state.miss_count,
+                 state.counters, state.inflight_slots, state.write_table, state.inflight_start,
+                 list(cells)),
+                (self.history, self.capacity, self.lease, list(pools), list(positions),
+                 list(tables), sp.tokens_per_unit, self.config.tokens_per_page,
+                 sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch))
+
+    def resolve_bound(self, index: int, selected: torch.Tensor, fetch: bool) -> torch.Tensor:
+        """The eager resolve of a selection of the bound shape (``arguments.fits``)."""
+        before, after = self.resolve_args[index][fetch]
+        _ops.resolve_step.default(*before, selected, *after)
+        self.writes_epoch[index] = self.mirror.epoch
+        return self.groups[index].index_table
+
+    def resolve(self, state: GroupState, selected: torch.Tensor, table: torch.Tensor,
+                plan: tuple) -> torch.Tensor:
+        """Any resolve: ``table`` the output (the batch's own or the caller's), ``plan`` a fetch
+        plan of the group's layers or ()."""
+        if self.fetch_events:
+            self.wait_fetches(state)
+        before, after = self._resolve_args(state, table, plan)
+        ops.resolve_step(*before, selected, *after)
+        if not torch.compiler.is_compiling():  # traced: no host state (write_indices knows)
+            self.writes_epoch[state.spec.index] = self.mirror.epoch
+        return table
+
+    def fetch(self, plan: tuple) -> None:
+        state, cells, pools, positions, tables = plan
+        if cells:
+            ops.fetch(cells, pools, positions, tables, state.miss_list, state.miss_count,
+                      state.spec.sparse.slots, state.spec.sparse.tokens_per_unit)
+
+    def write_tables_current(self, index: int) -> bool:
+        return self.writes_epoch[index] == self.mirror.epoch
+
+    def write_indices(self, state: GroupState, out: torch.Tensor) -> None:
+        sp = state.spec.sparse
+        ops.write_indices(out, state.inflight_start, state.resident, state.inflight_slots,
+                          self.history, self.capacity, self.lease, sp.tokens_per_unit,
+                          sp.max_inflight_tokens)
+
+    def flush(self, target: torch.Tensor) -> None:
+        """Every pool group's flush to ``target`` (int32[max_rows] on the device), then the
+        device watermark by the same rule."""
+        for before, after in self.flush_args:
+            ops.flush(*before, target, *after)
+        before, after = self.watermark_args
+        ops.flush_watermark(*before, target, *after)
+
+    def advance(self, accepted: torch.Tensor) -> None:
+        ops.advance(self.lengths, self.advance_counters, accepted)
+
+    def clear_leases(self, leases: torch.Tensor) -> None:
+        """Empty residency for the device int64 ``leases`` (leases that changed owner), in every
+        selection group at once."""
+        ops.clear_leases([s.resident for s in self.groups], [s.recency for s in self.groups],
+                         leases)
+
+    # ---- streams (REQUIREMENTS §8) ----
+    def record_fetch(self, state: GroupState) -> None:
+        event = self.fetch_events.setdefault(state.spec.index, torch.cuda.Event())
+        event.record()
+
+    def wait_fetches(self, state: GroupState) -> None:
+        event = self.fetch_events.pop(state.spec.index, None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)

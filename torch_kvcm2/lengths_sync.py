@@ -1,0 +1,144 @@
+"""The lengths sync of a batch (HOST-3): bringing the host up to date with lengths ``advance``
+moved on the device, without a per-step synchronisation.
+
+``Batch.advance`` queues a copy of the device's length rows into the next pinned buffer of a
+ring (``queue_readback``); the host applies the newest copy that has arrived when it next needs a
+length (``catch_up``): the mirror takes the rows the device writes, every row becomes BEHIND (its
+cache takes its row when next used) and the rows that used more than half their reserve, or
+moved past a windowed page, get PAGES (the next publish plans their pages). An eager flush to a
+tensor of targets leaves the read-back *owed*: the host learns its watermark only from a copy
+queued after it.
+
+State: the ring (``buffers``, their ``events`` on CUDA), ``queue`` (ring positions queued and
+not applied, oldest first), ``owed``, and per row the reserve as published
+(``reserve_tokens``) and the capacity from which its top-up is urgent (``urgent_at``). The row
+flags it sets live in the row table (``rows.RowSync``).
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import torch
+
+from .memory import ALLOCATED, CAPACITY, LEASE, WRITTEN
+from .rows import BEHIND, PAGES
+
+NEVER = np.iinfo(np.int64).max
+
+
+class LengthsSync:
+    """The read-back ring of one batch and what applying a read-back does (module docstring)."""
+
+    def __init__(self, table, snapshot: torch.Tensor):
+        self.table = table
+        mirror = table.mirror
+        self.source = mirror.lengths  # the device length rows, int32[6, max_rows]
+        self.buffers = snapshot.unbind(0)  # pinned on CUDA; views made once
+        self.snapshot = snapshot  # int32[ring, 6, max_rows]
+        self.host = snapshot.numpy()
+        self.cuda = mirror.cuda
+        self.events: list = [None] * len(self.buffers)
+        if self.cuda:
+            with torch.cuda.device(self.source.device):
+                self.events = [torch.cuda.Event() for _ in self.buffers]
+        self.queue: collections.deque = collections.deque()
+        self.next = 0
+        self.owed = False  # a flush to a tensor of targets ran since the last read-back
+        R = table.max_rows
+        self.reserve_tokens = np.zeros(R, dtype=np.int64)  # as published, per row
+        self.urgent_at = np.full(R, NEVER, dtype=np.int64)
+
+    @property
+    def pending(self) -> bool:
+        """A read-back is queued and not applied yet, or owed."""
+        return bool(self.queue) or self.owed
+
+    def record_advance(self) -> None:
+        self.table.check_host_call("Batch.record_advance")
+        self.queue_readback()
+
+    def queue_readback(self) -> None:
+        """Queue the copy of the device lengths into the ring's next buffer on the current
+        stream (nothing while it is capturing: the replay's ``record_advance`` queues it)."""
+        k = self.next
+        if self.cuda:
+            if torch.cuda.is_current_stream_capturing():
+                return
+            self.buffers[k].copy_(self.source, non_blocking=True)
+            self.events[k].record()
+        else:
+            self.buffers[k].copy_(self.source)
+        self.table.mirror.epoch += 1  # the lengths moved under the groups' write tables
+        ring = len(self.buffers)
+        self.next = (k + 1) % ring
+        if len(self.queue) == ring:  # the oldest buffer is copied into again: superseded
+            self.queue.popleft()
+        self.queue.append(k)
+        self.owed = False
+
+    def catch_up(self, wait: bool = True) -> None:
+        """Apply the read-backs to the mirror. ``wait`` False applies the newest the GPU has
+        finished, if any (only when the whole ring is in flight does it wait, for the oldest);
+        True waits for the newest queued. Cheap when none is pending."""
+        if self.owed:  # a flush to a tensor of targets: queue its read-back now
+            self.queue_readback()
+        queue = self.queue
+        if not queue:
+            return
+        events = self.events
+        if wait or events[queue[-1]] is None:
+            if events[queue[-1]] is not None:
+                events[queue[-1]].synchronize()
+            newest = len(queue)
+        else:  # the newest finished copy (copies on one stream finish in order)
+            newest = next((i + 1 for i in range(len(queue) - 1, -1, -1)
+                           if events[queue[i]].query()), 0)
+            if not newest:
+                if len(queue) < len(events):
+                    return
+                # a whole ring in flight: the host is that many steps ahead of the GPU; it
+                # waits for the oldest, so its view lags by no more than the ring
+                events[queue[0]].synchronize()
+                newest = 1
+        for _ in range(newest - 1):
+            queue.popleft()
+        self._apply(self.host[queue.popleft()])
+
+    def _apply(self, snapshot: np.ndarray) -> None:
+        table = self.table
+        L, state = table.mirror.host_lengths, table.state
+        if table.windowed:
+            # rows whose history, capacity or watermark moved release pages behind their
+            # windows at the next publish
+            moved = (snapshot[:WRITTEN + 1] != L[:WRITTEN + 1]).any(axis=0) & (L[LEASE] >= 0)
+            state[moved] |= PAGES
+        # the rows the device writes (history, capacity, written); lease, declared and
+        # allocated tokens are the host's (only a publish changes them, and a publish may have
+        # changed allocated tokens since this copy was queued)
+        L[:CAPACITY + 1] = snapshot[:CAPACITY + 1]
+        L[WRITTEN] = snapshot[WRITTEN]
+        # every member takes its row when next used, so the steady state costs no per-row work
+        state |= BEHIND
+        if not table.windowed:
+            self._settle_reserves(L, state)
+
+    def _settle_reserves(self, L: np.ndarray, state: np.ndarray) -> None:
+        """Reserve top-ups for the next publish, in batches: once a seated row has used more
+        than half its reserve, every seated row that has used any of it is topped up in that
+        same publish. A row's pages then run out no earlier than half a reserve after a
+        top-up, and the fixed cost of a publish with page work is shared by many rows (64
+        staggered rows with a one-page reserve: one such publish about every 32 steps)."""
+        if not (L[CAPACITY] >= self.urgent_at).any():
+            return
+        wanted = np.minimum(L[CAPACITY] + self.reserve_tokens, self.table.config.max_tokens_per_row)
+        state[(L[LEASE] >= 0) & (wanted > L[ALLOCATED])] |= PAGES
+
+    def published(self, rows: list, values: np.ndarray, reserves: np.ndarray) -> None:
+        """``rows`` were published with ``values`` (their six lengths) and ``reserves``: the
+        capacity from which more than half a row's reserve is used is allocated -
+        ceil(reserve / 2) + 1 (never for rows without a lease or at max_tokens_per_row)."""
+        self.reserve_tokens[rows] = reserves
+        allocated = values[:, ALLOCATED].astype(np.int64)
+        never = (values[:, LEASE] < 0) | (allocated >= self.table.config.max_tokens_per_row)
+        self.urgent_at[rows] = np.where(never, NEVER, allocated - (reserves + 1) // 2 + 1)

@@ -1,0 +1,431 @@
+"""The row table of a batch (BAT-2..4, HOST-1..4): which cache sits in which row with which lease,
+what of each row the device does not have yet, and ``publish``, which uploads it.
+
+Every row has one sync state, ``RowTable.state[row]``: a set of the ``RowSync`` flags below
+(none: the device, the host mirror and the cache agree). Host calls set flags, ``publish`` and
+the read-back of the device lengths (``lengths_sync``) clear them:
+
+=========== ============================================ =============================================
+flag        set by                                       cleared by
+=========== ============================================ =============================================
+UPLOAD      a resize, seat, move, lease grant or release the next publish (per-step calls refused
+            changing the row on the host                 until then)
+NEW_LEASE   a lease granted to the row                   the next publish, which clears the lease's
+                                                         residency; a release before it
+DECLARED    a declaration of host writes only            the next publish (per-step calls still run)
+RESERVE     ``KVCache.set_reserve``                      the next publish of the row
+PAGES       a read-back showing the row moved past half  the next publish, which plans its pages
+            its reserve, or (windowed) past a page
+BEHIND      every applied read-back of the lengths       the cache taking the mirror's lengths when
+                                                         next used (``_sync_cache``)
+=========== ============================================ =============================================
+
+A removed row is a hole with UPLOAD alone; a moved cache takes its state to the new row.
+
+The protocol with ``KVCache`` (private on both sides; nothing else calls it). A seated cache calls
+the table: ``_changed(row)``, ``_declared(row)``, ``_reserve_set(row)``, ``_grant_lease(row)``,
+``_release_lease(row)``, ``_cell_lengths(row)``, ``_sync_cache(row, wait)`` and
+``_leave(cache)`` (its close). The table reads a cache through ``_lengths_row``, ``_page_row``,
+``_live_range`` and ``_pages_unmoved``, and writes it through ``_seat``, ``_mark_published``,
+``_retake_pages``, ``_record_flush``, ``_take_written``, ``_take_device_lengths``,
+``_take_resize`` and ``_discard_in_flight``.
+"""
+from __future__ import annotations
+
+import enum
+import heapq
+from typing import Optional
+
+import numpy as np
+
+from . import lengths as rules
+from .arguments import check_row, int_sequence
+from .config import BAD
+from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN
+from ._util import refuse_during_capture
+
+
+class RowSync(enum.IntFlag):
+    """The flags of a row's sync state (the module's table says who sets and clears each)."""
+
+    UPLOAD = 1
+    NEW_LEASE = 2
+    DECLARED = 4
+    RESERVE = 8
+    PAGES = 16
+    BEHIND = 32
+
+
+UPLOAD, NEW_LEASE, DECLARED_ONLY, RESERVE, PAGES, BEHIND = (int(f) for f in RowSync)
+#: the flags that keep a row out of ``resize_rows``' vectorised path (its host state is ahead)
+UNCLEAN = UPLOAD | DECLARED_ONLY | RESERVE | PAGES
+
+
+class RowTable:
+    """Rows, leases, sync states and the publish of one batch (see the module docstring)."""
+
+    def __init__(self, batch, mirror, clear_leases):
+        self.batch, self.manager, self.config = batch, batch.manager, batch.config
+        self.max_rows = R = batch.max_rows
+        self.mirror = mirror  # tables.TableMirror: the device table store and its host copy
+        self.sync = None  # lengths_sync.LengthsSync, set by the batch right after
+        self._clear_leases = clear_leases  # empties the residency of int64 device leases
+        self.caches: list = [None] * R
+        self.leases = [BAD] * R  # each row's lease as the next publish uploads it
+        self.free_leases = list(range(R))  # a heap
+        self.state = np.zeros(R, dtype=np.uint8)
+        self.unpublished = False  # some row has UPLOAD: per-step calls are refused
+        self.shapes = rules.shapes_of(self.config)
+        self.windowed = any(g.window is not None for g in batch.manager.storage.groups)
+        self.closed = False
+
+    def describe(self, row: int) -> RowSync:
+        """A row's sync state as flags (for messages and debugging)."""
+        return RowSync(int(self.state[row]))
+
+    # ---- checks ----
+    def check_host_call(self, what: str) -> None:
+        self.manager._check_open(what)
+        if self.closed:
+            raise RuntimeError(f"{what}: the batch is closed")
+        refuse_during_capture(self.config.device, what)
+
+    def check_step(self, what: str) -> None:
+        self.manager._check_open(what)
+        if self.closed:
+            raise RuntimeError(f"{what}: the batch is closed")
+        if self.unpublished:
+            raise RuntimeError(f"{what}: the batch has unpublished changes; call publish() first")
+
+    @property
+    def ready(self) -> bool:
+        """What ``check_step`` asks, as a predicate (the eager calls; the check raises)."""
+        return not self.unpublished and not self.closed and not self.manager._closed
+
+    def _mark(self, row: int, flags: int) -> None:
+        self.state[row] |= flags
+        if flags & UPLOAD:
+            self.unpublished = True
+
+    # ---- membership (BAT-2) ----
+    def add(self, cache, row: Optional[int]) -> int:
+        self.check_host_call("Batch.add")
+        from .cache import KVCache  # the cache module imports nothing of the batch's
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"Batch.add: expected a KVCache, got {type(cache).__name__}")
+        if cache.manager is not self.manager:
+            raise ValueError("Batch.add: the cache belongs to another manager")
+        if cache.closed:
+            raise RuntimeError("Batch.add: the cache is closed")
+        seated_batch, seated_row = cache.seated_in
+        if seated_batch is self.batch:
+            raise ValueError(f"Batch.add: the cache is already seated at row {seated_row}")
+        if seated_batch is not None:
+            raise ValueError("Batch.add: the cache is a member of another batch")
+        if row is None:
+            row = next((r for r, c in enumerate(self.caches) if c is None), None)
+            if row is None:
+                raise RuntimeError(f"Batch.add: all {self.max_rows} rows are occupied")
+        else:
+            self._check_free_row(row, "Batch.add")
+        cache._seat(self, row)
+        self.caches[row] = cache
+        self.state[row] = 0
+        self._mark(row, UPLOAD)
+        if not cache.suspended:
+            self._grant_lease(row)
+        return row
+
+    def remove(self, cache, discard: bool) -> None:
+        self.check_host_call("Batch.remove")
+        row = self.member_row(cache, "Batch.remove")
+        self.sync.catch_up()
+        h, c = cache.history_length, cache.capacity
+        if h < c:
+            if not discard:
+                raise RuntimeError(
+                    f"Batch.remove: tokens are in flight (history {h} < capacity {c}); flush and "
+                    f"advance history, or shrink capacity, first, or pass discard=True to drop "
+                    f"them")
+            cache._discard_in_flight()
+        self._release_lease(row)
+        self.caches[row] = None
+        cache._seat(None, None)
+        self.state[row] = 0
+        self._mark(row, UPLOAD)
+
+    def move(self, cache, row: int) -> None:
+        self.check_host_call("Batch.move")
+        old = self.member_row(cache, "Batch.move")
+        self._check_free_row(row, "Batch.move")
+        self._sync_cache(old)
+        self.caches[old], self.caches[row] = None, cache
+        self.leases[old], self.leases[row] = BAD, self.leases[old]
+        self.state[row], self.state[old] = self.state[old], 0
+        cache._seat(self, row)
+        self._mark(old, UPLOAD)
+        self._mark(row, UPLOAD)
+
+    def members(self) -> dict:
+        return {r: c for r, c in enumerate(self.caches) if c is not None}
+
+    def _check_free_row(self, row, what: str) -> None:
+        check_row(row, self.max_rows, what)
+        if self.caches[row] is not None:
+            raise ValueError(f"{what}: row {row} is occupied")
+
+    def member_row(self, cache, what: str) -> int:
+        table, row = getattr(cache, "_table", None), getattr(cache, "_row", None)
+        if table is not self:
+            raise ValueError(f"{what}: the cache is not a member of this batch")
+        return row
+
+    # ---- the protocol a seated cache calls (module docstring) ----
+    def _changed(self, row: int) -> None:
+        """The cache changed its lengths, pages or watermarks: publish it."""
+        self._mark(row, UPLOAD)
+
+    def _declared(self, row: int) -> None:
+        """Only the cache's declared host writes changed: published too, but per-step calls
+        still run (the device needs them only for ``advance``'s watermark)."""
+        self._mark(row, DECLARED_ONLY)
+
+    def _reserve_set(self, row: int) -> None:
+        """The cache set a new reserve, which takes effect at its next resize (so the batched
+        path sends the row through ``KVCache.resize``)."""
+        self._mark(row, RESERVE)
+
+    def _cell_lengths(self, row: int) -> tuple[int, int]:
+        """(history, capacity) as published for the member at ``row`` with its lease: the cells
+        may hold its in-flight range of these lengths; (0, 0) without a published lease."""
+        cache = self.caches[row]
+        if cache is None or self.mirror.published_owner[row] is not cache:
+            return 0, 0
+        L = self.mirror.host_lengths
+        return int(L[HISTORY, row]), int(L[CAPACITY, row])
+
+    def _grant_lease(self, row: int) -> None:
+        """A fresh lease for the member at ``row`` (its residency is cleared at publish)."""
+        self.leases[row] = heapq.heappop(self.free_leases)  # never empty: one lease per row
+        self._mark(row, UPLOAD | NEW_LEASE)
+
+    def _release_lease(self, row: int) -> None:
+        """The lease of the member at ``row`` goes back (suspend, remove)."""
+        lease = self.leases[row]
+        if lease != BAD:
+            heapq.heappush(self.free_leases, lease)
+            self.leases[row] = BAD
+        self.state[row] &= ~NEW_LEASE & 0xFF
+        self._mark(row, UPLOAD)
+
+    def _sync_cache(self, row: int, wait: bool = True) -> None:
+        """Bring the member at ``row`` up to date with lengths ``advance`` moved: apply the
+        read-backs (``wait`` False: those that have arrived), then the cache takes its row of
+        the mirror if it is BEHIND."""
+        sync = self.sync
+        if sync.queue or sync.owed:
+            sync.catch_up(wait)
+        s = int(self.state[row])
+        if not s & BEHIND:
+            return
+        self.state[row] = s & ~BEHIND
+        cache, L = self.caches[row], self.mirror.host_lengths
+        # a row changed on the host since its publish is ahead of the mirror; a hole or a
+        # suspended row has nothing of the device's
+        if cache is None or s & UPLOAD or L[LEASE, row] < 0:
+            return
+        cache._take_device_lengths(int(L[HISTORY, row]), int(L[CAPACITY, row]),
+                                   int(L[WRITTEN, row]))
+
+    def _leave(self, cache) -> None:
+        """The cache closes (the abort path): unseat it, dropping its in-flight tokens."""
+        self.remove(cache, discard=True)
+
+    # ---- publish (BAT-3, HOST-1, HOST-2) ----
+    def publish(self) -> None:
+        self.check_host_call("Batch.publish")
+        sync, state = self.sync, self.state
+        if sync.pending:
+            # the read-backs that have arrived are applied first; the newest is waited for only
+            # when there are host changes to publish (the mirror must not take an older
+            # read-back after this publish's delta)
+            sync.catch_up(wait=bool((state & (UPLOAD | DECLARED_ONLY)).any()))
+        pages_only = False
+        due = np.flatnonzero(state & PAGES)
+        if len(due):
+            # page work for rows advance() moved (reserve top-ups, windowed releases), planned
+            # from the lengths the host has: with a read-back still in flight they are a step
+            # or two old, so such a publish only adds pages (a smaller reserve frees pages at a
+            # publish without one in flight), leaves the device's lengths alone and uploads page
+            # entries and allocated tokens only
+            pages_only = sync.pending
+            state[due] &= ~PAGES & 0xFF
+            for row in due.tolist():
+                cache = self.caches[row]
+                if cache is not None and not cache.suspended:
+                    cache._retake_pages(wait=False, grow_only=pages_only)
+        rows = np.flatnonzero(state & (UPLOAD | DECLARED_ONLY)).tolist()
+        if not rows:
+            return
+        owners, values, reserves, leases = [], [], [], []
+        for row in rows:
+            cache, lease = self.caches[row], self.leases[row]
+            if cache is None or lease == BAD:  # hole or suspended: BAD / 0
+                owners.append(None)
+                values.append((0, 0, BAD, 0, 0, 0))
+                reserves.append(0)
+            else:
+                owners.append(cache)
+                h, c, written, declared, allocated, reserve = cache._lengths_row()
+                values.append((h, c, lease, written, declared, allocated))
+                reserves.append(reserve)
+                if state[row] & NEW_LEASE:
+                    leases.append(lease)
+        values = np.array(values, dtype=np.int32)
+        width = self.flush_width(self.mirror.lengths_after(rows, values))
+        if width > self.config.max_total_input_tokens:
+            raise ValueError(
+                f"Batch.publish: {width} in-flight tokens over all rows exceed "
+                f"max_total_input_tokens ({self.config.max_total_input_tokens}), the bound of "
+                f"the flush work list; nothing was published")
+        self.mirror.publish(rows, owners, values, sorted(leases), self._clear_leases,
+                            lengths=(ALLOCATED,) if pages_only else None)
+        self.mirror.epoch += 1
+        sync.published(rows, values, np.asarray(reserves, dtype=np.int64))
+        done = UPLOAD | DECLARED_ONLY | NEW_LEASE
+        if not pages_only:  # a pages-only publish may keep old pages
+            done |= RESERVE
+        state[rows] &= ~done & 0xFF
+        self.unpublished = False
+
+    def flush_width(self, lengths: np.ndarray) -> int:
+        """The most in-flight tokens a flush can write back over all rows with these host length
+        rows: the flush work-list bound of OP-FLUSH."""
+        # holes and suspended rows publish lengths 0 / 0 (width 0), and s0 <= c for h <= c
+        h, c = lengths[HISTORY], lengths[CAPACITY]
+        widest = 0
+        for shape in self.shapes:
+            widest = max(widest, int((c - rules.inflight_start(h, c, shape, np.maximum)).sum()))
+        return widest
+
+    # ---- the host's bookkeeping of the write contract (SAFE-2) ----
+    def record_flush(self, new_history) -> None:
+        self.check_host_call("Batch.record_flush")
+        if self.sync.pending:
+            # the device lengths are ahead of the host (advance): its watermark, computed by
+            # the flush itself, comes back with a fresh read-back of the lengths
+            self.sync.queue_readback()
+            return
+        L = self.mirror.host_lengths
+        if new_history is None:
+            target = L[CAPACITY]
+        else:
+            target = np.asarray(list(new_history), dtype=np.int64)
+            if target.shape != (self.max_rows,):
+                raise ValueError(f"Batch.record_flush: new_history must have {self.max_rows} "
+                                 f"values (one per row), got {len(target)}")
+        # the device's watermark (the flush_watermark op applies the same rule)
+        watermark = rules.flushed_watermark(L[HISTORY], L[CAPACITY], L[WRITTEN], L[DECLARED],
+                                            target, self.shapes, np.maximum, np.minimum, np.where)
+        seated = L[LEASE] >= 0
+        owners = self.mirror.published_owner
+        still = [row for row in np.flatnonzero(seated).tolist()
+                 if owners[row] is not None and owners[row] is self.caches[row]]
+        declared = self.state & DECLARED_ONLY
+        for row in still:
+            if declared[row]:  # declarations the device has not seen yet
+                self.caches[row]._record_flush(int(L[HISTORY, row]), int(L[CAPACITY, row]),
+                                               int(target[row]))
+            elif watermark[row] > L[WRITTEN, row]:
+                self.caches[row]._take_written(int(watermark[row]))
+        L[WRITTEN] = np.where(seated, watermark, L[WRITTEN])
+
+    def record_host_writes(self, ends) -> None:
+        self.check_host_call("Batch.record_host_writes")
+        self.sync.catch_up()
+        if ends is not None:
+            ends = int_sequence("ends", ends, self.max_rows, self.config.device)
+        L = self.mirror.host_lengths
+        declarations = []
+        for row, cache in enumerate(self.caches):
+            if cache is None or self.leases[row] == BAD:
+                continue
+            end = (rules.host_direct_end(int(L[HISTORY, row]), int(L[CAPACITY, row]),
+                                         self.shapes, max) if ends is None else ends[row])
+            if end > cache.host_direct_end:
+                raise ValueError(
+                    f"Batch.record_host_writes: row {row}'s end ({end}) is past its host-direct "
+                    f"range, which ends at {cache.host_direct_end}; nothing was declared")
+            if end:
+                declarations.append((cache, end))
+        for cache, end in declarations:  # all checked: none can raise
+            cache.record_host_write(end)
+
+    # ---- the batched host path (HOST-4) ----
+    def resize_rows(self, rows, capacity, history) -> list[int]:
+        self.check_host_call("Batch.resize_rows")
+        self.sync.catch_up()
+        device = self.config.device
+        rows = int_sequence("rows", rows, None, device)  # ints >= 0
+        caches = [self.caches[row] if row < self.max_rows else None for row in rows]
+        if None in caches:
+            row = rows[caches.index(None)]
+            raise ValueError(f"Batch.resize_rows: row {row} is not a seated row")
+        if len(set(rows)) != len(rows):
+            raise ValueError("Batch.resize_rows: a row is named twice")
+        n = len(rows)
+        caps = None if capacity is None else int_sequence("capacity", capacity, n, device)
+        hists = None if history is None else int_sequence("history", history, n, device)
+        done, failed = self._resize_clean_rows(rows, caches, caps, hists)
+        if len(done) == n:
+            return failed
+        for i, cache in enumerate(caches):
+            if i in done:
+                continue
+            try:
+                ok = cache.resize(None if caps is None else caps[i],
+                                  None if hists is None else hists[i])
+            except (ValueError, RuntimeError):
+                ok = False
+            if not ok:
+                failed.append(rows[i])
+        return failed
+
+    def _resize_clean_rows(self, rows: list, caches: list, caps, hists) -> tuple[set, list]:
+        """The vectorised part of ``resize_rows``: rows published as they are (no UNCLEAN flag:
+        the mirror holds their lengths and watermarks) are checked by
+        ``lengths.resize_violations`` over numpy arrays; the refused ones fail and those whose
+        pages stay as they are take their new lengths here. Returns (positions handled, rows
+        failed); the rest take the per-row path."""
+        if self.windowed or not rows:
+            return set(), []
+        index = np.asarray(rows, dtype=np.int64)
+        behind = index[(self.state[index] & BEHIND) != 0]
+        for row in behind.tolist():  # these members take the lengths advance() moved first
+            self._sync_cache(row)
+        clean = self.mirror.active[index] & ((self.state[index] & UNCLEAN) == 0)
+        if not clean.any():
+            return set(), []
+        L = self.mirror.host_lengths.astype(np.int64)[:, index]
+        h, c = L[HISTORY], L[CAPACITY]
+        h2 = h if hists is None else np.asarray(hists, dtype=np.int64)
+        c2 = c if caps is None else np.asarray(caps, dtype=np.int64)
+        config, P = self.config, self.config.tokens_per_page
+        bad = np.zeros(len(rows), dtype=bool)
+        for _, violated, _ in rules.resize_violations(
+                h, c, h2, c2, L[WRITTEN], L[DECLARED], (h, c), self.shapes,
+                config.max_tokens_per_row, config.max_total_input_tokens, np.maximum, np.minimum):
+            bad |= violated
+        reserve = self.sync.reserve_tokens[index]
+        keep = -(-L[ALLOCATED] // P)
+        keep2 = np.where(c2 > 0, -(-np.minimum(c2 + reserve, config.max_tokens_per_row) // P), 0)
+        fast = clean & ~bad & (keep2 == keep)
+        moved = np.flatnonzero(fast & ((h2 != h) | (c2 != c)))
+        if len(moved):
+            for i, hh, cc in zip(moved.tolist(), h2[moved].tolist(), c2[moved].tolist()):
+                caches[i]._take_resize(hh, cc)
+            self.state[index[moved]] |= UPLOAD
+            self.unpublished = True
+        refused = clean & bad
+        done = np.flatnonzero(fast | refused)
+        return set(done.tolist()), index[refused].tolist()
