@@ -4,11 +4,12 @@
 #   data-safety run and the benchmarks; then, for the runs that need the development switch
 #   (docs/DEVELOPMENT.md), rebuild with TORCH_KVCM2_DEV and run those. Logs go to $OUT (the device
 #   tool brings them back). Every call starts with the production build again.
-# Usage: [TESTS=0] [STALE=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1]
+# Usage: [TESTS=0] [TEST_RUNS=N] [STALE=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1]
 #        [PDL_AB=1] [PROFILE=1] [NCU=1] [AB_THREADS=N] [KVCM2_SAFETY_STEPS=N]
 #        bash scripts/gpu_check.sh [pytest args]
 # Production build:
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
+#   TEST_RUNS=N runs the CUDA suite N times in a row (tests_cuda_1.log ...; default 1);
 #   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
 #   reduce-overhead, --graph; shared_prefix.py).
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only); without it the
@@ -65,8 +66,10 @@ python3 -c "import torch_kvcm2 as k; assert k.has_cuda_kernels(), 'no CUDA kerne
 [ "$(knobs_in_library)" = 0 ] && echo "production build: no development knob" | tee -a "$OUT/gpu.txt" \
   || { echo "production build names development knobs"; exit 1; }
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda.log" | tail -25
-  echo "cuda tests: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
+  for run in $(seq 1 "${TEST_RUNS:-1}"); do
+    python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda_$run.log" | tail -25
+    echo "cuda tests, run $run: ${PIPESTATUS[0]} ($(tail -1 "$OUT/tests_cuda_$run.log"))" | tee -a "$OUT/gpu.txt"
+  done
   # the main example on the GPU: eager, compiled, and compiled into CUDA graphs
   [ "${EXAMPLES:-1}" = 1 ] && for run in "sparse_decode.py" "sparse_decode.py --compile" \
       "sparse_decode.py --compile reduce-overhead" "sparse_decode.py --graph" \

@@ -36,7 +36,7 @@ def check_references(manager, caches):
             if cache.closed:
                 continue
             first, keep = cache._live[group.index]
-            row = cache.page_row(group.index)[first:keep]
+            row = cache._page_row(group.index)[first:keep]
             assert (row >= 0).all()
             np.add.at(expected, row, 1)
         assert np.array_equal(group.refs, expected), group.index
