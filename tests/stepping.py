@@ -5,6 +5,8 @@ units), a sparse latent buffer of 16 bytes per token viewed as 4 int32 words. Th
 documented order: resolve, write_indices, per layer fetch, write the new token into the cells,
 an integer "attention" that reads every selected unit's tokens from the cells; then flush. All
 of it is tensor code with fixed shapes, so it can be traced with fullgraph=True and captured.
+``run`` drives it over steps with a membership change; ``assert_same_state`` compares two
+batches' state tensors (eager and compiled or captured twins).
 """
 import random
 
@@ -114,3 +116,40 @@ class Driver:
             assert cache.resize(history=cache.capacity)
             assert cache.resize(capacity=cache.capacity + 1)
         self.batch.publish()
+
+
+def run(driver, fn, steps):
+    """``steps`` steps of ``fn(batch, selected, new_tokens)`` (``step``, compiled or not) on
+    ``driver``, with the host bookkeeping a compiled flush skips and a membership change after
+    step 1; returns each step's outputs, copied to the CPU."""
+    outputs = []
+    for number in range(steps):
+        selected, new_tokens = driver.inputs()
+        outputs.append([o.cpu() for o in fn(driver.batch, selected, new_tokens)])
+        driver.batch.record_flush()  # a compiled flush skips its host bookkeeping
+        driver.advance()
+        if number == 1:  # a membership change between steps
+            driver.leave()
+            driver.join()
+            driver.batch.publish()
+    return outputs
+
+
+def assert_same_state(a, b):
+    """Every state tensor equal, except that a miss list is compared as a set of entries: its
+    order follows the CTAs' atomics on CUDA (INT-4), and a host pool only over its committed
+    slots (the rest of its reservation is no memory yet: STO-6)."""
+    pools = {id(g.device_data): (g, h) for g, h in zip(a.manager.storage.groups,
+                                                       b.manager.storage.groups)}
+    for x, y in zip(a.state_tensors(), b.state_tensors()):
+        if any(x is s.miss_list for s in a.groups):
+            continue
+        if id(x) in pools:
+            g, h = pools[id(x)]
+            assert g.committed_slots == h.committed_slots
+            x, y = x[:g.committed_slots], y[:h.committed_slots]
+        assert torch.equal(x, y)
+    for s, t in zip(a.groups, b.groups):
+        n = int(s.miss_count[0])
+        assert n == int(t.miss_count[0])
+        assert sorted(s.miss_list[:n].tolist()) == sorted(t.miss_list[:n].tolist())

@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 
 from torch_kvcm2 import ops
 from conftest import DEVICE_PARAMS
-from stepping import Driver, step
+from stepping import Driver, run, step
 
 
 def registered_ops():
@@ -87,20 +87,6 @@ def test_every_per_step_op_passes_opcheck(device):
     """INT-1: all default opcheck utilities, on each per-step op."""
     for name, args in op_samples(device).items():
         torch.library.opcheck(getattr(torch.ops.torch_kvcm2, name).default, args)
-
-
-def run(driver, fn, steps):
-    outputs = []
-    for number in range(steps):
-        selected, new_tokens = driver.inputs()
-        outputs.append([o.cpu() for o in fn(driver.batch, selected, new_tokens)])
-        driver.batch.record_flush()  # a compiled flush skips its host bookkeeping
-        driver.advance()
-        if number == 1:  # a membership change between steps
-            driver.leave()
-            driver.join()
-            driver.batch.publish()
-    return outputs
 
 
 def test_decode_step_compiles_fullgraph_and_equals_eager():
