@@ -5,6 +5,9 @@ units), a sparse latent buffer of 16 bytes per token viewed as 4 int32 words. Th
 documented order: resolve, write_indices, per layer fetch, write the new token into the cells,
 an integer "attention" that reads every selected unit's tokens from the cells; then flush. All
 of it is tensor code with fixed shapes, so it can be traced with fullgraph=True and captured.
+``run`` drives it over steps with a membership change; ``assert_same_state`` compares two
+batches' state tensors (eager and compiled or captured twins); ``op_samples`` gives one realistic
+argument set per per-step op.
 """
 import random
 
@@ -114,3 +117,87 @@ class Driver:
             assert cache.resize(history=cache.capacity)
             assert cache.resize(capacity=cache.capacity + 1)
         self.batch.publish()
+
+
+def run(driver, fn, steps):
+    """``steps`` steps of ``fn(batch, selected, new_tokens)`` (``step``, compiled or not) on
+    ``driver``, with the host bookkeeping a compiled flush skips and a membership change after
+    step 1; returns each step's outputs, copied to the CPU."""
+    outputs = []
+    for number in range(steps):
+        selected, new_tokens = driver.inputs()
+        outputs.append([o.cpu() for o in fn(driver.batch, selected, new_tokens)])
+        driver.batch.record_flush()  # a compiled flush skips its host bookkeeping
+        driver.advance()
+        if number == 1:  # a membership change between steps
+            driver.leave()
+            driver.join()
+            driver.batch.publish()
+    return outputs
+
+
+def assert_same_state(a, b):
+    """Every state tensor equal, except that a miss list is compared as a set of entries: its
+    order follows the CTAs' atomics on CUDA (INT-4), and a host pool only over its committed
+    slots (the rest of its reservation is no memory yet: STO-6)."""
+    pools = {id(g.device_data): (g, h) for g, h in zip(a.manager.storage.groups,
+                                                       b.manager.storage.groups)}
+    for x, y in zip(a.state_tensors(), b.state_tensors()):
+        if any(x is s.miss_list for s in a.groups):
+            continue
+        if id(x) in pools:
+            g, h = pools[id(x)]
+            assert g.committed_slots == h.committed_slots
+            x, y = x[:g.committed_slots], y[:h.committed_slots]
+        assert torch.equal(x, y)
+    for s, t in zip(a.groups, b.groups):
+        n = int(s.miss_count[0])
+        assert n == int(t.miss_count[0])
+        assert sorted(s.miss_list[:n].tolist()) == sorted(t.miss_list[:n].tolist())
+
+
+def op_samples(device):
+    """One realistic argument set per per-step op, taken from a live batch mid-step."""
+    driver = Driver(device, seed=7)
+    batch, groups = driver.batch, driver.batch.config.selection_groups
+    batch.publish()
+    selected, _ = driver.inputs()
+    batch.resolve(0, selected[0])
+    state, sp = batch.groups[0], groups[0].sparse
+    fetch_args = batch._step.fetch_args["a0"]  # cells, host pools, positions, page tables
+    (flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table), \
+        (_, _, _, params) = batch._step.flush_args[0]
+    positions = torch.arange(8, dtype=torch.int32, device=device).repeat(4, 1)
+    return {
+        "convert_page_indices": (torch.empty(4, 16, dtype=torch.int32, device=device),
+                                 batch.page_tables[0], batch.capacity, 2, 1, 1, 1),
+        "convert_token_indices": (torch.empty_like(positions), positions, batch.page_tables[0],
+                                  batch.capacity, 2, 1, 4),
+        "resolve": (state.resident, state.recency, state.index_table, state.miss_list,
+                    state.miss_count, state.counters, state.inflight_slots, selected[0],
+                    batch.history, batch.capacity, batch.lease, sp.tokens_per_unit, 4,
+                    sp.max_inflight_tokens, 0),
+        "fetch": (*fetch_args, state.miss_list, state.miss_count, sp.slots, sp.tokens_per_unit),
+        "resolve_step": (state.resident, state.recency, state.index_table, state.miss_list,
+                         state.miss_count, state.counters, state.inflight_slots,
+                         state.write_table, state.inflight_start, fetch_args[0], selected[0],
+                         batch.history, batch.capacity, batch.lease, *fetch_args[1:],
+                         sp.tokens_per_unit, 4, sp.max_inflight_tokens, 0),
+        "locate_inflight": (state.inflight_slots, state.resident, batch.history, batch.capacity,
+                            batch.lease, sp.tokens_per_unit, sp.max_inflight_tokens),
+        "write_indices": (state.write_table, state.inflight_start, state.resident,
+                          state.inflight_slots, batch.history, batch.capacity, batch.lease,
+                          sp.tokens_per_unit, sp.max_inflight_tokens),
+        "flush": (flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table,
+                  batch.capacity, batch.history, batch.capacity, batch.lease, params),
+        "flush_watermark": (batch.written, batch._step.declared, batch.capacity, batch.history,
+                            batch.capacity, batch.lease, batch._step.shape_pairs),
+        "advance": (batch._table.mirror.lengths, batch.advance_counters,
+                    torch.arange(batch.max_rows, dtype=torch.int32, device=device) % 3 - 1),
+        "clear_leases": ([s.resident for s in batch.groups], [s.recency for s in batch.groups],
+                         torch.tensor([1, 0], dtype=torch.int64, device=device)),
+        "rank_signal": (torch.zeros(512, dtype=torch.int64, device=device),
+                        torch.zeros(1, dtype=torch.int64, device=device), [flush_pool], 0, 1),
+        "rank_wait": (torch.zeros(512, dtype=torch.int64, device=device), [flush_pool],
+                      torch.zeros(1, dtype=torch.int64, device=device), 0, 1, 1000),
+    }

@@ -393,8 +393,7 @@ def test_eager_calls_of_the_bound_shapes_equal_the_checked_calls(device):
     Python checks and passes the bound argument lists to the op; it leaves every state tensor
     that the checked call leaves (here: a [max_rows, 1, K] selection with the fetch named by
     layers, and targets as a sequence), over steps with misses and membership changes."""
-    from stepping import ROWS, Driver, write_tokens
-    from test_cuda_graphs import assert_same_state
+    from stepping import ROWS, Driver, assert_same_state, write_tokens
     bound, checked = Driver(device, seed=3), Driver(device, seed=3)
     for number in range(12):
         for driver in (bound, checked):

@@ -7,59 +7,12 @@ from torch._dynamo.utils import counters
 
 from torch_kvcm2 import ops
 from conftest import DEVICE_PARAMS
-from stepping import Driver, step
+from stepping import Driver, op_samples, run, step
 
 
 def registered_ops():
     return sorted(s.name.split("::")[1] for s in torch._C._jit_get_all_schemas()
                   if s.name.startswith("torch_kvcm2::"))
-
-
-def op_samples(device):
-    """One realistic argument set per per-step op, taken from a live batch mid-step."""
-    driver = Driver(device, seed=7)
-    batch, groups = driver.batch, driver.batch.config.selection_groups
-    batch.publish()
-    selected, _ = driver.inputs()
-    batch.resolve(0, selected[0])
-    state, sp = batch.groups[0], groups[0].sparse
-    fetch_args = batch._step.fetch_args["a0"]  # cells, host pools, positions, page tables
-    (flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table), \
-        (_, _, _, params) = batch._step.flush_args[0]
-    positions = torch.arange(8, dtype=torch.int32, device=device).repeat(4, 1)
-    return {
-        "convert_page_indices": (torch.empty(4, 16, dtype=torch.int32, device=device),
-                                 batch.page_tables[0], batch.capacity, 2, 1, 1, 1),
-        "convert_token_indices": (torch.empty_like(positions), positions, batch.page_tables[0],
-                                  batch.capacity, 2, 1, 4),
-        "resolve": (state.resident, state.recency, state.index_table, state.miss_list,
-                    state.miss_count, state.counters, state.inflight_slots, selected[0],
-                    batch.history, batch.capacity, batch.lease, sp.tokens_per_unit, 4,
-                    sp.max_inflight_tokens, 0),
-        "fetch": (*fetch_args, state.miss_list, state.miss_count, sp.slots, sp.tokens_per_unit),
-        "resolve_step": (state.resident, state.recency, state.index_table, state.miss_list,
-                         state.miss_count, state.counters, state.inflight_slots,
-                         state.write_table, state.inflight_start, fetch_args[0], selected[0],
-                         batch.history, batch.capacity, batch.lease, *fetch_args[1:],
-                         sp.tokens_per_unit, 4, sp.max_inflight_tokens, 0),
-        "locate_inflight": (state.inflight_slots, state.resident, batch.history, batch.capacity,
-                            batch.lease, sp.tokens_per_unit, sp.max_inflight_tokens),
-        "write_indices": (state.write_table, state.inflight_start, state.resident,
-                          state.inflight_slots, batch.history, batch.capacity, batch.lease,
-                          sp.tokens_per_unit, sp.max_inflight_tokens),
-        "flush": (flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table,
-                  batch.capacity, batch.history, batch.capacity, batch.lease, params),
-        "flush_watermark": (batch.written, batch._step.declared, batch.capacity, batch.history,
-                            batch.capacity, batch.lease, batch._step.shape_pairs),
-        "advance": (batch._table.mirror.lengths, batch.advance_counters,
-                    torch.arange(batch.max_rows, dtype=torch.int32, device=device) % 3 - 1),
-        "clear_leases": ([s.resident for s in batch.groups], [s.recency for s in batch.groups],
-                         torch.tensor([1, 0], dtype=torch.int64, device=device)),
-        "rank_signal": (torch.zeros(512, dtype=torch.int64, device=device),
-                        torch.zeros(1, dtype=torch.int64, device=device), [flush_pool], 0, 1),
-        "rank_wait": (torch.zeros(512, dtype=torch.int64, device=device), [flush_pool],
-                      torch.zeros(1, dtype=torch.int64, device=device), 0, 1, 1000),
-    }
 
 
 def test_state_tensors_never_alias():
@@ -87,20 +40,6 @@ def test_every_per_step_op_passes_opcheck(device):
     """INT-1: all default opcheck utilities, on each per-step op."""
     for name, args in op_samples(device).items():
         torch.library.opcheck(getattr(torch.ops.torch_kvcm2, name).default, args)
-
-
-def run(driver, fn, steps):
-    outputs = []
-    for number in range(steps):
-        selected, new_tokens = driver.inputs()
-        outputs.append([o.cpu() for o in fn(driver.batch, selected, new_tokens)])
-        driver.batch.record_flush()  # a compiled flush skips its host bookkeeping
-        driver.advance()
-        if number == 1:  # a membership change between steps
-            driver.leave()
-            driver.join()
-            driver.batch.publish()
-    return outputs
 
 
 def test_decode_step_compiles_fullgraph_and_equals_eager():

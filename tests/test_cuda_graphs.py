@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from stepping import Driver, step
+from stepping import Driver, assert_same_state, step
 
 pytestmark = pytest.mark.cuda
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,26 +52,6 @@ def test_captured_step_replays_bit_identical_to_eager_across_membership_changes(
     assert [c.history_length for c in eager.caches] == [c.history_length for c in captured.caches]
 
 
-def assert_same_state(a, b):
-    """Every state tensor equal, except that a miss list is compared as a set of entries: its
-    order follows the CTAs' atomics on CUDA (INT-4), and a host pool only over its committed
-    slots (the rest of its reservation is no memory yet: STO-6)."""
-    pools = {id(g.device_data): (g, h) for g, h in zip(a.manager.storage.groups,
-                                                       b.manager.storage.groups)}
-    for x, y in zip(a.state_tensors(), b.state_tensors()):
-        if any(x is s.miss_list for s in a.groups):
-            continue
-        if id(x) in pools:
-            g, h = pools[id(x)]
-            assert g.committed_slots == h.committed_slots
-            x, y = x[:g.committed_slots], y[:h.committed_slots]
-        assert torch.equal(x, y)
-    for s, t in zip(a.groups, b.groups):
-        n = int(s.miss_count[0])
-        assert n == int(t.miss_count[0])
-        assert sorted(s.miss_list[:n].tolist()) == sorted(t.miss_list[:n].tolist())
-
-
 REDUCE_OVERHEAD = r"""
 import sys
 sys.path.insert(0, {here!r})
@@ -80,8 +60,7 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 inductor_config.triton.cudagraph_or_error = True
 inductor_config.fx_graph_cache = False
-from stepping import Driver, step
-from test_compile import run
+from stepping import Driver, run, step
 
 eager, compiled = Driver("cuda", seed=11), Driver("cuda", seed=11)
 eager.batch.publish()
@@ -89,7 +68,7 @@ compiled.batch.publish()
 expected = run(eager, step, 8)
 got = run(compiled, torch.compile(step, mode="reduce-overhead", fullgraph=True), 8)
 assert all(torch.equal(x, y) for a, b in zip(expected, got) for x, y in zip(a, b))
-from test_cuda_graphs import assert_same_state
+from stepping import assert_same_state
 assert_same_state(eager.batch, compiled.batch)
 skips = counters["inductor"]["cudagraph_skips"]
 assert skips == 0, skips

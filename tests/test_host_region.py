@@ -441,7 +441,7 @@ def test_a_captured_step_stays_valid_on_pages_of_chunks_committed_after_capture(
     import functools
 
     import stepping
-    from test_cuda_graphs import assert_same_state
+    from stepping import assert_same_state
 
     monkeypatch.setattr(kv, "KVCacheManager",
                         functools.partial(kv.KVCacheManager, host_chunk_bytes=PAGE_SIZE))

@@ -20,8 +20,8 @@ import reference as ref
 import torch_kvcm2 as kv
 from torch_kvcm2 import ops
 from conftest import DEVICE_PARAMS
-from test_data_safety import Model, token_bytes
-from test_residency_ops import RandomDriver
+from residency_driver import RandomDriver
+from safety_model import Model, token_bytes
 
 BAD = ref.BAD
 I32 = torch.int32

@@ -12,7 +12,7 @@ import torch
 
 import torch_kvcm2 as kv
 from configs import dsa_config, import_history
-from test_data_safety import MAX_ROWS, P as SAFETY_P, Model
+from safety_model import MAX_ROWS, P as SAFETY_P, Model
 
 STEPS = int(os.environ.get("KVCM2_SAFETY_STEPS", "1000")) // 2
 

@@ -5,11 +5,20 @@ host group and run the same randomised decode loop; every rank reads every token
 cells after its fetches and straight from the shared host pages, bit-exactly. Expected values are
 a function of (request, layer, position), so every rank knows what each token must hold whichever
 rank wrote it. A worker reports through a JSON file; the parent asserts.
+
+While it runs, a worker also reports its progress (phase, step) and, from a watchdog thread, what
+the shared rank header holds (every rank's signalled generation, the left flags, the failure
+record) to ``rank<r>.progress``. The parent's time limit counts from when every rank is ready
+(its manager built: spawn, imports, CUDA and gloo start-up are outside it); on a timeout it dumps
+every live rank's Python stacks (faulthandler) and fails naming, per rank, its last phase and
+step and the generation it waits for with the ranks that had signalled it.
 """
+import faulthandler
 import json
 import os
 import random
 import signal
+import threading
 import time
 
 import numpy as np
@@ -37,6 +46,75 @@ def make_config(device):
                           gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device)
 
 
+class Progress:
+    """One worker's progress file: the main thread's phase and step, and (every ``period``
+    seconds, from a watchdog thread, while the main thread may be blocked in a wait) a snapshot
+    of its host group's rank header. ``stop`` ends the header reads before the header can be
+    unmapped (every close of a manager or drop of a group comes after it)."""
+
+    def __init__(self, path, rank, period=0.5):
+        self.path, self.rank, self.period = path, rank, period
+        self.lock = threading.Lock()
+        self.state = {"rank": rank, "pid": os.getpid(), "phase": "started", "step": None,
+                      "since": time.time(), "header": None}
+        self.group = None
+        self.done = threading.Event()
+        self._write()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def report(self, phase, step=None):
+        with self.lock:
+            self.state.update(phase=phase, step=step, since=time.time())
+            self._write()
+
+    def watch(self, group):
+        """Snapshot ``group``'s header from now on (host memory: readable during a CUDA wait)."""
+        with self.lock:
+            self.group = group
+
+    def stop(self):
+        with self.lock:
+            self._snapshot()
+            self.group = None
+            self._write()
+
+    def _snapshot(self):
+        group = self.group
+        if group is None or group.header is None or group.closed:
+            return
+        world = group.world
+        words = group.header.tolist()
+        self.state["header"] = {
+            "counters": words[16:16 + world], "left": [r for r in range(world) if words[80 + r]],
+            "failure": words[2:8] if words[2] else None}
+
+    def _write(self):
+        self.state["written"] = time.time()
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.state, f)
+        os.replace(tmp, self.path)
+
+    def _watch(self):
+        while not self.done.wait(self.period):
+            with self.lock:
+                self._snapshot()
+                self._write()
+
+
+PROGRESS = None  # the worker's Progress (None in the parent and in-process tests)
+
+
+def report(phase, step=None):
+    if PROGRESS is not None:
+        PROGRESS.report(phase, step)
+
+
+def stop_watching():
+    if PROGRESS is not None:
+        PROGRESS.stop()
+
+
 def token_values(request: int, layer: int, positions) -> np.ndarray:
     """int32[len(positions), WORDS]: what token ``positions`` of ``request``'s ``layer`` holds."""
     pos = np.asarray(positions, dtype=np.uint64)[:, None]
@@ -62,6 +140,9 @@ class TPDriver:
         self.gen = torch.Generator().manual_seed(seed)
         self.caches = []
         self.checked_fetches = 0
+        if PROGRESS is not None:
+            PROGRESS.watch(self.group)
+        report("ready")
 
     def _host_tokens(self, cache, layer: str) -> torch.Tensor:
         """int32[tokens, WORDS] of the cache's host pages of ``layer`` (host view)."""
@@ -168,14 +249,18 @@ def scenario_decode(rank, world, device, split):
         driver.join()
     read = 0
     for step in range(24):
+        report("step", step)
         if driver.rng.random() < 0.15 and len(driver.caches) > 1:
             driver.leave()
         if driver.rng.random() < 0.2 and len(driver.caches) < ROWS:
             driver.join()
         driver.step()
+        report("sync after step", step)
         driver.batch.sync()  # the next step's ordering point, taken early to read back
+        report("read back", step)
         read += driver.read_back()
     manager, batch = driver.manager, driver.batch
+    report("check_ranks")
     driver.settle()
     manager.check_ranks(batch)  # identical calls: no divergence
     region = manager.storage.region
@@ -195,10 +280,13 @@ def scenario_decode(rank, world, device, split):
     extra.close()
     # TP-4: the last rank leaves cleanly; every other rank's next sync raises, naming it
     if rank == world - 1:
+        report("leaving")
+        stop_watching()
         batch.close(discard=True)
         manager.close()
         result["closed"] = manager.closed
     else:
+        report("sync after a rank left")
         begin = time.monotonic()
         try:
             batch.sync()
@@ -208,6 +296,7 @@ def scenario_decode(rank, world, device, split):
         except RuntimeError as exc:
             result["left_error"] = str(exc)
         result["left_seconds"] = time.monotonic() - begin
+        report("closing after the failure")
         result["failure"] = driver.group.failure()  # host memory: readable after a trap
         close_after_failure(manager)
     return result
@@ -219,6 +308,7 @@ def scenario_killed(rank, world, device, split):
         driver.join()
     result = {}
     for step in range(6):
+        report("step", step)
         if step == 3 and rank == world - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run, before its ordering point
         begin = time.monotonic()
@@ -239,6 +329,7 @@ def scenario_killed(rank, world, device, split):
 def close_after_failure(manager):
     """Close a manager whose group failed; on CUDA the trap lost the context, so the close's
     CUDA calls may fail: the process exits next anyway."""
+    stop_watching()
     try:
         manager.close()
     except RuntimeError:
@@ -263,6 +354,7 @@ def scenario_commit_fault(rank, world, device, split):
     manager = kv.KVCacheManager(make_config(device), host_group=HostGroup(timeout_s=30),
                                 host_chunk_bytes=PAGE_SIZE, host_huge_pages=False,
                                 _host_ops=host_ops)
+    report("ready")
     region = manager.storage.region
     first = manager.create_cache()
     assert first.resize(capacity=64)  # 16 pages: within the first chunks
@@ -282,6 +374,7 @@ def scenario_commit_fault(rank, world, device, split):
     result = {"refused": refused, "granted": granted, "before": before,
               "after_failure": after_failure, "last_error": region.last_error,
               "after": (region.committed_bytes, region.node_bytes())}
+    stop_watching()
     manager.close()
     return result
 
@@ -348,7 +441,8 @@ def scenario_graph(rank, world, device, split):
             captured_step(batch, selected, tokens, driver.layer_index)
         replay = graph.replay
     checked = 0
-    for _ in range(12):
+    for number in range(12):
+        report("replay", number)
         inputs()
         replay()
         batch.record_flush()  # the host bookkeeping a replay cannot do
@@ -371,6 +465,7 @@ def scenario_graph(rank, world, device, split):
     batch.sync()
     read = driver.read_back()
     counters = driver.group.counters()
+    stop_watching()
     batch.close(discard=True)
     driver.manager.close()
     return {"fetched": checked, "read": read, "counters": counters}
@@ -386,9 +481,11 @@ def scenario_dropped(rank, world, device, split):
     driver.step()
     driver.group.barrier()
     if rank == world - 1:
+        stop_watching()
         del driver
         gc.collect()
         return {"dropped": True}
+    report("step after a rank dropped")
     begin = time.monotonic()
     try:
         driver.step()
@@ -409,34 +506,108 @@ SCENARIOS = {"dropped": scenario_dropped, "graph": scenario_graph, "decode": sce
 
 
 def _worker(rank, world, init, scenario, device, split, out_dir):
+    global PROGRESS
+    PROGRESS = Progress(os.path.join(out_dir, f"rank{rank}.progress"), rank)
+    # the parent sends SIGUSR1 on a timeout: every thread's Python stack, even inside a C call
+    stacks = open(os.path.join(out_dir, f"rank{rank}.stacks"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    report("init_process_group")
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    report("building the manager")
     try:
         result = {"ok": True, **SCENARIOS[scenario](rank, world, device, split)}
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent
+        stop_watching()  # before the traceback's frames (and their managers) are released
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    stop_watching()
+    report("done")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0)  # no destroy_process_group: a dead peer would make it hang
 
 
-def run_ranks(tmp_path, world, scenario, device="cpu", split="layer", timeout=120):
+def read_progress(tmp_path, rank):
+    path = tmp_path / f"rank{rank}.progress"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def describe_rank(tmp_path, rank, proc, now):
+    """One line on where rank ``rank`` got to: process state, last phase and step, and from its
+    last header snapshot the generation it waits for and which ranks had signalled it."""
+    state = "alive at the deadline" if proc.is_alive() else f"exited {proc.exitcode}"
+    progress = read_progress(tmp_path, rank)
+    if progress is None:
+        return f"rank {rank}: {state}; no progress reported (not started)"
+    step = "" if progress["step"] is None else f" {progress['step']}"
+    line = (f"rank {rank} (pid {progress['pid']}): {state}; last phase '{progress['phase']}"
+            f"{step}' entered {now - progress['since']:.1f} s before")
+    header = progress.get("header")
+    if header is None:
+        return line + "; no header snapshot"
+    counters = header["counters"]
+    target = counters[rank]  # after its signal, a rank waits for every counter >= its own
+    behind = [r for r, c in enumerate(counters) if c < target]
+    line += (f"; header {now - progress['written']:.1f} s before: its generation {target}, "
+             f"counters {counters}, not yet signalled by {behind}, left {header['left']}")
+    if header["failure"]:
+        waiter, missing, generation, reason, seen = header["failure"][1:]
+        line += (f", failure record: rank {waiter} gave up on rank {missing} at generation "
+                 f"{generation} (reason {reason}, it had {seen})")
+    stacks = tmp_path / f"rank{rank}.stacks"
+    if proc.is_alive() and stacks.exists():
+        main = stacks.read_text().strip().split("\n\n")
+        line += "\n    stacks:\n    " + "\n    ".join("\n".join(main).splitlines()[-40:])
+    return line
+
+
+def run_ranks(tmp_path, world, scenario, device="cpu", split="layer", timeout=120,
+              startup_timeout=600):
+    """Runs ``scenario`` in ``world`` spawned ranks; returns their JSON results and exit codes.
+    ``timeout`` counts from when every rank is ready (manager built) or has exited;
+    ``startup_timeout`` bounds the start-up (spawn, imports, CUDA and gloo set-up) before it.
+    A rank still running at the deadline fails the test, with every rank's progress."""
     ctx = mp.get_context("spawn")
     init = f"file://{tmp_path}/store"
     procs = [ctx.Process(target=_worker, args=(r, world, init, scenario, device, split,
                                                str(tmp_path)))
              for r in range(world)]
+    spawned = time.monotonic()
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout
+
+    def started(r):
+        progress = read_progress(tmp_path, r)
+        return not procs[r].is_alive() or (
+            progress is not None and progress["phase"] not in (
+                "started", "init_process_group", "building the manager"))
+
+    deadline = spawned + startup_timeout
+    while not all(started(r) for r in range(world)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ready = time.monotonic()
+    deadline = min(deadline, ready) + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    late = [r for r, p in enumerate(procs) if p.is_alive()]
+    if late:
+        for r in late:  # where exactly: every thread's stack, then the header as it is now
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        time.sleep(1.5)
+        now = time.time()
+        lines = [describe_rank(tmp_path, r, p, now) for r, p in enumerate(procs)]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        pytest.fail(f"TP scenario {scenario!r}: ranks {late} still running {timeout} s after "
+                    f"every rank was ready ({ready - spawned:.1f} s after spawn):\n"
+                    + "\n".join(lines), pytrace=False)
     results = {}
     for r in range(world):
         path = tmp_path / f"rank{r}.json"
