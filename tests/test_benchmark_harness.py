@@ -1,4 +1,7 @@
-"""The benchmark harness runs end to end (CPU smoke run) and checks each op's outputs."""
+"""The benchmark harness runs end to end (CPU smoke run) and checks each op's outputs; the
+benchmark files keep their structure (no import of the driver, no import circle, no file past
+900 lines)."""
+import ast
 import importlib.util
 import json
 import os
@@ -92,3 +95,54 @@ def test_eager_parts_runs_its_checks_and_prints_every_part():
                  "Batch.write_indices(0)", "Batch.flush(targets)", "Batch.advance(zeros)"):
         assert any(line.startswith(part) and line.endswith(" us") for line in lines), part
 
+
+def benchmark_imports() -> dict:
+    """For every benchmarks/*.py: the names of the other benchmark modules it imports (at any
+    depth of the file: in functions too)."""
+    files = sorted(f for f in os.listdir(BENCHMARKS) if f.endswith(".py"))
+    local = {f[:-3] for f in files}
+    graph = {}
+    for f in files:
+        with open(os.path.join(BENCHMARKS, f)) as fh:
+            tree = ast.parse(fh.read(), filename=f)
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        graph[f[:-3]] = names & local
+    return graph
+
+
+def test_no_benchmark_imports_the_driver_and_no_import_cycle():
+    graph = benchmark_imports()
+    assert {"run", "harness"} <= set(graph)
+    importers = sorted(m for m, deps in graph.items() if "run" in deps)
+    assert not importers, f"benchmark modules import run.py: {importers}"
+    done, path = set(), []
+
+    def visit(module):  # depth-first; a module met again on the current path closes a cycle
+        if module in path:
+            raise AssertionError("benchmark import cycle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module in done:
+            return
+        path.append(module)
+        for dep in sorted(graph[module]):
+            visit(dep)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_every_benchmark_file_is_at_most_900_lines():
+    long = {}
+    for f in sorted(os.listdir(BENCHMARKS)):
+        if f.endswith(".py"):
+            with open(os.path.join(BENCHMARKS, f)) as fh:
+                n = sum(1 for _ in fh)
+            if n > 900:
+                long[f] = n
+    assert not long, f"benchmark files past 900 lines: {long}"
