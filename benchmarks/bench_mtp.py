@@ -7,7 +7,7 @@ S = T·K + 1024 rounded to whole pages, history 8·K tokens per row. Query token
 replaces 1% of the previous step's with never-used units (P-RES's rule); token t is token t-1
 with 10% of its columns redrawn from a per-row pool of draft units that a warm-up resolve made
 resident, so a row's tokens overlap by ~90% and the union's misses stay ~1% of K. Timed as
-CUDA-graph replays (run.py's Timer; state restored before each replay): the [rows, T, K]
+CUDA-graph replays (harness.py's Timer; state restored before each replay): the [rows, T, K]
 resolve, and the same step as T resolves of [rows, K]; next to P-RES from the same run. Every
 output is checked before its time counts: on CUDA one replay's state, index table, miss list
 and counters against the CPU kernel run on copies; on both, that every selected column has an
@@ -21,34 +21,24 @@ K / 2 are measured too.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import os
 import sys
 from types import SimpleNamespace
 
 import torch
 
-import torch_kvcm2 as kv
+from bench_residency import bench_resolve, resolve_batch, resolve_only
+from harness import PAGE, Result, Timer, pick_device, release, report, restore, snapshot
 from torch_kvcm2 import ops
 
 
-def mtp_workload(h, device, quick, T, K=None, seed=0):
+def mtp_workload(device, quick, T, K=None, seed=0):
     """The batch, its group state and ``sels[0..calls]`` int32[rows, T, K] (``sels[0]`` the
     warm-up: token 0 the first selection, later tokens the draft pool, padded)."""
     rows = 4 if quick else 64
     K = K or (256 if quick else 2048)
-    S = -(-(T * K + 1024) // h.PAGE) * h.PAGE
+    S = -(-(T * K + 1024) // PAGE) * PAGE
     history = 8 * K
-    base = h.sparse_config(device, rows=rows, width=K, slots=S, unit=1, page=h.PAGE,
-                           bytes_per_token=h.MLA_ROW, tokens_per_row=history + 64,
-                           host_bytes=rows * (history + 128) * h.MLA_ROW + (16 << 20))
-    layers = [dataclasses.replace(l, sparse=dataclasses.replace(l.sparse, max_query_tokens=T))
-              for l in base.layers]
-    config = dataclasses.replace(base, layers=layers)
-    manager = kv.KVCacheManager(config)
-    batch = kv.Batch(manager)
-    h.seat(manager, batch, rows, history)
+    config, manager, batch = resolve_batch(device, rows, K, S, history, query_tokens=T)
     g = torch.Generator().manual_seed(seed)
     calls = 4 if quick else 16
     new = max(1, K // 100)
@@ -113,9 +103,9 @@ def check_against_cpu(w, before, sel, table) -> None:
         sorted(map(tuple, st.miss_list[:n].cpu().tolist())), "miss lists differ"
 
 
-def measure(h, timer, device, quick, T, K=None):
+def measure(timer, device, quick, T, K=None):
     """Times one shape; returns a dict (``error`` set when the resolve does not fit)."""
-    w = mtp_workload(h, device, quick, T, K)
+    w = mtp_workload(device, quick, T, K)
     batch, state, calls = w.batch, w.state, w.calls
     try:
         batch.resolve(0, w.sels[0])  # warm-up: token 0's selection and the draft pool resident
@@ -123,21 +113,21 @@ def measure(h, timer, device, quick, T, K=None):
             torch.cuda.synchronize()
     except RuntimeError as error:
         return {"T": T, "K": w.K, "S": w.S, "rows": w.rows, "error": str(error).split("\n")[0]}
-    saved = h.snapshot([state])
+    saved = snapshot([state])
     singles = [[s[:, t].contiguous() for t in range(T)] for s in w.sels]
     step = [0]
 
     def reset():
-        h.restore([state], saved)
+        restore([state], saved)
         step[0] = 0
 
     def union():
-        h.resolve_only(batch, 0, w.sels[1 + step[0] % calls])
+        resolve_only(batch, 0, w.sels[1 + step[0] % calls])
         step[0] += 1
 
     def separate():
         for sel in singles[1 + step[0] % calls]:
-            h.resolve_only(batch, 0, sel)
+            resolve_only(batch, 0, sel)
         step[0] += 1
 
     # checks first: every step of one run of the union resolves (against the CPU kernel on
@@ -171,25 +161,25 @@ def measure(h, timer, device, quick, T, K=None):
             "overlap_pct": 100 * sum(overlap) / len(overlap)}
 
 
-def bench_mtp(h, timer, device, quick, results=()) -> list:
+def bench_mtp(timer, device, quick, results=()) -> list:
     """P-RES-MTP rows: T = 2 and T = 4 at K = 2048 (quick: 4 rows, K = 256), each against T
-    single-token resolves and P-RES. ``h`` is benchmarks/run.py (its Timer, helpers and
-    Result); ``results`` the run's earlier results (P-RES is measured here when absent)."""
+    single-token resolves and P-RES. ``results`` the run's earlier results (P-RES is measured
+    here when absent)."""
     pres = next((r for r in results if r.id == "P-RES"), None)
-    pres_us = (pres or h.bench_resolve(timer, device, quick)).median_us
+    pres_us = (pres or bench_resolve(timer, device, quick)).median_us
     out = []
-    points = [measure(h, timer, device, quick, T) for T in (2, 4)]
-    h.release(device)
+    points = [measure(timer, device, quick, T) for T in (2, 4)]
+    release(device)
     if "error" in points[1]:  # T = 4 does not fit at K: T = 3 at K, and T = 4 at K / 2
         K = points[0]["K"]
-        points += [measure(h, timer, device, quick, 3), measure(h, timer, device, quick, 4, K // 2)]
-        h.release(device)
+        points += [measure(timer, device, quick, 3), measure(timer, device, quick, 4, K // 2)]
+        release(device)
     for p in points:
         shape = f"T={p['T']}, {p['rows']} x K={p['K']}, S={p['S']}"
         if "error" in p:
-            out.append(h.Result("P-RES-MTP", shape + ": does not fit", 0.0,
-                                target="runs", passed=False if device == "cuda" else None,
-                                extra={**p, "note": f"T={p['T']} K={p['K']}: {p['error']}"}))
+            out.append(Result("P-RES-MTP", shape + ": does not fit", 0.0,
+                              target="runs", passed=False if device == "cuda" else None,
+                              extra={**p, "note": f"T={p['T']} K={p['K']}: {p['error']}"}))
             continue
         ratio = p["union_us"] / pres_us
         target = "T=2: <= 1.5 x P-RES" if p["T"] == 2 else f"< {p['T']} resolves"
@@ -199,9 +189,9 @@ def bench_mtp(h, timer, device, quick, results=()) -> list:
                 f"{ratio:.2f} x P-RES ({pres_us:.2f} us); misses {p['miss_pct']:.2f}% of K, "
                 f"overlap {p['overlap_pct']:.1f}%, {p['distinct_per_row']:.0f} distinct units "
                 f"per row")
-        out.append(h.Result("P-RES-MTP", shape + ", 1% miss, 90% ovl", p["union_us"],
-                            target=target, passed=None if device == "cpu" else ok,
-                            extra={**p, "pres_us": pres_us, "ratio_pres": ratio, "note": note}))
+        out.append(Result("P-RES-MTP", shape + ", 1% miss, 90% ovl", p["union_us"],
+                          target=target, passed=None if device == "cpu" else ok,
+                          extra={**p, "pres_us": pres_us, "ratio_pres": ratio, "note": note}))
     return out
 
 
@@ -212,22 +202,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import run as h
-
-    cuda = not args.quick and kv.has_cuda_kernels() and torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    if not cuda:
-        args.quick = True
-    timer = h.Timer(device, 3 if args.quick else args.repeats)
-    results = bench_mtp(h, timer, device, args.quick)
-    for r in results:
-        verdict = "-" if r.passed is None else ("yes" if r.passed else "NO")
-        print(f"| {r.id} | {r.shape} | {r.median_us:.2f} us | {r.target} | {verdict} |")
-        print(f"# {r.extra['note']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{**r.__dict__} for r in results], f, indent=1)
+    device, args.quick = pick_device(args.quick)
+    timer = Timer(device, 3 if args.quick else args.repeats)
+    results = bench_mtp(timer, device, args.quick)
+    report(results, args.json)
     return 0
 
 

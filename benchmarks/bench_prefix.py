@@ -29,9 +29,9 @@ import time
 import torch
 
 import torch_kvcm2 as kv
+from harness import MLA_ROW as ROW  # bytes per token of the sparse latent (DeepSeek FP8 MLA)
+from harness import PAGE, Result
 
-PAGE = 64
-ROW = 656  # bytes per token of the sparse latent (DeepSeek FP8 MLA)
 DENSE = 128  # bytes per token of a dense buffer (indexer keys) in GPU pools
 
 
@@ -241,8 +241,8 @@ def create_and_seat(manager, batch, ids, sz, repeats: int) -> dict:
     return {name: statistics.median(v[1:]) for name, v in parts.items()}
 
 
-def bench_prefix(timer, device, quick, result) -> list:
-    """The P-PFX rows (``result`` is the harness's Result class)."""
+def bench_prefix(timer, device, quick) -> list:
+    """The P-PFX rows."""
     sz = sizes(quick)
     cuda = device != "cpu"
     runs = {}
@@ -265,7 +265,7 @@ def bench_prefix(timer, device, quick, result) -> list:
     seat = create_and_seat(m, runs[True]["batch"], request, sz, sz["repeats"])
     shape = f"{rows} req x ({sz['prefix'] // 1000:g}K shared + {sz['private']})"
     out = [
-        result("P-PFX", f"{shape}: bytes", runs[True]["seconds"] * 1e6 / rows,
+        Result("P-PFX", f"{shape}: bytes", runs[True]["seconds"] * 1e6 / rows,
                target="<= 1.1x one prefix + private",
                passed=None if not cuda else max(ratio.values()) <= 1.1,
                extra={"host_bytes_shared": shared["host"], "host_bytes_private": private["host"],
@@ -281,7 +281,7 @@ def bench_prefix(timer, device, quick, result) -> list:
                               f"us: host time per request to admit and prefill it, the "
                               f"benchmark's byte writes included (private: "
                               f"{runs[False]['seconds'] * 1e6 / rows:.0f} us)"}),
-        result("P-PFX", f"create+seat+publish, {sz['prefix'] // P}-page cached prefix",
+        Result("P-PFX", f"create+seat+publish, {sz['prefix'] // P}-page cached prefix",
                seat["total"], target="<= 1 ms host, no copy",
                passed=None if not cuda else seat["total"] <= 1000,
                extra={"create_us": seat["create"], "add_us": seat["add"],
@@ -291,7 +291,7 @@ def bench_prefix(timer, device, quick, result) -> list:
                               f"publish of its row {seat['publish']:.0f} us"
                               f"{' (to the synchronize after it)' if cuda else ''}; no slot "
                               f"allocated"}),
-        result("P-PFX", f"step, {rows} sharing rows x K={sz['K']} x {sz['layers']}L", step_shared,
+        Result("P-PFX", f"step, {rows} sharing rows x K={sz['K']} x {sz['layers']}L", step_shared,
                target="~= private rows",
                passed=None if not cuda else step_shared <= 1.1 * step_private,
                extra={"private_us": step_private, "ratio": step_shared / step_private,

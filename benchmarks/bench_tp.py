@@ -3,7 +3,7 @@
     python benchmarks/bench_tp.py [--quick] [--ranks 1,2] [--json out.json]
     python benchmarks/run.py --only P-TP
 
-P-STEP's shape (benchmarks/run.py: ``step_sizes``, ``sparse_config``, ``seat``) on TP = 1, 2, ...
+P-STEP's shape (benchmarks/harness.py: ``step_sizes``, ``sparse_config``, ``seat``) on TP = 1, 2, ...
 processes of this host (gloo over a file store; on CUDA every process uses the current GPU, so
 two ranks share the one GPU of a one-GPU machine). Each rank builds its manager over one host
 group, seats the rows, fills the in-flight token of every layer's cells with a pattern and
@@ -35,37 +35,23 @@ import torch
 import torch.multiprocessing as mp
 
 import torch_kvcm2 as kv
+from harness import (MLA_ROW, PAGE, Result, Timer, bound_launches, pick_device, release, report,
+                     seat, sparse_config, step_sizes)
 from torch_kvcm2.tp import HostGroup
 
 FLUSHES = 10  # flushes per timed graph replay (P-FLUSH's count)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned workers import "run"
-_RUN = None  # benchmarks/run.py: the shapes, helpers and Result
-
-
-def _run():
-    """benchmarks/run.py as a module: the one that called ``bench_tp``, or (in a spawned worker,
-    or when this file runs as the script) imported here; not at import time, since run.py
-    imports this module."""
-    global _RUN
-    if _RUN is None:
-        import run
-
-        _RUN = run
-    return _RUN
-
 
 def build(device, quick, host_group):
     """P-STEP's manager, batch and steady state; returns (manager, batch, H, layers)."""
-    run = _run()
-    sz = run.step_sizes(quick)
+    sz = step_sizes(quick)
     R, K, S, H, groups = sz["rows"], sz["K"], sz["S"], sz["history"], sz["groups"]
-    config = run.sparse_config(device, rows=R, width=K, slots=S, unit=1, page=run.PAGE,
-                               bytes_per_token=run.MLA_ROW, layers=sum(groups), inflight=16,
-                               tokens_per_row=H + 64, groups=groups)
+    config = sparse_config(device, rows=R, width=K, slots=S, unit=1, page=PAGE,
+                           bytes_per_token=MLA_ROW, layers=sum(groups), inflight=16,
+                           tokens_per_row=H + 64, groups=groups)
     manager = kv.KVCacheManager(config, host_group=host_group)
     batch = kv.Batch(manager)
-    run.seat(manager, batch, R, H, capacity=H + 1)  # token H in flight
+    seat(manager, batch, R, H, capacity=H + 1)  # token H in flight
     gen = torch.Generator(device=device).manual_seed(7)
     for spec in config.selection_groups:  # resident the first K units; the in-flight one pinned
         sel = torch.rand((R, H), generator=gen, device=device).argsort(-1)[:, :K]
@@ -80,21 +66,19 @@ def pattern(layer_index: int, rows: int, device) -> torch.Tensor:
 
 def write_patterns(batch, layers, device) -> None:
     """The in-flight token of every layer's cells: a per-(layer, row) byte pattern."""
-    run = _run()
     for li, layer in enumerate(layers):
         gi = batch.config.group_of(layer).index
         write = batch.groups[gi].write_table[:, 0].long()
         cells = batch.cells(layer, "kv")
-        cells[:, 0][write // run.PAGE, write % run.PAGE] = \
+        cells[:, 0][write // PAGE, write % PAGE] = \
             pattern(li, batch.max_rows, device)[:, None].expand(-1, cells.shape[-1])
 
 
 def check_patterns(manager, batch, layers, H, device) -> None:
-    run = _run()
-    host_slot = batch.page_tables[0][:, H // run.PAGE].long()
+    host_slot = batch.page_tables[0][:, H // PAGE].long()
     for li, layer in enumerate(layers):
         pages = manager.storage.slot_pages(layer, "kv")
-        got = pages[:, 0][host_slot, H % run.PAGE]
+        got = pages[:, 0][host_slot, H % PAGE]
         want = pattern(li, batch.max_rows, device)[:, None].expand_as(got)
         assert torch.equal(got, want), f"P-TP: layer {layer}: the flushed token is wrong"
 
@@ -112,16 +96,15 @@ def worker(rank, world, init, device, quick, repeats, out_dir):
     import torch.distributed as dist
 
     torch.set_num_threads(1 if quick else max(1, (os.cpu_count() or 1) // world))
-    run = _run()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     result = {"rank": rank}
     try:
-        timer = run.Timer(device, repeats)
+        timer = Timer(device, repeats)
         for split in ("layer", "pool_group"):
             manager, batch, H, layers = build(device, quick, HostGroup(timeout_s=120, split=split))
             write_patterns(batch, layers, device)
             group = manager.host_group
-            own = sum(len(args[1]) for args in batch._flush_args)
+            own = sum(len(args[1]) for args in bound_launches(batch).flush)
             times = {}
             for r in range(world):  # each rank's flush timed alone
                 group.barrier()
@@ -146,7 +129,7 @@ def worker(rank, world, init, device, quick, repeats, out_dir):
             group.barrier()
             batch.close(discard=True)
             manager.close()
-            run.release(device)
+            release(device)
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent
         result = {"rank": rank, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -182,18 +165,13 @@ def run_world(world, device, quick, repeats, timeout=1200) -> list:
     return results
 
 
-def bench_tp(device, quick, ranks=(1, 2), repeats=None, run_module=None) -> list:
-    """P-TP rows: per TP, host bytes per node and the slowest rank's flush, for each split.
-    ``run_module``: the benchmarks/run.py module calling it (its Result class and helpers)."""
-    global _RUN
-    if run_module is not None:
-        _RUN = run_module
-    run = _run()
+def bench_tp(device, quick, ranks=(1, 2), repeats=None) -> list:
+    """P-TP rows: per TP, host bytes per node and the slowest rank's flush, for each split."""
     repeats = repeats or (3 if quick else 20)
-    sz = run.step_sizes(quick)
+    sz = step_sizes(quick)
     shape = f"{sz['rows']} rows x {sum(sz['groups'])} layers, h={sz['history']}"
     private = private_host_bytes(device, quick)
-    run.release(device)
+    release(device)
     out, base = [], None
     for world in ranks:
         res = run_world(world, device, quick, repeats)
@@ -213,11 +191,11 @@ def bench_tp(device, quick, ranks=(1, 2), repeats=None, run_module=None) -> list
                     f"step {step:.1f} us; buffers flushed by rank: "
                     f"{[r[split]['buffers_flushed'] for r in res]}")
             by = "layer" if split == "layer" else "pool"
-            out.append(run.Result("P-TP", f"TP={world} by {by}: {shape}", flush,
-                                  target="1/TP bytes, <=1/TP+10%", passed=passed,
-                                  extra={"note": note, "node_bytes": node,
-                                         "private_bytes": private, "step_us": step,
-                                         "world": world, "split": split}))
+            out.append(Result("P-TP", f"TP={world} by {by}: {shape}", flush,
+                              target="1/TP bytes, <=1/TP+10%", passed=passed,
+                              extra={"note": note, "node_bytes": node,
+                                     "private_bytes": private, "step_us": step,
+                                     "world": world, "split": split}))
     return out
 
 
@@ -229,18 +207,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
-    cuda = not args.quick and kv.has_cuda_kernels() and torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    if not cuda:
-        args.quick = True
+    device, args.quick = pick_device(args.quick)
     results = bench_tp(device, args.quick, [int(x) for x in args.ranks.split(",")], args.repeats)
-    for r in results:
-        verdict = "-" if r.passed is None else ("yes" if r.passed else "NO")
-        print(f"| {r.id} | {r.shape} | {r.median_us:.2f} us | {verdict} |")
-        print(f"#   {r.extra['note']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.__dict__ for r in results], f, indent=1)
+    report(results, args.json, target=False, note_indent="   ")
     return 0
 
 

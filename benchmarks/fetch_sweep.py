@@ -14,8 +14,8 @@ Kernel variants (docs/DEVELOPMENT.md; Tuning in torch_kvcm2/csrc/cuda/launch.cuh
 KVCM2_FETCH_ILP, KVCM2_FETCH_BLOCKS_PER_SM, KVCM2_FETCH_TMA, KVCM2_FETCH_TMA_STAGE (the vector-item
 sweep and the bulk copies), KVCM2_FETCH_WARP (0: the vector-item sweep; 1, the default: one warp per missed unit over contiguous chunks
 of the miss list; 2: the same in host-address order), KVCM2_FETCH_WARP_MISSES, KVCM2_FETCH_LINES
-(whole 128-byte line reads). Shapes: ``run.bench_fetch`` (the fetch alone, P-FETCH-ROW /
-P-FETCH-PAGE) and ``run.fetch_hs_point`` (resolve + fetch from a full resident set, P-FETCH-HS at
+(whole 128-byte line reads). Shapes: ``bench_fetch.bench_fetch`` (the fetch alone, P-FETCH-ROW /
+P-FETCH-PAGE) and ``bench_fetch.fetch_hs_point`` (resolve + fetch from a full resident set, P-FETCH-HS at
 20% misses, P-STEP's miss rate at 2%), both graph-replayed.
 
 Host-memory variants (the defaults' kernel; the raw ``fetch`` op on host pools the benchmark
@@ -48,8 +48,8 @@ VARIANTS = [
     {"KVCM2_FETCH_WARP": "2", "KVCM2_FETCH_BLOCKS_PER_SM": "1"},  # host-address order
     {"KVCM2_FETCH_LINES": "1"},  # whole-line reads
 ]
-# (label, kind, args): "fetch" = run.bench_fetch(units, tokens per unit, bytes per token) on pages
-# of 64 tokens; "step" = run.fetch_hs_point(rows, K, S, miss rate)
+# (label, kind, args): "fetch" = bench_fetch.bench_fetch(units, tokens per unit, bytes per token) on pages
+# of 64 tokens; "step" = bench_fetch.fetch_hs_point(rows, K, S, miss rate)
 SHAPES = [
     ("ROW 2048", "fetch", (2048, 1, 656)),     # P-FETCH-ROW
     ("ROW 8192", "fetch", (8192, 1, 656)),
@@ -78,25 +78,26 @@ def kernel_child(device: str = "cuda") -> dict:
     """The kernel variant of this process's environment at every shape (``device="cpu"``: the
     CPU check of the harness at small sizes, no numbers claimed)."""
     sys.path.insert(0, HERE)
-    import run
+    import bench_fetch
+    import harness
 
     quick = device == "cpu"
-    timer = run.Timer(device, 3 if quick else 20)
-    ceil = run.ceilings(timer, device, quick=quick)
+    timer = harness.Timer(device, 3 if quick else 20)
+    ceil = harness.ceilings(timer, device, quick=quick)
     out = []
     for label, kind, args in SHAPES:
         if kind == "fetch":
             units, unit_tokens, row_bytes = args
             units = small(units, unit_tokens) if quick else units
-            r = run.bench_fetch(timer, device, quick, units=units, unit_tokens=unit_tokens, page=64,
-                                rid="sweep", target_pct=0, ceil=ceil, row_bytes=row_bytes)
+            r = bench_fetch.bench_fetch(timer, device, quick, units=units, unit_tokens=unit_tokens,
+                                        page=64, rid="sweep", target_pct=0, ceil=ceil, row_bytes=row_bytes)
             us, nbytes = r.median_us, r.nbytes
         else:
             rows, K, S, miss = (4, 256, 512, args[3]) if quick else args
-            s = run.fetch_hs_point(timer, device, rows, K, S, miss, seed=7)
+            s = bench_fetch.fetch_hs_point(timer, device, rows, K, S, miss, seed=7)
             us, nbytes = s["us"], s["bytes"]
         out.append({"shape": label, "us": us, "bytes": nbytes})
-        run.release(device)
+        harness.release(device)
     return {"h2d": ceil["h2d"], "results": out}
 
 
@@ -173,18 +174,20 @@ def host_child(device: str = "cuda") -> dict:
     sys.path.insert(0, HERE)
     import torch
 
-    import run
+    import bench_fetch
+    import harness
     from torch_kvcm2 import ops
 
     quick = device == "cpu"
-    timer = run.Timer(device, 3 if quick else 20)
-    ceil = run.ceilings(timer, device, quick=quick)
+    timer = harness.Timer(device, 3 if quick else 20)
+    ceil = harness.ceilings(timer, device, quick=quick)
     out = []
     for label, (units, unit_tokens, row_bytes) in HOST_SHAPES:
         units = small(units, unit_tokens) if quick else units
-        manager, batch, state, _ = run.fetch_setup(device, quick, units=units, unit_tokens=unit_tokens,
-                                                   page=64, row_bytes=row_bytes)
-        cells, pools, positions, tables = (list(x) for x in batch._fetch_args["l0"])
+        manager, batch, state, _ = bench_fetch.fetch_setup(device, quick, units=units,
+                                                           unit_tokens=unit_tokens, page=64,
+                                                           row_bytes=row_bytes)
+        cells, pools, positions, tables = (list(x) for x in harness.bound_launches(batch).fetch["l0"])
         assert len(cells) == 1 and positions == [0] and cells[0].shape[1] == 1, \
             "one buffer of one chunk at position 0 expected"
         pool = manager.storage.groups[0]
@@ -221,9 +224,9 @@ def host_child(device: str = "cuda") -> dict:
             host_cpu.copy_(manager_cpu)
             measure(name, host_cpu, host_dev, address, huge_kb)
             del host_cpu, host_dev
-            run.release(device)
+            harness.release(device)
         del manager, batch, state, cells, pools, tables, manager_cpu, pool
-        run.release(device)
+        harness.release(device)
     return {"h2d": ceil["h2d"], "results": out}
 
 

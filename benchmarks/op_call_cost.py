@@ -9,7 +9,7 @@ import sys
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from run import median_call_us
+from harness import median_call_us
 
 SOURCE = r"""
 #include <torch/custom_class.h>

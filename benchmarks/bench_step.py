@@ -1,0 +1,316 @@
+"""Decode-step benchmarks: P-STEP / P-STEP-HS (a whole step of cache ops, 61 sparse layers in 16
+selection groups or 61 private ones, as one graph replay) and P-STEP-WALL (the same step as a
+user runs it, host work included: eager and replayed, wall time against the GPU time of its
+ops)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import torch_kvcm2 as kv
+from harness import (MLA_ROW, PAGE, Result, bound_launches, check_selection, eager_step,
+                     fill_random, graph_step_gpu_us, release, reserved_step_batch, restore, seat,
+                     snapshot, sparse_config, step_sizes)
+
+
+def run_step(timer, device, quick, groups, seed) -> dict:
+    """A full decode step of cache ops with the given selection-group sizes: per group one
+    resolve and one fetch of all its layers (``Batch.fetch(*layers)``, one launch), then one
+    write_indices per group and one flush, captured as one graph and replayed from the steady
+    state (the previous selection resident and fetched, one token in flight per row). Also times
+    the same step with one fetch launch per layer, and without any fetch (what the step spends
+    outside fetch). Checks every group's counters and index table, and on sampled layers (cells
+    zeroed before a last replay) every selected unit's bytes and the flushed token."""
+    sz = step_sizes(quick)
+    R, K, S, H = sz["rows"], sz["K"], sz["S"], sz["history"]
+    L, G, B = sum(groups), len(groups), MLA_ROW
+    config = sparse_config(device, rows=R, width=K, slots=S, unit=1, page=PAGE, bytes_per_token=B,
+                           layers=L, inflight=16, tokens_per_row=H + 64, groups=groups)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    seat(manager, batch, R, H, capacity=H + 1)  # token H is in flight
+    pool = manager.storage.groups[0]
+    assert len(manager.storage.groups) == 1 and len(bound_launches(batch).flush) == 1
+    fill_random(pool, seed)
+    new = max(1, round(K * 0.02))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    order = torch.rand((G, R, H), generator=gen, device=device).argsort(-1)
+    sel0 = order[..., :K]
+    pos = torch.rand((G, R, K), generator=gen, device=device).argsort(-1)[..., :new]
+    sel1 = sel0.scatter(2, pos, order[..., K:K + new])  # 2% never-used units per row
+    fresh = torch.zeros((G, R, K), dtype=torch.bool, device=device).scatter_(2, pos, True)
+    sels0 = [sel0[g].to(torch.int32).contiguous() for g in range(G)]
+    sels1 = [sel1[g].to(torch.int32).contiguous() for g in range(G)]
+    del order, sel0, sel1, pos
+    group_layers = [spec.layers for spec in config.selection_groups]
+    assert [len(ls) for ls in group_layers] == list(groups)
+    for gi, layers in enumerate(group_layers):  # steady state
+        batch.resolve(gi, sels0[gi])
+        for layer in layers:
+            batch.fetch(layer)
+        batch.write_indices(gi)
+    states = batch.groups
+    saved = snapshot(states)
+
+    def reset():
+        restore(states, saved)
+
+    def step(fetch: str):  # "group": one launch per group, "layer": one per layer, "none"
+        def body():
+            for gi, layers in enumerate(group_layers):
+                batch.resolve(gi, sels1[gi])
+                if fetch == "layer":
+                    for layer in layers:
+                        batch.fetch(layer)
+                elif fetch == "group":
+                    batch.fetch(*layers)
+            for gi in range(G):
+                batch.write_indices(gi)
+            batch.flush()
+        return body
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    per_layer_us = timer.graph(step("layer"), 1, reset) if G < L else None
+    no_fetch_us = timer.graph(step("none"), 1, reset)
+    us, replay = timer.graph(step("group"), 1, reset, keep=True)
+    # a last replay with the sampled layers' cells zeroed, a pattern in their in-flight cell and
+    # zeros in the host bytes of that token
+    sample = sorted({group_layers[0][0], group_layers[G // 2][-1], group_layers[-1][-1]},
+                    key=lambda name: int(name[1:]))
+    page_table = batch.page_tables[0]
+    host_slot = page_table[:, H // PAGE].long()
+    patterns = {}
+    for layer in sample:
+        gi, li = config.group_of(layer).index, int(layer[1:])
+        cells = batch.cells(layer, "kv")
+        cells.zero_()
+        write = states[gi].write_table[:, 0].long()
+        assert bool((write >= 0).all()), "no cell for the in-flight token"
+        pattern = ((torch.arange(R, device=device) * 3 + li * 7 + 1) % 256).to(torch.uint8)
+        patterns[layer] = pattern[:, None].expand(R, B)
+        cells[:, 0][write // PAGE, write % PAGE] = patterns[layer]
+        manager.storage.slot_pages(layer, "kv")[:, 0][host_slot, H % PAGE] = 0
+    replay()
+    del replay
+    for gi, st in enumerate(states):
+        got = (st.counters - saved[gi][2]).tolist()
+        assert got == [R * (K - new), R * new, 0], f"group {gi}: hits, misses, invalid = {got}"
+        assert bool((st.index_table >= 0).all()), f"group {gi}: a selected unit has no entry"
+    for layer in sample:
+        gi = config.group_of(layer).index
+        host = manager.storage.slot_pages(layer, "kv")
+        check_selection(batch.cells(layer, "kv"), host, page_table, sels1[gi], states[gi].index_table,
+                        fresh[gi])
+        assert torch.equal(host[:, 0][host_slot, H % PAGE], patterns[layer]), f"{layer}: flush wrote wrong bytes"
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    cells_bytes = sum(batch.cells(layer, "kv").numel() for ls in group_layers for layer in ls)
+    return {"us": us, "per_layer_fetch_us": per_layer_us, "no_fetch_us": no_fetch_us,
+            "rows": R, "K": K, "S": S, "history": H,
+            "layers": L, "groups": G, "new": new,
+            "fetch_bytes": R * new * B * L, "flush_bytes": R * B * L, "cells_bytes": cells_bytes,
+            "host_bytes": pool.data.numel(), "gpu_peak_bytes": peak, "sample": sample}
+
+
+def bench_step(timer, device, quick, ceil, pres_us) -> list:
+    """P-STEP (selection groups) and P-STEP-HS (61 private groups: per-layer resolve + fetch, the
+    HiSparse shape), built one after the other so only one set of cells and host pages lives."""
+    groups = step_sizes(quick)["groups"]
+    grouped = run_step(timer, device, quick, groups, seed=5)
+    release(device)
+    private = run_step(timer, device, quick, [1] * sum(groups), seed=6)
+    release(device)
+    out = []
+    for rid, s in (("P-STEP", grouped), ("P-STEP-HS", private)):
+        nbytes = s["fetch_bytes"] + s["flush_bytes"]
+        ideal = s["fetch_bytes"] / (ceil["h2d"] * 1e3) + s["flush_bytes"] / (ceil["d2h"] * 1e3)
+        limit = 1.2 * ideal + s["groups"] * pres_us
+        shape = (f"{s['layers']}L/{s['groups']}G x {s['rows']}r K={s['K']} S={s['S']} "
+                 f"{100 * s['new'] / s['K']:.0f}%")
+        note = (f"{s['layers']} layers in {s['groups']} selection groups, {s['rows']} rows, "
+                f"{s['new']} misses per row per group; bytes moved {nbytes / 1e6:.3f} MB (fetch "
+                f"{s['fetch_bytes'] / 1e6:.3f} + flush {s['flush_bytes'] / 1e6:.3f}); at CE "
+                f"bandwidth {ideal:.0f} us; limit 1.2 x {ideal:.0f} + {s['groups']} x P-RES "
+                f"{pres_us:.1f} = {limit:.0f} us; measured {s['us']:.0f} us; GPU cells "
+                f"{s['cells_bytes'] / 1e9:.2f} GB (peak allocated {s['gpu_peak_bytes'] / 1e9:.2f} GB), "
+                f"pinned host pages {s['host_bytes'] / 1e9:.2f} GB; bytes checked on {s['sample']}")
+        fetch_us = s["us"] - s["no_fetch_us"]
+        rate = f" = {s['fetch_bytes'] / fetch_us / 1e3:.1f} GB/s" if fetch_us > 0 else ""
+        note += f"; without the fetches {s['no_fetch_us']:.0f} us, so fetch takes {fetch_us:.0f} us{rate}"
+        if s["per_layer_fetch_us"] is not None:
+            note += (f"; one fetch per group (as timed); with one fetch launch per layer instead "
+                     f"{s['per_layer_fetch_us']:.0f} us")
+        if rid == "P-STEP-HS":
+            note += f"; P-STEP (grouped) is {s['us'] / grouped['us']:.2f}x faster"
+            target, passed = "reference for P-STEP", None
+        else:
+            target, passed = f"<= {limit:.0f} us", None if device == "cpu" else s["us"] <= limit
+        out.append(Result(rid, shape, s["us"], nbytes, "CE H2D", ceil["h2d"], target, passed,
+                          extra={k: v for k, v in s.items() if k != "sample"} |
+                          {"ideal_us": ideal, "limit_us": limit, "pres_us": pres_us, "note": note}))
+    return out
+
+
+def wall_sizes(quick: bool) -> dict:
+    """P-STEP-WALL's history: P-STEP's selections with 2% of each row's units never used in the
+    last ``period`` steps, every step, for hundreds of steps. A row's selection is a fixed core
+    of K - new units plus a window of ``new`` units that walks a further ``period * new`` units
+    of its history; a walked unit comes back after ``period`` steps, when the LRU resident set
+    (S slots, the core's always among the newest) has evicted it: period x new >= 1.25 x the
+    S - (K - new) slots beside the core. The history is the core plus the walk, in whole
+    pages."""
+    sz = step_sizes(quick)
+    K, S = sz["K"], sz["S"]
+    new = max(1, round(K * 0.02))
+    period = -(-5 * (S - (K - new)) // (4 * new))
+    history = -(-(K - new + period * new) // PAGE) * PAGE
+    return sz | {"new": new, "period": period, "history": history}
+
+
+def bench_step_wall(timer, device, quick) -> list:
+    """P-STEP-WALL: P-STEP's step as a user runs it (publish; per group resolve with the fetch of
+    its layers in the same call; write_indices; flush; advance by one token per row), host work
+    included: eagerly, and as one captured graph per step replayed with the host's
+    record_advance and publish around it; both as wall time per step over many steps
+    (synchronised once at the end of each run), against the GPU time of the same ops (a replay
+    and the read-back copy of record_advance, timed with CUDA events).
+
+    Two selection streams over the same batch: *P-STEP's* (every row of every group selects
+    2% units it has not used for ``period`` steps, so each step fetches P-STEP's bytes: the
+    target rows), then *all resident* (four selections 2% apart, rotated, all resident after
+    warm-up: no fetch bytes, a step of launches only, the host-bound extreme: reported). The
+    timed steps' misses, summed, are checked against the stream's count per step. Each step
+    selects from ``period`` precomputed selections (about 540 MB of device memory at
+    P-STEP's shape) and, on CUDA, replays that selection's graph. On the CPU there is no graph and no GPU: the
+    rows compare the eager step with its ops alone."""
+    sz = wall_sizes(quick)
+    R, K, S, H = sz["rows"], sz["K"], sz["S"], sz["history"]
+    new, period = sz["new"], sz["period"]
+    groups = sz["groups"]
+    G, L = len(groups), sum(groups)
+    # history grows one token a step, for fewer steps than half the reserve (asserted at the
+    # end), so no top-up (page work at a publish) falls in a timed loop
+    reserve = 32 * PAGE
+    manager, batch, caches = reserved_step_batch(device, sz, reserve)
+    fill_random(manager.storage.groups[0], 11)
+    gen = torch.Generator(device=device).manual_seed(11)
+    order = torch.rand((G, R, H), generator=gen, device=device).argsort(-1).to(torch.int32)
+    core, walk = order[..., :K - new], order[..., K - new:K - new + period * new]
+    # the selection of step i is sets[i % period]: the core and the i-th window of the walk
+    sets = torch.stack([torch.cat([core, walk[..., i * new:(i + 1) * new]], -1)
+                        for i in range(period)]).contiguous()  # [period, G, R, K]
+    del order, core, walk
+    ones = torch.ones(R, dtype=torch.int32, device=device)
+
+    bodies = [eager_step(batch, sets[i], ones) for i in range(period)]
+    steps = 8 if quick else 24
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    step = [0]  # every step the batch has made: the streams index their selections by it
+
+    def misses() -> int:
+        return sum(int(st.counters[1]) for st in batch.groups)
+
+    def wall(run, runs: int = 5) -> float:
+        """Median over ``runs`` runs of ``steps`` steps of the wall time per step (each
+        synchronised once at its end): the steady state, not one run's hiccup on a shared
+        host."""
+        times = []
+        for _ in range(runs):
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                run(step[0])
+                step[0] += 1
+            sync()
+            times.append((time.perf_counter() - start) * 1e6 / steps)
+        return statistics.median(times)
+
+    for body in bodies[:4]:  # first calls (lazy state) outside any capture
+        batch.publish()
+        body()
+        step[0] += 1
+    graphs = []
+    if device == "cuda":  # one graph per selection of P-STEP's stream (the resident one's too)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        batch.publish()
+        for body in bodies:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                body()
+            graphs.append(graph)
+        batch.record_advance()
+
+    def measure(index, per_step_misses):
+        """(eager, graph, GPU) us per step of the stream whose step i selects sets[index(i)];
+        checks that every timed step missed ``per_step_misses`` units."""
+        def eager(i):
+            batch.publish()
+            bodies[index(i)]()
+
+        def replayed(i):
+            batch.publish()
+            graphs[index(i)].replay()
+            batch.record_advance()
+
+        def ops_alone(i):
+            bodies[index(i)]()
+
+        for run in (eager, replayed) if graphs else (eager,):
+            for _ in range(period):  # warm-up: the steady state, each graph's first replay
+                run(step[0])
+                step[0] += 1
+        sync()
+        before, first = misses(), step[0]
+        eager_us = wall(eager)
+        graph_us = wall(replayed) if graphs else None
+        if graphs:
+            def replay():
+                graphs[index(step[0])].replay()
+                step[0] += 1
+
+            gpu_us = graph_step_gpu_us(batch, replay, steps)
+        else:
+            gpu_us = wall(ops_alone)
+        sync()
+        got, want = misses() - before, (step[0] - first) * per_step_misses
+        assert got == want, f"{got} misses in the timed steps, expected {want}"
+        return eager_us, graph_us, gpu_us
+
+    fresh = measure(lambda i: i % period, R * new * G)
+    resident = measure(lambda i: i % 4, 0)
+    batch.catch_up()
+    del graphs
+    assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran out of pages"
+    assert [c.history_length for c in caches] == [H + step[0]] * R, "every step advanced every row"
+    assert step[0] <= reserve // 2, f"{step[0]} steps: a top-up may have fallen in a timed loop"
+    for g, st in enumerate(batch.groups):
+        assert bool((st.index_table >= 0).all()), f"group {g}: a selected unit has no entry"
+    out = []
+    for name, (eager_us, graph_us, gpu_us), claim in (
+            (f"{100 * new / K:.0f}% misses", fresh, True), ("all resident", resident, False)):
+        shape = f"{L}L/{G}G x {R}r K={K} S={S} {name}"
+        note = (f"{name}: wall time per step, median of 5 runs of {steps} steps: eager "
+                f"{eager_us:.0f} us"
+                + (f", graph replay + record_advance + publish {graph_us:.0f} us" if graph_us else "")
+                + f", against {'the GPU time of its ops' if graph_us else 'its ops alone'} "
+                  f"{gpu_us:.0f} us (eager {eager_us / gpu_us:.2f}x"
+                + (f", graph {graph_us / gpu_us:.2f}x)" if graph_us else ")"))
+        if not claim:
+            note += ("; no fetch bytes: a step of launches only, the host-bound extreme "
+                     "(reported, P-STEP-WALL's targets are for P-STEP's misses)")
+        gpu = device != "cpu"
+        out.append(Result("P-STEP-WALL", f"{shape}: eager", eager_us,
+                          target="<= 1.1x GPU time" if claim else "reported",
+                          passed=eager_us <= 1.1 * gpu_us if gpu and claim else None,
+                          extra={"gpu_us": gpu_us, "ratio": eager_us / gpu_us}))
+        if graph_us is not None:
+            out.append(Result("P-STEP-WALL", f"{shape}: graph", graph_us,
+                              target="<= 1.02x GPU time" if claim else "reported",
+                              passed=graph_us <= 1.02 * gpu_us if claim else None,
+                              extra={"gpu_us": gpu_us, "ratio": graph_us / gpu_us}))
+        out[-1].extra["note"] = note
+    return out
