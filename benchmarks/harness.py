@@ -374,8 +374,9 @@ def machine_title(device: str) -> str:
 def bound_launches(batch) -> SimpleNamespace:
     """A batch's bound launch arguments, read here only (privates of ``Batch``): ``fetch``, per
     sparse layer ``(cells, pools, positions, page_tables)``; ``flush``, one tuple per launch,
-    ``(pool, positions, cells, ...)``."""
-    return SimpleNamespace(fetch=batch._fetch_args, flush=batch._flush_args)
+    ``(pool, positions, cells, resident, inflight_slots, page_table)``."""
+    step = batch._step  # device_step.DeviceStep
+    return SimpleNamespace(fetch=step.fetch_args, flush=[before for before, _ in step.flush_args])
 
 
 def graph_step_gpu_us(batch, replay, steps: int) -> float:
