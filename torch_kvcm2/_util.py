@@ -23,9 +23,9 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bound_like(t: torch.Tensor, shape: tuple, device_index: int) -> bool:
-    """``t`` has what a StepPlan's bound tensor of ``shape`` on the device of index
-    ``device_index`` has (Batch's eager path): int32, that shape, that device, contiguous; the
-    native calls check the alignment themselves."""
-    return (t.dtype is torch.int32 and t.shape == shape and t.is_cuda
-            and t.get_device() == device_index and t.is_contiguous())
+def bound_like(t: torch.Tensor, shape: tuple, device: torch.device) -> bool:
+    """``t`` is like the batch's own tensor of ``shape`` on ``device`` (Batch's eager path,
+    which then calls the op without Python-side checks): int32, that shape, that device,
+    contiguous."""
+    return (t.dtype is torch.int32 and t.shape == shape and t.device == device
+            and t.is_contiguous())

@@ -19,7 +19,6 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import _C
 from . import lengths as rules
 from . import ops
 from ._util import bound_like, ceil_div, refuse_during_capture
@@ -114,7 +113,7 @@ class Batch(LengthsPath):
         self._snapshot_buffers = self._snapshot.unbind(0)  # views made once
         self._snapshot_host = self._snapshot.numpy()
         self._snapshot_events: list = [None] * self._snapshot.shape[0]
-        if self._mirror.cuda:  # recorded once, so each has its cudaEvent_t: _C.readback's
+        if self._mirror.cuda:  # recorded once, so each has its cudaEvent_t from the start
             with torch.cuda.device(dev):
                 self._snapshot_events = [torch.cuda.Event() for _ in self._snapshot_buffers]
                 for event in self._snapshot_events:
@@ -123,13 +122,6 @@ class Batch(LengthsPath):
             # only after the copies into them have run
             finalizer = weakref.finalize(self, _wait_all, self._snapshot_events)
             finalizer.atexit = False
-            source = self._mirror.lengths
-            assert source.is_contiguous() and self._snapshot.is_contiguous()
-            size = source.numel() * source.element_size()
-            self._readback_args = [(source.get_device(), source.data_ptr(), buffer.data_ptr(), size,
-                                    event.cuda_event)
-                                   for buffer, event in zip(self._snapshot_buffers,
-                                                            self._snapshot_events)]
         self._readbacks: collections.deque = collections.deque()
         self._next_readback = 0
         self._owed = False  # a flush to a tensor of targets ran since the last read-back
@@ -152,8 +144,7 @@ class Batch(LengthsPath):
         # the bound tensors' shapes and device (bound_like): selections, then targets and counts
         self._selection_shapes = [tuple(state.index_table.shape) for state in self.groups]
         self._rows_shape = (max_rows,)
-        self._device_index = self.history.get_device()
-        self._use_step_plan(self._new_step_plan())
+        self._bound_device = self.history.device
         # what group() accepts, to the group's index: layer names, selection ids, indices
         self._group_index = {layer: spec.index for spec in config.selection_groups
                              for layer in spec.layers}
@@ -245,41 +236,38 @@ class Batch(LengthsPath):
         unique = {id(t): t for t in tensors}
         return list(unique.values())
 
-    def _use_step_plan(self, plan) -> None:
-        """The eager path's plan, and its methods looked up once (a lookup costs about a
-        quarter of a call); with recorded launches, also its address for the module functions
-        ``_C.plan_resolve``, ``plan_flush`` and ``plan_advance``, which make them without the
-        argument parsing of a ``torch.classes`` method call."""
-        recordings = getattr(plan, "recordings", None)
-        address = plan.address() if recordings is not None and recordings() else 0
-        self._plan, self._plan_address = plan, address
-        self._resolve_bound = plan.resolve_bound
-        self._flush_bound = plan.flush_bound
-        self._advance_bound = plan.advance_bound
+    def _resolve_bound(self, index: int, selected: torch.Tensor, fetch: bool) -> bool:
+        """Batch.resolve's eager path: ``resolve_step`` of group ``index`` with the batch's own
+        tables and, with ``fetch``, the fetch of every layer of the group, when ``selected`` is
+        like the group's index table (``bound_like``); False, and nothing done, otherwise."""
+        state = self.groups[index]
+        if not bound_like(selected, self._selection_shapes[index], self._bound_device):
+            return False
+        spec = state.spec
+        if fetch:
+            _, cells, pools, positions, tables = self._plan_of(tuple(spec.layers))
+        else:
+            cells = pools = positions = tables = ()
+        sp = spec.sparse
+        ops.resolve_step(state.resident, state.recency, state.index_table, state.miss_list,
+                         state.miss_count, state.counters, state.inflight_slots,
+                         state.write_table, state.inflight_start, cells, selected, self.history,
+                         self.capacity, self.lease, pools, positions, tables, sp.tokens_per_unit,
+                         self.config.tokens_per_page, sp.max_inflight_tokens, spec.window or 0,
+                         state.resolve_scratch)
+        return True
 
-    def _new_step_plan(self, record_launches: bool = True):
-        """The native ``StepPlan`` (csrc/step.cpp): every selection group's ``resolve_step``
-        arguments bound once, with the fetch of all its layers, so that an eager
-        ``resolve(group, selected[, fetch=True])`` passes only the selection to native code (an
-        op call's host cost is mostly parsing its arguments, benchmarks/op_call_cost.py), and
-        likewise ``flush(targets)`` and ``advance(accepted)``. On CUDA it records the ops' kernel launches once and makes
-        them again per call (``record_launches`` False: it calls the ops every time)."""
-        plan = torch.classes.torch_kvcm2.StepPlan(record_launches)
-        for spec, state in zip(self.config.selection_groups, self.groups):
-            _, cells, pools, positions, tables = self._fetch_plan(tuple(spec.layers))
-            sp = spec.sparse
-            plan.add_group([state.resident, state.recency, state.index_table, state.miss_list,
-                            state.miss_count, state.counters, state.inflight_slots,
-                            state.write_table, state.inflight_start, self.history,
-                            self.capacity, self.lease], state.resolve_scratch, cells, pools,
-                           positions, tables, sp.tokens_per_unit, self.config.tokens_per_page,
-                           sp.max_inflight_tokens, spec.window or 0)
+    def _flush_bound(self, new_history: torch.Tensor) -> bool:
+        """Batch.flush's eager path, for targets like the batch's history (``bound_like``):
+        every pool group's flush, then the watermark; False, and nothing done, otherwise."""
+        if not bound_like(new_history, self._rows_shape, self._bound_device):
+            return False
         for pool, positions, cells, resident, slots, table, params in self._flush_args:
-            plan.add_flush(pool, positions, cells, resident, slots, table, params)
-        plan.set_watermark([self.written, self._declared, self.history, self.capacity,
-                            self.lease], self._shape_pairs)
-        plan.set_advance(self._mirror.lengths, self.advance_counters)
-        return plan
+            ops.flush(pool, positions, cells, resident, slots, table, new_history, self.history,
+                      self.capacity, self.lease, params)
+        ops.flush_watermark(self.written, self._declared, new_history, self.history,
+                            self.capacity, self.lease, self._shape_pairs)
+        return True
 
     def _new_flush_args(self) -> list[tuple]:
         """Per sparse pool group with cells: the arguments of its one flush launch, covering
@@ -556,12 +544,9 @@ class Batch(LengthsPath):
         if (index is not None and not torch.compiler.is_compiling() and out is None
                 and fetch.__class__ is bool and selected.__class__ is torch.Tensor
                 and not self._fetch_events and self._step_ready()):
-            # the eager path (_new_step_plan): the bound arguments, when the selection has their
-            # shape; anything else takes the checks below and the op
-            if ((self._plan_address
-                 and bound_like(selected, self._selection_shapes[index], self._device_index)
-                 and _C.plan_resolve(self._plan_address, index, selected.data_ptr(), fetch))
-                    or self._resolve_bound(index, selected, fetch)):
+            # the eager path (_resolve_bound), when the selection is like the index table;
+            # anything else takes the checks below and the op
+            if self._resolve_bound(index, selected, fetch):
                 self._writes_epoch[index] = self._lengths_epoch
                 return self.groups[index].index_table
         state = self.group(group)
@@ -711,11 +696,8 @@ class Batch(LengthsPath):
         enforced by ``publish``."""
         self._check_step("Batch.flush")
         if new_history.__class__ is torch.Tensor and not torch.compiler.is_compiling():
-            # the eager path (_new_step_plan): targets of the bound shape and device
-            if ((self._plan_address
-                 and bound_like(new_history, self._rows_shape, self._device_index)
-                 and _C.plan_flush(self._plan_address, new_history.data_ptr()))
-                    or self._flush_bound(new_history)):
+            # the eager path (_flush_bound): targets like the batch's history
+            if self._flush_bound(new_history):
                 if self.config.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
                     self._owed = True  # a read-back queued before this flush lacks its watermark
                 return
@@ -739,12 +721,11 @@ class Batch(LengthsPath):
                 known = self._int_sequence("new_history", new_history)
                 target = torch.tensor(known, dtype=INT32).to(self.config.device)
             self._check_rows_tensor("new_history", target)
-        if torch.compiler.is_compiling() or not self._flush_bound(target):  # checked: bound
-            for pool, positions, cells, resident, slots, table, params in self._flush_args:
-                ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
-                          self.capacity, self.lease, params)
-            ops.flush_watermark(self.written, self._declared, target, self.history,
-                                self.capacity, self.lease, self._shape_pairs)
+        for pool, positions, cells, resident, slots, table, params in self._flush_args:
+            ops.flush(pool, positions, cells, resident, slots, table, target, self.history,
+                      self.capacity, self.lease, params)
+        ops.flush_watermark(self.written, self._declared, target, self.history, self.capacity,
+                            self.lease, self._shape_pairs)
         if torch.compiler.is_compiling():
             return
         if self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing():

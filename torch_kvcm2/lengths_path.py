@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _C
 from . import lengths as rules
 from . import ops
 from ._util import bound_like
@@ -129,14 +128,11 @@ class LengthsPath:
             self._check_rows_tensor("accepted", accepted)
             ops.advance(self._mirror.lengths, self.advance_counters, accepted)
             return
-        # the eager path (Batch._new_step_plan): counts of the bound shape and device
-        if accepted.__class__ is not torch.Tensor or not (
-                (self._plan_address
-                 and bound_like(accepted, self._rows_shape, self._device_index)
-                 and _C.plan_advance(self._plan_address, accepted.data_ptr()))
-                or self._advance_bound(accepted)):
+        # the eager path: counts like the batch's history go to the op unchecked here
+        if accepted.__class__ is not torch.Tensor or not bound_like(
+                accepted, self._rows_shape, self._bound_device):
             self._check_rows_tensor("accepted", accepted)
-            ops.advance(self._mirror.lengths, self.advance_counters, accepted)
+        ops.advance(self._mirror.lengths, self.advance_counters, accepted)
         self._queue_readback()  # not while capturing
 
     def record_advance(self) -> None:
@@ -151,12 +147,15 @@ class LengthsPath:
     def _queue_readback(self) -> None:
         """``record_advance`` without its checks (``advance`` has made them); nothing while the
         current CUDA stream is capturing (the replay's ``record_advance`` queues it). On CUDA
-        one native call (``_C.readback``) queues the copy into the next buffer of the ring and
-        records that buffer's event."""
+        the copy into the next buffer of the ring is queued on the current stream, then that
+        buffer's event is recorded after it."""
         k = self._next_readback
         if self._mirror.cuda:
-            if not _C.readback(*self._readback_args[k]):
+            if torch.cuda.is_current_stream_capturing():
                 return
+            lengths = self._mirror.lengths
+            self._snapshot_buffers[k].copy_(lengths, non_blocking=True)
+            self._snapshot_events[k].record(torch.cuda.current_stream(lengths.device))
         else:
             self._snapshot_buffers[k].copy_(self._mirror.lengths)
         self._lengths_epoch += 1  # the lengths moved under the groups' write tables

@@ -6,9 +6,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <functional>
-#include <memory>
-#include <vector>
 #include <optional>
 
 #ifdef __CUDACC__
@@ -295,51 +292,5 @@ bool check_resolve_write(const std::optional<at::Tensor>& write_table,
                          const at::Tensor& lease, int64_t tokens_per_unit,
                          int64_t max_inflight_tokens);
 
-#ifdef TORCH_KVCM2_WITH_CUDA
-// ---- recorded launches (csrc/cuda/launch.cu; StepPlan in csrc/step.cpp) ----
-// The kernel launches of some op calls, made once with their checks and parameter set-up and
-// kept, so that an eager step launches them again with nothing but the launch itself. `record`
-// runs `calls(variable)` (op calls on CUDA tensors) with every launch_kernel kept instead of
-// launched; each kernel's parameters are kept by value. The variable, a private tensor like
-// `like`, stands for the one argument that changes between launches: every parameter word equal
-// to its data pointer is replaced by the data pointer of the tensor given to `launch`. It runs
-// the calls twice, with two variables, and returns nullptr (the calls cannot be replayed) unless
-// the two differ exactly in those words, when a call refuses its arguments (a c10::Error other
-// than a CUDA error: the op raises it when called), or when a call did device work that is not a
-// kernel launch of the library's (it is not made). A dropped recording warns once per process.
-class RecordedLaunches {
- public:
-  static std::shared_ptr<RecordedLaunches> record(
-      const std::function<void(const at::Tensor&)>& calls, const at::Tensor& like);
-  // `variable` may take the recorded one's place: the same dtype, device, shape, contiguity
-  // and alignment to 16 bytes.
-  bool matches(const at::Tensor& variable) const;
-  // The kept launches on the current stream of the recorded device, with `variable`'s data in
-  // place of the recorded variable's (it must match).
-  void launch(const at::Tensor& variable);
-  // The same with the data at `address`, whose tensor the caller has found to match but for
-  // its alignment; false, and nothing launched, for an address not 16-byte aligned.
-  bool launch_at(void* address);
-  struct Entry;
-  ~RecordedLaunches();
-
- private:
-  std::vector<Entry> entries_;
-  c10::ScalarType dtype_ = c10::ScalarType::Undefined;  // the recorded variable's metadata
-  c10::Device where_{c10::kCPU};
-  std::vector<int64_t> sizes_;
-  int device_ = 0;
-};
-
-// The read-back of Batch.advance (torch_kvcm2._C.readback): `bytes` from device memory `src` to
-// pinned host memory `dst` on the current stream of `device`, then the event `event` (a
-// cudaEvent_t) recorded after it; false, and nothing queued, while that stream is capturing.
-bool readback(int device, const void* src, void* dst, size_t bytes, void* event);
-
-// Inside RecordedLaunches::record: device work that is not a kernel launch of the library's
-// makes the recording unusable; the wrapper skips that work while recording.
-bool recording_launches();
-void mark_unrecordable();
-#endif
 
 }  // namespace torch_kvcm2

@@ -4,16 +4,10 @@
 #include <Python.h>
 #include <torch/library.h>
 
-namespace torch_kvcm2 {
-PyMethodDef* step_plan_methods();  // step.cpp: the eager step's calls without torch.classes
-}
-
 extern "C" {
-// Importing torch_kvcm2._C loads this library so the registrations below run; its module
-// functions are the eager step's fast calls (step.cpp).
+// Importing torch_kvcm2._C loads this library so the registrations below run.
 PyObject* PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
-                               torch_kvcm2::step_plan_methods()};
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module);
 }
 }
@@ -45,7 +39,7 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "fetch(Tensor(a!)[] cells, Tensor[] host_pools, int[] positions, Tensor[] page_tables, "
       "Tensor miss_list, Tensor miss_count, int slots, int tokens_per_unit) -> ()");
   // OP-STEP: resolve with its write outputs (write_table, write_start), then fetch of the given
-  // buffers (none: no fetch), one call (csrc/step.cpp).
+  // buffers (none: no fetch), one call (csrc/resolve_step.cpp).
   m.def(
       "resolve_step(Tensor(a!) resident, Tensor(b!) recency, Tensor(c!) index_table, "
       "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "

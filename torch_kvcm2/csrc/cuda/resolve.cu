@@ -910,7 +910,6 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   TORCH_CHECK(reinterpret_cast<uintptr_t>(count) % 8 == 0,
               "resolve: miss_count must be 8-byte aligned (its reservation word is 64-bit)");
   if (rows == 0) {  // no CTA publishes a count
-    if (recording_launches()) return mark_unrecordable();
     C10_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(int32_t), stream));
     return;
   }
