@@ -14,7 +14,8 @@
 
 #include <optional>
 
-#include "kvcm2.h"
+#include "checks.h"
+#include "rules.h"
 
 namespace torch_kvcm2 {
 namespace {

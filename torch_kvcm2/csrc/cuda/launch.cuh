@@ -45,7 +45,6 @@
 #include <initializer_list>
 #include <utility>
 
-#include "../kvcm2.h"
 
 namespace torch_kvcm2 {
 

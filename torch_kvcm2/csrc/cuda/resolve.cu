@@ -53,7 +53,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 #include "launch.cuh"
 #include "resolve.cuh"
 

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "../kvcm2.h"
+#include "../rules.h"
 
 namespace torch_kvcm2 {
 
