@@ -506,6 +506,11 @@ struct Placement {
   unsigned long long reserved;  // thread 0: the reservation word before this CTA's add
 };
 
+// resolve_kernel<kGlobalTable, kWrites> (resolve.cu) of a launch: the table region in global
+// scratch or shared memory, with OP-WRITE's outputs or without.
+using ResolveKernel = void (*)(ResolveParams);
+ResolveKernel resolve_kernel_of(bool global_table, bool writes);
+
 // ---- phase timer (development builds with TORCH_KVCM2_DEV=profile only; nothing otherwise)
 // Thread 0 of each CTA stamps clock64() at the kernel's start (KVCM2_PROF_BEGIN), at the end of
 // each phase (KVCM2_PROF(1..11)) and at the parts of the load, hash and write phases
