@@ -4,10 +4,16 @@
 #include <Python.h>
 #include <torch/library.h>
 
+namespace torch_kvcm2 {
+PyMethodDef* rules_methods();  // rules_py.cpp: rules.h's length rules, for the parity test
+}
+
 extern "C" {
-// Importing torch_kvcm2._C loads this library so the registrations below run.
+// Importing torch_kvcm2._C loads this library so the registrations below run; its module
+// functions expose rules.h's length rules (rules_py.cpp).
 PyObject* PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
+                               torch_kvcm2::rules_methods()};
   return PyModule_Create(&module);
 }
 }
