@@ -118,8 +118,7 @@ class Batch(LengthsPath):
                 self._snapshot_events = [torch.cuda.Event() for _ in self._snapshot_buffers]
                 for event in self._snapshot_events:
                     event.record()
-            # the copies bypass the pinned allocator's stream tracking: its buffers are freed
-            # only after the copies into them have run
+            # the ring's buffers are freed only after the copies into them have run
             finalizer = weakref.finalize(self, _wait_all, self._snapshot_events)
             finalizer.atexit = False
         self._readbacks: collections.deque = collections.deque()
