@@ -18,7 +18,7 @@ INT32_MAX = 2**31 - 1
 
 def max_inflight_units(max_inflight_tokens: int, tokens_per_unit: int) -> int:
     """Most units an in-flight range of ``max_inflight_tokens`` can overlap (CFG-3): the range
-    may start inside a unit, hence the +1. The C++ kernels use the same rule (``kvcm2.h``)."""
+    may start inside a unit, hence the +1. The C++ kernels use the same rule (``csrc/rules.h``)."""
     return -(-max_inflight_tokens // tokens_per_unit) + 1
 
 

@@ -5,7 +5,7 @@ Every function takes the ``max``/``min`` (and ``where``) of its number kind (``m
 ``np.maximum``/``np.minimum`` for arrays, ``torch.maximum``/``torch.minimum`` for tensors), so
 ``KVCache.resize``, ``Batch.resize_rows`` and the flush watermark on host and device apply the
 same rule (``Batch.advance``'s refusal rule is the ``advance`` op's, ``advance_row`` in
-``csrc/kvcm2.h``). A *shape* is a selection group's ``(tokens_per_unit, max_inflight_tokens)``:
+``csrc/rules.h``). A *shape* is a selection group's ``(tokens_per_unit, max_inflight_tokens)``:
 groups of one shape have the same in-flight range.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 // Argument checks shared by the CPU and CUDA wrappers. They read metadata only (dtype, device,
 // shape, layout, integer arguments), never tensor values, so they are safe during stream capture.
-#include "kvcm2.h"
+#include "checks.h"
+#include "rules.h"
 
 #include <c10/util/Exception.h>
 

@@ -5,15 +5,15 @@
 #include <torch/library.h>
 
 namespace torch_kvcm2 {
-PyMethodDef* step_plan_methods();  // step.cpp: the eager step's calls without torch.classes
+PyMethodDef* rules_methods();  // rules_py.cpp: rules.h's length rules, for the parity test
 }
 
 extern "C" {
 // Importing torch_kvcm2._C loads this library so the registrations below run; its module
-// functions are the eager step's fast calls (step.cpp).
+// functions expose rules.h's length rules (rules_py.cpp).
 PyObject* PyInit__C(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
-                               torch_kvcm2::step_plan_methods()};
+                               torch_kvcm2::rules_methods()};
   return PyModule_Create(&module);
 }
 }
@@ -40,12 +40,12 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "Tensor(h!)? scratch=None, Tensor(i!)? write_table=None, Tensor(j!)? write_start=None) -> ()");
   // OP-FETCH: layers of one selection group, every missed unit of each of their sparse buffers,
   // host page -> cell. A buffer's host pages are (its pool group's whole pool, its position in a
-  // slot): ops never take two views of one pool, which would alias (see HostPages in kvcm2.h).
+  // slot): ops never take two views of one pool, which would alias (see HostPages in checks.h).
   m.def(
       "fetch(Tensor(a!)[] cells, Tensor[] host_pools, int[] positions, Tensor[] page_tables, "
       "Tensor miss_list, Tensor miss_count, int slots, int tokens_per_unit) -> ()");
   // OP-STEP: resolve with its write outputs (write_table, write_start), then fetch of the given
-  // buffers (none: no fetch), one call (csrc/step.cpp).
+  // buffers (none: no fetch), one call (csrc/resolve_step.cpp).
   m.def(
       "resolve_step(Tensor(a!) resident, Tensor(b!) recency, Tensor(c!) index_table, "
       "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "
@@ -75,7 +75,7 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "flush_watermark(Tensor(a!) written, Tensor declared, Tensor new_history, Tensor history, "
       "Tensor capacity, Tensor lease, int[] shapes) -> ()");
   // HOST-3: every seated row's lengths advanced by its accepted tokens on the device (advance_row
-  // in kvcm2.h). lengths: a batch's int32[6, rows] (history, capacity, lease, written, declared,
+  // in rules.h). lengths: a batch's int32[6, rows] (history, capacity, lease, written, declared,
   // allocated; only history and capacity change); counters int64[2] += (refused, short) rows.
   m.def("advance(Tensor(a!) lengths, Tensor(b!) counters, Tensor accepted) -> ()");
   // BAT-3: empty residency of leases that changed owner, in every selection group g:

@@ -1,9 +1,10 @@
 // CPU kernels of the per-row bookkeeping ops: HOST-3's length advance (Batch.advance, advance_row
-// of kvcm2.h per seated row) and the residency clear of leases that changed owner (Batch.publish).
+// of rules.h per seated row) and the residency clear of leases that changed owner (Batch.publish).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 
 namespace torch_kvcm2 {
 namespace {

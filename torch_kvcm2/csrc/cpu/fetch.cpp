@@ -6,7 +6,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 
 namespace torch_kvcm2 {
 namespace {

@@ -6,7 +6,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 
 namespace torch_kvcm2 {
 namespace {
@@ -38,8 +39,8 @@ void flush_cpu(const at::Tensor& host_pool, at::IntArrayRef positions, const at:
       if (l < 0 || l >= leases) continue;
       const RowRange range(hist[r], cap[r], U, P, I, 0);
       const int64_t lo = range.inflight_start;
-      const int64_t hi = std::min<int64_t>(target[r], range.capacity);
-      for (int64_t u = floor_div(lo, U); lo < hi && u * U < hi; ++u) {
+      const int64_t hi = flush_end(target[r], range.capacity);
+      for (int64_t u = range.first_inflight_unit(); lo < hi && u * U < hi; ++u) {
         const int64_t slot = inflight_slot(range, u, inflight_slots[b].data_ptr<int32_t>() + r * miu,
                                            miu, resident[b].data_ptr<int32_t>() + l * S, S);
         if (slot == BAD) continue;

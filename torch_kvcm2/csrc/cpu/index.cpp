@@ -2,7 +2,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 
 namespace torch_kvcm2 {
 namespace {

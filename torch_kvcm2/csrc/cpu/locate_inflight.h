@@ -1,12 +1,12 @@
 // The in-flight slot records of one row, CPU side: written by resolve (cpu/resolve.cpp) after each
 // row and by locate_inflight (cpu/locate_inflight.cpp) from residency alone; write_indices (and
-// resolve when it writes them too) and flush read them through inflight_slot (kvcm2.h).
+// resolve when it writes them too) and flush read them through inflight_slot (rules.h).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
-#include "../kvcm2.h"
+#include "../rules.h"
 
 namespace torch_kvcm2 {
 

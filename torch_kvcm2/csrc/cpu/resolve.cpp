@@ -7,7 +7,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 #include "locate_inflight.h"
 
 namespace torch_kvcm2 {

@@ -5,7 +5,8 @@
 
 #include <algorithm>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 #include "locate_inflight.h"
 
 namespace torch_kvcm2 {

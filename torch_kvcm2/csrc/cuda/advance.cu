@@ -1,6 +1,6 @@
 // CUDA kernels of the per-row bookkeeping ops; they reproduce cpu/advance.cpp bit for bit.
 //
-// advance (HOST-3, Batch.advance): advance_row of kvcm2.h, one thread per row, one CTA per
+// advance (HOST-3, Batch.advance): advance_row of rules.h, one thread per row, one CTA per
 // kAdvanceThreads rows; each CTA adds its refused and short counts to the counters with one 64-bit
 // atomic each (integer sums: the order does not matter).
 // clear_leases (Batch.publish): one CTA per (lease, selection group), writing the lease's row of
@@ -12,7 +12,8 @@
 
 #include <cstdint>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 #include "launch.cuh"
 
 namespace torch_kvcm2 {

@@ -24,7 +24,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 #include "launch.cuh"
 
 namespace torch_kvcm2 {
@@ -423,7 +424,7 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
   const int device = miss_list.get_device();
   const DeviceInfo& info = device_info(device);
   FetchParams p;
-  std::memset(&p, 0, sizeof p);  // padding too: a recording compares the parameters' bytes
+  std::memset(&p, 0, sizeof p);  // every field not set below is 0
   p.miss_list = miss_list.data_ptr<int32_t>();
   p.miss_count = miss_count.data_ptr<int32_t>();
   p.list_rows = miss_list.size(0);

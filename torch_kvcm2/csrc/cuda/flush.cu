@@ -14,7 +14,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 #include "launch.cuh"
 
 namespace torch_kvcm2 {
@@ -62,9 +63,8 @@ __global__ __launch_bounds__(kFlushThreads, 5) void flush_kernel(const __grid_co
     const int64_t U = b.tokens_per_unit, E = P / U;
     const RowRange range(p.history[r], p.capacity[r], U, P, b.max_inflight_tokens, 0);
     const int64_t lo = range.inflight_start;
-    const int64_t target = p.new_history[r];
-    const int64_t hi = target < range.capacity ? target : range.capacity;
-    const int64_t u = floor_div(lo, U) + k;
+    const int64_t hi = flush_end(p.new_history[r], range.capacity);
+    const int64_t u = range.first_inflight_unit() + k;
     if (lo >= hi || u * U >= hi) continue;
     const int64_t slot = inflight_slot(range, u, b.inflight_slots + r * b.miu, b.miu,
                                        b.resident + l * b.slots, b.slots);
@@ -169,7 +169,7 @@ struct WatermarkParams {
 
 constexpr int kWatermarkThreads = 128;
 
-// One thread per row: the flush's SAFE-2 watermark (flushed_watermark in kvcm2.h, as on the CPU).
+// One thread per row: the flush's SAFE-2 watermark (flushed_watermark in rules.h, as on the CPU).
 __global__ __launch_bounds__(kWatermarkThreads) void flush_watermark_kernel(
     const __grid_constant__ WatermarkParams p) {
   pdl_enter();

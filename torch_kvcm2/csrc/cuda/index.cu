@@ -15,7 +15,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../kvcm2.h"
+#include "../checks.h"
+#include "../rules.h"
 #include "launch.cuh"
 
 namespace torch_kvcm2 {

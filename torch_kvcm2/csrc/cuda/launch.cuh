@@ -42,13 +42,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
-#include <type_traits>
 #include <utility>
-#include <vector>
 
-#include "../kvcm2.h"
 
 namespace torch_kvcm2 {
 
@@ -142,49 +138,13 @@ inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cuda
   return config;
 }
 
-// One kept launch of a recording (RecordedLaunches in kvcm2.h): the kernel, its configuration
-// and its one parameter struct's bytes.
-struct RecordedLaunches::Entry {
-  const void* kernel;
-  dim3 grid, block;
-  size_t smem;
-  bool pdl;
-  int device;
-  std::vector<unsigned char> params;
-  std::vector<size_t> relocations;  // byte offsets of the recorded variable's data pointer
-};
-
-// The recording launch_kernel adds to on this thread (RecordedLaunches::record), or nullptr.
-std::vector<RecordedLaunches::Entry>*& active_recording();
-
-template <typename P>
-void keep_launch(std::vector<RecordedLaunches::Entry>& kept, const void* kernel, dim3 grid,
-                 dim3 block, size_t smem, bool pdl, int device, const P& params) {
-  static_assert(std::is_trivially_copyable_v<P>, "kept parameters are copied as bytes");
-  RecordedLaunches::Entry entry{kernel, grid, block, smem, pdl, device, {}, {}};
-  entry.params.resize(sizeof(P));
-  std::memcpy(entry.params.data(), &params, sizeof(P));
-  kept.push_back(std::move(entry));
-}
-
 // kernel<<<grid, block, smem, stream>>>(args...) on the current device, with the PDL attribute
-// when device_info says so; kept instead inside a recording (one-parameter kernels: every kernel
-// of the library takes one parameter struct).
+// when device_info says so.
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                    cudaStream_t stream, Args&&... args) {
   const int device = c10::cuda::current_device();
   const bool pdl = device_info(device).pdl;
-  if (std::vector<RecordedLaunches::Entry>* kept = active_recording()) {
-    if constexpr (sizeof...(Params) == 1) {
-      keep_launch(*kept, kernel_id(kernel), grid, block, smem, pdl, device,
-                  static_cast<const Params&>(args)...);
-      return;
-    } else {
-      mark_unrecordable();  // not kept, and not made either: the recording is dropped
-      return;
-    }
-  }
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, pdl, attribute);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));

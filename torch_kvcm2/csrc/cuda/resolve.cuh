@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "../kvcm2.h"
+#include "../rules.h"
 
 namespace torch_kvcm2 {
 
@@ -505,6 +505,11 @@ struct Placement {
   int n_fetch;  // this row's miss-list entries
   unsigned long long reserved;  // thread 0: the reservation word before this CTA's add
 };
+
+// resolve_kernel<kGlobalTable, kWrites> (resolve.cu) of a launch: the table region in global
+// scratch or shared memory, with OP-WRITE's outputs or without.
+using ResolveKernel = void (*)(ResolveParams);
+ResolveKernel resolve_kernel_of(bool global_table, bool writes);
 
 // ---- phase timer (development builds with TORCH_KVCM2_DEV=profile only; nothing otherwise)
 // Thread 0 of each CTA stamps clock64() at the kernel's start (KVCM2_PROF_BEGIN), at the end of
