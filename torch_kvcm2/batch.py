@@ -27,7 +27,7 @@ from .arguments import (check_index_tensor, check_not_meta, check_row, check_row
 from ._util import ceil_div, refuse_during_capture
 from .cache import KVCache
 from .device_step import DeviceStep, GroupState
-from .lengths_sync import LengthsSync
+from .lengths_sync import LengthsSync, readback_ring
 from .memory import batch_memory_bytes, batch_tensor_specs
 from .rows import RowTable
 from .tables import TableMirror
@@ -71,7 +71,9 @@ class Batch:
         pin = dev.type == "cuda"
         allocated = {}
         for spec in batch_tensor_specs(config, len(manager.storage.groups), max_rows):
-            if spec.medium == "host":
+            if spec.name == "snapshot":
+                allocated[spec.name] = readback_ring(spec, dev)
+            elif spec.medium == "host":
                 allocated[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, pin_memory=pin)
             else:
                 allocated[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, device=dev)

@@ -25,6 +25,9 @@ from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN, spar
 
 INT32 = torch.int32
 _ops = torch.ops.torch_kvcm2
+# the overloads themselves: a call through the op packet first picks the overload
+_RESOLVE_STEP, _FLUSH = _ops.resolve_step.default, _ops.flush.default
+_WATERMARK, _ADVANCE = _ops.flush_watermark.default, _ops.advance.default
 
 
 @dataclass
@@ -220,7 +223,7 @@ class DeviceStep:
     def resolve_bound(self, index: int, selected: torch.Tensor, fetch: bool) -> torch.Tensor:
         """The eager resolve of a selection of the bound shape (``arguments.fits``)."""
         before, after = self.resolve_args[index][fetch]
-        _ops.resolve_step.default(*before, selected, *after)
+        _RESOLVE_STEP(*before, selected, *after)
         self.writes_epoch[index] = self.mirror.epoch
         return self.groups[index].index_table
 
@@ -254,13 +257,13 @@ class DeviceStep:
     def flush(self, target: torch.Tensor) -> None:
         """Every pool group's flush to ``target`` (int32[max_rows] on the device), then the
         device watermark by the same rule."""
-        for before, after in self.flush_args:
-            ops.flush(*before, target, *after)
+        for before, after in self.flush_args:  # every argument list is bound: lists already
+            _FLUSH(*before, target, *after)
         before, after = self.watermark_args
-        ops.flush_watermark(*before, target, *after)
+        _WATERMARK(*before, target, *after)
 
     def advance(self, accepted: torch.Tensor) -> None:
-        ops.advance(self.lengths, self.advance_counters, accepted)
+        _ADVANCE(self.lengths, self.advance_counters, accepted)
 
     def clear_leases(self, leases: torch.Tensor) -> None:
         """Empty residency for the device int64 ``leases`` (leases that changed owner), in every

@@ -17,6 +17,8 @@ flags it sets live in the row table (``rows.RowSync``).
 from __future__ import annotations
 
 import collections
+import mmap
+import weakref
 
 import numpy as np
 import torch
@@ -27,6 +29,40 @@ from .rows import BEHIND, PAGES
 NEVER = np.iinfo(np.int64).max
 
 
+def readback_ring(spec, device: torch.device) -> torch.Tensor:
+    """The read-back buffers (``memory.batch_tensor_specs``' "snapshot"). On CUDA: whole pages
+    of anonymous memory of their own, registered with ``cudaHostRegister`` (``host_register``),
+    not the pinned allocator's: that allocator creates an event for every stream a block was
+    copied on when the block is freed, which throws, and so aborts the process from a
+    destructor, once a device fault has ended the context (a rank that traps in ``rank_wait``,
+    TP-4). ``LengthsSync`` unregisters them once their copies are done."""
+    if device.type != "cuda":
+        return torch.zeros(spec.shape, dtype=spec.dtype)
+    memory = mmap.mmap(-1, spec.nbytes)  # zeroed, page-aligned
+    ring = torch.frombuffer(memory, dtype=spec.dtype)
+    n = 1
+    for d in spec.shape:
+        n *= d
+    torch.ops.torch_kvcm2.host_register(ring.data_ptr(), spec.nbytes, _index(device), True)
+    return ring[:n].view(spec.shape)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _release_ring(ring: torch.Tensor, events: list, device: int) -> None:
+    """Wait for the copies into the ring, then unregister it (its memory goes with the tensor).
+    After a device fault neither can succeed, and there is nothing left to protect."""
+    try:
+        for event in events:
+            event.synchronize()
+        torch.ops.torch_kvcm2.host_register(ring.data_ptr(), ring.untyped_storage().nbytes(),
+                                            device, False)
+    except Exception:  # noqa: BLE001 -- a finalizer must finish; the context may be gone
+        pass
+
+
 class LengthsSync:
     """The read-back ring of one batch and what applying a read-back does (module docstring)."""
 
@@ -34,7 +70,7 @@ class LengthsSync:
         self.table = table
         mirror = table.mirror
         self.source = mirror.lengths  # the device length rows, int32[6, max_rows]
-        self.buffers = snapshot.unbind(0)  # pinned on CUDA; views made once
+        self.buffers = snapshot.unbind(0)  # page-locked on CUDA; views made once
         self.snapshot = snapshot  # int32[ring, 6, max_rows]
         self.host = snapshot.numpy()
         self.cuda = mirror.cuda
@@ -42,6 +78,8 @@ class LengthsSync:
         if self.cuda:
             with torch.cuda.device(self.source.device):
                 self.events = [torch.cuda.Event() for _ in self.buffers]
+            weakref.finalize(self, _release_ring, snapshot, self.events,
+                             _index(self.source.device))
         self.queue: collections.deque = collections.deque()
         self.next = 0
         self.owed = False  # a flush to a tensor of targets ran since the last read-back

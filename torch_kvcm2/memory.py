@@ -7,6 +7,7 @@ config and the op constants, so the manager, the batch and the caches can all us
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +40,15 @@ class TensorSpec:
     shape: tuple
     dtype: torch.dtype
     medium: str = "gpu"
+    align: int = 1  # the memory taken is rounded up to a multiple of this (whole pages)
 
     @property
     def nbytes(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        n *= torch.empty((), dtype=self.dtype).element_size()
+        return -(-n // self.align) * self.align
 
 
 def miss_list_rows(group: SelectionGroup, max_rows: int) -> int:
@@ -96,7 +99,9 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
     ]
     specs += [TensorSpec(f"staging{i}", (staging_bytes(config, num_pool_groups, max_rows),),
                          UINT8, "host") for i in range(STAGING_BUFFERS)]
-    specs.append(TensorSpec("snapshot", (READBACKS, LENGTH_ROWS, max_rows), INT32, "host"))
+    # on CUDA the read-back ring is whole pages of its own, registered (lengths_sync.py)
+    specs.append(TensorSpec("snapshot", (READBACKS, LENGTH_ROWS, max_rows), INT32, "host",
+                            mmap.PAGESIZE if config.device.type == "cuda" else 1))
     for group in config.selection_groups:
         sp, g = group.sparse, group.index
         specs += [
