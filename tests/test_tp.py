@@ -298,7 +298,7 @@ def scenario_decode(rank, world, device, split):
         result["left_seconds"] = time.monotonic() - begin
         report("closing after the failure")
         result["failure"] = driver.group.failure()  # host memory: readable after a trap
-        close_after_failure(manager)
+        close_after_failure(manager, driver, batch)
     return result
 
 
@@ -322,18 +322,28 @@ def scenario_killed(rank, world, device, split):
             break
     if driver.device.type == "cuda":  # the wait trapped: the context is gone, the header is not
         result.setdefault("failure", driver.group.failure())
-    close_after_failure(driver.manager)
+    close_after_failure(driver.manager, driver)
     return result
 
 
-def close_after_failure(manager):
+#: on CUDA, what a rank held when its group failed: kept until the worker's os._exit. The trap
+#: lost the context, and torch's pinned-memory allocator throws from a destructor (aborting the
+#: process) when it frees a block that was copied on a stream of a lost context.
+ABANDONED = []
+
+
+def close_after_failure(manager, *owners):
     """Close a manager whose group failed; on CUDA the trap lost the context, so the close's
-    CUDA calls may fail: the process exits next anyway."""
+    CUDA calls may fail and nothing of it (``owners``: the driver, the batch) is freed: the
+    process exits next anyway."""
     stop_watching()
+    cuda = manager.config.device.type == "cuda"
+    if cuda:
+        ABANDONED.append((manager, owners))
     try:
         manager.close()
     except RuntimeError:
-        if manager.config.device.type != "cuda":
+        if not cuda:
             raise
 
 
@@ -496,7 +506,7 @@ def scenario_dropped(rank, world, device, split):
         error = str(exc)
     result = {"error": error, "seconds": time.monotonic() - begin,
               "failure": driver.group.failure()}
-    close_after_failure(driver.manager)
+    close_after_failure(driver.manager, driver)
     return result
 
 
