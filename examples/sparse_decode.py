@@ -33,24 +33,11 @@ after each step; with ``--graph`` each replay's outputs are copied aside and che
 loop. The script prints tokens/s and the host time per step (median wall time of the host's part
 of a step, as above), in every mode.
 
-With ``--compile`` each decode layer's cache work and attention (``decode_layer``: the group's
-resolve and write indices on its first layer, the layer's fetch, the new token's write into its
-cell, attention over the cells) runs as one ``torch.compile(fullgraph=True)`` module, and with
-``--compile reduce-overhead`` (CUDA) as CUDA-graph replays; every output is also compared with
-the eager attention over the same cells. ``--graph`` (CUDA) runs the first step eagerly, then
-captures the whole step once with ``torch.cuda.CUDAGraph`` and replays it for every other step.
-
-With ``--draft-tokens N`` (speculative decoding; every mode above) each step runs T = N + 1 query
-tokens per row: the row's next token, then N drafts from the model's draft head (``propose``).
-Each query token has its own indexer selection; a group's one resolve takes all T of them
-(``[max_rows, T, K + 1]``, the layers' ``SparseSpec(max_query_tokens=T)``), write indices place
-the T tokens in their cells, and every query token attends causally over the cells and is checked
-against the dense reference. A seeded verification accepts a random prefix of 1..T tokens per
-row (drawn up front: ``accepted`` is a step input like the noise); the flush writes back only
-the accepted tokens, ``advance`` moves history by them and keeps capacity at history + T, so the
-rejected positions are in flight again and rewritten by the next step. The next token is sampled
-at each row's last accepted query token. At the end every row's history is its prompt plus its
-accepted tokens, on its host pages, and its written watermark is no further.
+``--compile [reduce-overhead]`` runs each decode layer's cache work and attention
+(``decode_layer``) as one ``torch.compile(fullgraph=True)`` module (or CUDA-graph replays),
+checked against eager; ``--graph`` (CUDA) captures the whole step once as a CUDA graph;
+``--draft-tokens N`` decodes speculatively (T = N + 1 query tokens per row, one resolve of all
+their selections, a seeded accepted prefix of 1..T). examples/README.md describes each mode.
 
     python examples/sparse_decode.py [--graph | --compile [reduce-overhead]] [--draft-tokens N]
                                      [--device cpu] [--help]
@@ -62,7 +49,6 @@ import math
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -72,6 +58,7 @@ from torch_kvcm2 import BAD, ops
 
 from flags import (GPU, add_device_flag, cuda_usable, pick_device, positive_int, prompt_lengths,
                    usage_error)  # examples/flags.py
+from running import Timer, progress  # examples/running.py
 
 KV_DTYPE = torch.float16  # the latent as stored; attention math runs in float32
 KEY_DTYPE = torch.float32  # indexer keys as stored
@@ -769,56 +756,6 @@ class SparseDecoder:
             check(torch.equal(pages[index[ok].long()], self.ref.kv[layer][ok]),
                   f"{layer}: host pages differ from the reference")
         return int(history.sum()) * len(self.ref.kv)
-
-
-class Timer:
-    """Wall time of the decode loop with the checks paused out (synchronising the GPU at each
-    edge, unless a pause only queues GPU work)."""
-
-    def __init__(self, device):
-        self.device, self.elapsed, self.started = device, 0.0, None
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def start(self, sync: bool = True):
-        if sync:
-            self._sync()
-        self.started = time.perf_counter()
-
-    def stop(self, sync: bool = True):
-        if self.started is not None:
-            if sync:
-                self._sync()
-            self.elapsed += time.perf_counter() - self.started
-            self.started = None
-
-    @contextmanager
-    def paused(self, sync: bool = True):
-        """Not timed: what runs inside. ``sync`` False leaves the GPU running (for work that is
-        only queued inside, and whose GPU time is negligible)."""
-        running = self.started is not None
-        self.stop(sync)
-        try:
-            yield
-        finally:
-            if running:
-                self.start(sync)
-
-
-def progress(done: int, total: int, width: int = 30) -> None:
-    """A bar on stderr, drawn only when both stdout and stderr are terminals (never into a log
-    file or a pipe)."""
-    if not (sys.stdout.isatty() and sys.stderr.isatty()):
-        return
-    filled = width * done // total
-    if filled == width * (done - 1) // total and done < total:
-        return  # redraw only when the bar grows: a log file gets at most `width` frames
-    sys.stderr.write(f"\rdecode [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def report(run: SparseDecoder, args, host_tokens: int) -> None:
