@@ -250,3 +250,28 @@ def test_clear_errors_for_bad_host_side_input(device):
     with pytest.raises(TypeError, match="new_history must be int32"):
         batch.flush(torch.zeros(2, dtype=torch.int64))
     assert cache.written == 0  # nothing was flushed
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_growing_past_imported_history_is_not_refused_as_lost_cell_tokens(device):
+    """SAFE-1's "lost" rule protects the tokens the cells may hold: the published in-flight range
+    (its start computed from the published lengths), cut at the lowest capacity since. DESIGN's
+    importing-history recipe (capacity 35, tokens [0, 32) written to host pages and declared,
+    history 32, capacity 32) then grows to 33: tokens [30, 32) are history on host pages, never
+    in the published in-flight range [33, 35), and the growth is accepted; the bytes hold."""
+    manager, batch = make(device)
+    cache = manager.create_cache()
+    batch.add(cache)
+    assert cache.resize(capacity=35)
+    batch.publish()  # the cells may hold the in-flight range [33, 35) of (0, 35)
+    write_tokens(manager, batch, cache, range(32))  # [0, 32) is host-direct: below s0 = 33
+    cache.record_host_write(32)
+    assert cache.resize(history=32)
+    assert cache.resize(capacity=32)
+    assert cache.resize(capacity=33)  # refused as "SAFE-1 ... tokens [30, 32)" before the fix
+    assert (cache.history_length, cache.capacity, cache.written) == (32, 33, 32)
+    view = manager.buffer_view("x", "kv")
+    index = torch.as_tensor(cache.host_pages("x", "kv"))
+    for t in range(32):
+        got = view[int(index[t // P]), 0, t % P]
+        assert torch.equal(got.cpu(), token_bytes(cache.request_id, [t])[0])

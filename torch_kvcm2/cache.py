@@ -138,8 +138,8 @@ class KVCache:
         """Every rule of a resize to (h, c) (``lengths.resize_violations``), raising ValueError
         for the first one broken; changes nothing."""
         config = self.manager.config
-        cells = (0, 0) if self._table is None else self._table._cell_lengths(self._row)
-        cells = (cells[0], min(cells[1], self._lowest_capacity))  # a shrink cut the rest off
+        h0, c0 = (0, 0) if self._table is None else self._table._cell_lengths(self._row)
+        cells = (h0, c0, min(c0, self._lowest_capacity))  # a shrink cut the rest off
         for rule, violated, d in rules.resize_violations(
                 self._h, self._c, h, c, self._flushed, self._declared, cells, self._shapes,
                 config.max_tokens_per_row, config.max_total_input_tokens, max, min):

@@ -66,8 +66,10 @@ def flushed_watermark(h, c, written, declared, target, shapes, mx, mn, where):
 def transition_faults(h, c, h2, c2, written, declared, cells, shapes, mx, mn):
     """The write-contract faults of a resize from (h, c) to (h2, c2), per shape: a list of
     ``(shape, lost, stale)``, each a list of [lo, hi) token ranges; a fault exists where lo < hi.
-    ``cells`` = (h, c) of the published lengths whose in-flight range the row's cells may hold
-    ((0, 0) for a cache without a published lease).
+    ``cells`` = (h, c, end): the published lengths, whose in-flight range [s0(h, c), c) the
+    row's cells may hold, and where that range is cut (``end`` <= c: the lowest capacity since
+    that publish; a shrink drops the tokens beyond it). (0, 0, 0) for a cache without a
+    published lease.
 
     * lost: tokens that may be in cells and are not on host pages (at or past ``written``)
       would become host-direct: the in-flight start moves past them, so the next resolve drops
@@ -80,7 +82,7 @@ def transition_faults(h, c, h2, c2, written, declared, cells, shapes, mx, mn):
     for shape in shapes:
         s0 = inflight_start(h, c, shape, mx)
         s02 = inflight_start(h2, c2, shape, mx)
-        p0, p1 = inflight_start(cells[0], cells[1], shape, mx), cells[1]
+        p0, p1 = inflight_start(cells[0], cells[1], shape, mx), cells[2]
         lost = [(mx(p0, written), mn(mn(s02, p1), c2))]
         on_host = mx(written, mn(declared, s0))
         lo, hi = mx(h2, s02), mn(on_host, c2)

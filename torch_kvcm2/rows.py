@@ -413,7 +413,7 @@ class RowTable:
         config, P = self.config, self.config.tokens_per_page
         bad = np.zeros(len(rows), dtype=bool)
         for _, violated, _ in rules.resize_violations(
-                h, c, h2, c2, L[WRITTEN], L[DECLARED], (h, c), self.shapes,
+                h, c, h2, c2, L[WRITTEN], L[DECLARED], (h, c, c), self.shapes,
                 config.max_tokens_per_row, config.max_total_input_tokens, np.maximum, np.minimum):
             bad |= violated
         reserve = self.sync.reserve_tokens[index]
