@@ -104,7 +104,7 @@ class LengthsSync:
             if torch.cuda.is_current_stream_capturing():
                 return
             self.buffers[k].copy_(self.source, non_blocking=True)
-            self.events[k].record()
+            self.events[k].record(torch.cuda.current_stream(self.source.device))
         else:
             self.buffers[k].copy_(self.source)
         self.table.mirror.epoch += 1  # the lengths moved under the groups' write tables
