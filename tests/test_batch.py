@@ -431,3 +431,46 @@ def test_eager_calls_of_the_bound_shapes_equal_the_checked_calls(device):
     assert [c.written for c in bound.caches] == [c.written for c in checked.caches]
     assert sum(int(s.counters[1]) for s in bound.batch.groups) > 0, "no step missed a unit"
     assert int(bound.batch.advance_counters[0]) > 0, "no advance refused a row"
+
+
+def test_finish_step_is_flush_to_the_accepted_tokens_then_advance(device):
+    """ENG-4: finish_step(accepted) leaves every state tensor, length and watermark that
+    flush(history + accepted) followed by advance(accepted) leaves, with rows accepting 0 or 1
+    tokens and one refused (-1), over steps with membership changes; a bad ``accepted`` is
+    refused naming it, before anything runs."""
+    from stepping import ROWS, Driver, assert_same_state, write_tokens
+    one, split = Driver(device, seed=5), Driver(device, seed=5)
+    for number in range(10):
+        for driver in (one, split):
+            batch = driver.batch
+            batch.publish()
+            selected, tokens = driver.inputs()
+            for spec, sel in zip(batch.config.selection_groups, selected):
+                batch.resolve(spec.index, sel, fetch=True)
+                table, _ = batch.write_indices(spec.index)
+                for layer in spec.layers:
+                    write_tokens(batch.cells(layer, "kv"), table[:, 0], tokens[layer])
+            accepted = torch.tensor([(row + number) % 2 for row in range(ROWS)],
+                                    dtype=torch.int32, device=device)
+            accepted[number % ROWS] = -1
+            if driver is one:
+                batch.finish_step(accepted)
+            else:
+                batch.flush(batch.history + accepted)
+                batch.advance(accepted)
+        one.batch.catch_up()
+        split.batch.catch_up()
+        split.batch._step.step_targets.copy_(one.batch._step.step_targets)  # finish_step's own
+        assert_same_state(one.batch, split.batch)
+        assert [(c.history_length, c.capacity, c.written) for c in one.caches] == \
+            [(c.history_length, c.capacity, c.written) for c in split.caches]
+        for driver in (one, split):
+            if number in (3, 7):
+                driver.leave()
+                driver.join()
+    assert int(one.batch.advance_counters[0]) > 0, "no row was refused"
+    assert sum(c.history_length for c in one.caches) > 0
+    with pytest.raises(TypeError, match="accepted must be int32"):
+        one.batch.finish_step(torch.zeros(ROWS, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match=r"accepted must have shape \(4,\)"):
+        one.batch.finish_step(torch.zeros(ROWS + 1, dtype=torch.int32, device=device))

@@ -82,3 +82,33 @@ def test_a_compiled_step_returns_a_copy_of_the_index_table_made_with_arithmetic(
     assert all(o.data_ptr() != table.data_ptr() for o in outs)
     assert all(torch.equal(o, e) for o, e in zip(outs, expected))
     assert len({tuple(o.flatten().tolist()) for o in outs}) > 1
+
+
+def test_finish_step_compiles_fullgraph_and_equals_eager():
+    """INT-2, ENG-4: a step ending in finish_step (flush to history + accepted, advance) under
+    torch.compile(fullgraph=True) on CPU, with record_advance() after each compiled call, leaves
+    every state tensor and length eager leaves, in one graph."""
+    torch._dynamo.reset()
+    counters.clear()
+
+    def body(batch, selected, new_tokens, accepted):
+        outputs = step(batch, selected, new_tokens)[:0]  # the step's writes; no flush needed
+        batch.finish_step(accepted)
+        return outputs
+
+    eager, compiled = Driver("cpu", seed=4), Driver("cpu", seed=4)
+    fn = {id(eager): body, id(compiled): torch.compile(body, fullgraph=True)}
+    for number in range(4):
+        for driver in (eager, compiled):
+            driver.batch.publish()
+            selected, new_tokens = driver.inputs()
+            accepted = torch.ones(driver.batch.max_rows, dtype=torch.int32)
+            fn[id(driver)](driver.batch, selected, new_tokens, accepted)
+            if driver is compiled:
+                driver.batch.record_advance()  # the compiled call queues no read-back
+            driver.batch.catch_up()
+    for x, y in zip(eager.batch.state_tensors(), compiled.batch.state_tensors()):
+        assert torch.equal(x, y)
+    assert [c.history_length for c in eager.caches] == [c.history_length for c in compiled.caches]
+    assert all(c.history_length > 0 for c in eager.caches)
+    assert counters["stats"]["unique_graphs"] == 1

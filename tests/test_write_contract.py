@@ -275,3 +275,30 @@ def test_growing_past_imported_history_is_not_refused_as_lost_cell_tokens(device
     for t in range(32):
         got = view[int(index[t // P]), 0, t % P]
         assert torch.equal(got.cpu(), token_bytes(cache.request_id, [t])[0])
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_finish_step_with_host_writes_ends_a_prefill_chunk(device):
+    """ENG-4: after a prefill chunk wrote [0, s0) straight to host pages and [s0, c) into cells,
+    finish_step(accepted, host_writes=True) declares the host-direct part, publishes it,
+    flushes the accepted in-flight tokens and advances history over the whole chunk, so every
+    byte of [0, c) is on host pages; a row that accepts nothing keeps its lengths."""
+    manager, batch = make(device)
+    cache, idle = manager.create_cache(), manager.create_cache()
+    batch.add(cache)
+    batch.add(idle)
+    assert cache.resize(capacity=10)  # s0 = 8: [0, 8) host-direct, [8, 10) in flight
+    assert idle.resize(capacity=1)
+    start_step(batch)
+    write_tokens(manager, batch, cache, range(10))
+    accepted = torch.tensor([10, 0], dtype=torch.int32, device=device)
+    batch.finish_step(accepted, host_writes=True)
+    assert (cache.history_length, cache.written) == (10, 10)
+    assert cache.capacity == 12  # history + width 10, cut at its pages (3 pages of 4)
+    assert (idle.history_length, idle.capacity) == (0, 1)
+    assert batch.advance_counters.tolist() == [0, 1]  # the cut row is counted as short
+    view = manager.buffer_view("x", "kv")
+    index = torch.as_tensor(cache.host_pages("x", "kv"))
+    for t in range(10):
+        assert torch.equal(view[int(index[t // P]), 0, t % P].cpu(),
+                           token_bytes(cache.request_id, [t])[0])

@@ -201,6 +201,29 @@ class Batch:
                 return
         self._sync.queue_readback()  # not while capturing
 
+    def finish_step(self, accepted: torch.Tensor, host_writes: bool = False) -> None:
+        """The end of a step in the order the write contract needs (docs/ENGINE.md), one call
+        instead of four: with ``host_writes`` first declare every seated row's host-direct
+        tokens written (``record_host_writes()``, after a prefill chunk wrote them through
+        ``host_token_indices``) and publish the declarations; then write back each row's
+        accepted in-flight tokens (``flush`` to history + ``accepted``) and move its history
+        over them on the device (``advance(accepted)``), queuing the read-back of the lengths.
+        ``accepted`` int32[max_rows] on the batch's device, as for ``advance`` (0 for a row that
+        keeps its tokens in flight). Without ``host_writes`` it is capturable and traceable:
+        after a replay or a compiled call, call ``record_advance()``."""
+        table, step = self._table, self._step
+        if host_writes:
+            table.record_host_writes(None)
+            table.publish()  # declarations only: per-step calls still run
+        compiling = torch.compiler.is_compiling()
+        if not (accepted.__class__ is torch.Tensor and not compiling and table.ready
+                and fits(accepted, step.rows_shape, step.device)):
+            table.check_step("Batch.finish_step")
+            check_rows_tensor("accepted", accepted, self.config.device, self.max_rows)
+        step.finish(accepted)
+        if not compiling:
+            self._sync.queue_readback()  # also the flush's watermark; nothing while capturing
+
     def record_advance(self) -> None:
         """Queue the read-back of the device lengths after ``advance`` (on the current stream;
         ``advance`` calls it eagerly; call it after replaying a graph that contains

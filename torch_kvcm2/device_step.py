@@ -64,6 +64,7 @@ class DeviceStep:
         self.history, self.capacity, self.lease = L[HISTORY], L[CAPACITY], L[LEASE]
         self.written, self.declared, self.allocated = L[WRITTEN], L[DECLARED], L[ALLOCATED]
         self.advance_counters = allocated["advance_counters"]
+        self.step_targets = allocated["step_targets"]  # int32[max_rows]: history + accepted
         self.device = self.history.device  # with its index: what arguments.fits compares
         self.groups = [self._new_group_state(g, allocated) for g in self.config.selection_groups]
         self.cells: dict[tuple[str, str], torch.Tensor] = {}
@@ -161,7 +162,7 @@ class DeviceStep:
         """Every tensor the per-step ops read or write (tables, residency, outputs, cells and the
         host pools' device views), each once; their addresses never change (BAT-1)."""
         tensors = [*self.page_tables, self.history, self.capacity, self.lease, self.written,
-                   self.declared, self.allocated, self.advance_counters]
+                   self.declared, self.allocated, self.advance_counters, self.step_targets]
         for state in self.groups:
             tensors += [state.resident, state.recency, state.index_table, state.miss_list,
                         state.miss_count, state.counters, state.inflight_slots, state.write_table,
@@ -264,6 +265,13 @@ class DeviceStep:
 
     def advance(self, accepted: torch.Tensor) -> None:
         _ADVANCE(self.lengths, self.advance_counters, accepted)
+
+    def finish(self, accepted: torch.Tensor) -> None:
+        """The accepted tokens to host pages, then history over them: flush to history +
+        accepted (into the fixed ``step_targets``), then advance by ``accepted``."""
+        torch.add(self.history, accepted, out=self.step_targets)
+        self.flush(self.step_targets)
+        self.advance(accepted)
 
     def clear_leases(self, leases: torch.Tensor) -> None:
         """Empty residency for the device int64 ``leases`` (leases that changed owner), in every

@@ -96,6 +96,7 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
         TensorSpec("tables", (table_entries(config, num_pool_groups, max_rows),), INT32),
         TensorSpec("delta", (staging_bytes(config, num_pool_groups, max_rows),), UINT8),
         TensorSpec("advance_counters", (ADVANCE_COUNTERS,), INT64),
+        TensorSpec("step_targets", (max_rows,), INT32),  # Batch.finish_step's flush targets
     ]
     specs += [TensorSpec(f"staging{i}", (staging_bytes(config, num_pool_groups, max_rows),),
                          UINT8, "host") for i in range(STAGING_BUFFERS)]
