@@ -250,3 +250,28 @@ def test_clear_errors_for_bad_host_side_input(device):
     with pytest.raises(TypeError, match="new_history must be int32"):
         batch.flush(torch.zeros(2, dtype=torch.int64))
     assert cache.written == 0  # nothing was flushed
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "library bug: the SAFE-1 growth rule measures 'tokens in cells and not flushed' from the "
+    "published in-flight range cut at the lowest capacity since that publish, without cutting "
+    "it at the history reached since: after resize(history=32) and a shrink to 32, the tokens "
+    "[30, 32) are history (declared host writes) yet resize(capacity=33) is refused"))
+def test_growth_after_history_passed_the_published_in_flight_range():
+    """Published at (h 0, c 35) with in-flight range [33, 35); tokens [0, 32) written straight to
+    host pages and declared; history 32, capacity cut to 32, then grown to 33: nothing is in
+    cells any more (every token below 32 is history), so the growth must succeed."""
+    manager, batch = make("cpu")
+    cache = manager.create_cache()
+    batch.add(cache)
+    assert cache.resize(capacity=35)
+    batch.publish()
+    pages = torch.as_tensor(cache.host_pages("x", "kv"))
+    view = manager.buffer_view("x", "kv", device_side=False)
+    t = torch.arange(32)
+    view[pages[t // P], 0, t % P] = token_bytes(cache.request_id, t)
+    cache.record_host_write(32)
+    assert cache.resize(history=32)
+    assert cache.resize(capacity=32)
+    assert cache.resize(capacity=33)
+    assert (cache.history_length, cache.capacity) == (32, 33)
