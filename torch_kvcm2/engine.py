@@ -85,7 +85,7 @@ class Workload:
     tokens_per_page: int = 16
     top_k: int = 6
     max_inflight_tokens: int = 8
-    pool_pages: int = 200
+    pool_pages: int = 140
     max_tokens_per_row: int = 1536
     device: str = "cpu"
     graph: bool = False  #: CUDA: capture the device step once as one CUDA graph, replay it
@@ -445,7 +445,8 @@ class Engine:
         units = h // U  # wholly history: selectable
         old = request.selection.get(g.index, [])
         keep = [u for u in old if u < units and self.rng.random() < self.w.locality]
-        self.result.kept_selections += len(keep)
+        full = len(old) == K - 1  # measured on full top-Ks only (a short context still grows)
+        self.result.kept_selections += len(keep) if full else 0
         chosen, tries = set(keep), 0
         while len(chosen) < min(K - 1, units) and tries < 4 * K:
             back = int(self.rng.geometric(0.15)) - 1
@@ -453,7 +454,7 @@ class Engine:
             tries += 1
             if u not in chosen:
                 chosen.add(u)
-                self.result.drawn_selections += 1
+                self.result.drawn_selections += 1 if full else 0
         request.selection[g.index] = sorted(chosen)
         return request.selection[g.index]
 
