@@ -44,7 +44,6 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from . import ops
 from .batch import Batch
 from .config import BAD, BufferSpec, CacheConfig, LayerSpec, SparseSpec
 from .manager import KVCacheManager
@@ -160,11 +159,6 @@ class Request:
     selection: dict = field(default_factory=dict)  # group index -> list of history units
     step_tokens: Optional[np.ndarray] = None  # token ids of [history, capacity) this step
     committed: bool = False
-
-    @property
-    def prefilling(self) -> bool:
-        return len(self.tokens) < self.prompt_length or (
-            self.cache is not None and self.cache.history_length < self.prompt_length)
 
 
 @dataclass
