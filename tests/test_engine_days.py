@@ -23,6 +23,12 @@ DAYS = [  # (id, knobs): every knob on in some day
     ("long-prompts-small-chunks", dict(seed=6, prompt_lengths=(200, 1000), prefill_chunk=40,
                                        output_lengths=(2, 16), concurrency=8, pool_pages=160,
                                        steps=400)),
+    ("open-speculative-tight", dict(seed=8, arrival="open", arrival_rate=0.6, pool_pages=100,
+                                    speculative_share=0.6, draft_tokens=4, steps=600)),
+    ("tiny-chunks-wide-inflight", dict(seed=9, prefill_chunk=9, max_inflight_tokens=12,
+                                       prompt_lengths=(8, 300), steps=600)),
+    ("low-locality-delays", dict(seed=10, locality=0.5, delay_ops=("resolve", "flush"),
+                                 abort_rate=0.03, steps=600)),
 ]
 
 
