@@ -254,3 +254,16 @@ def test_graph_loop_checks_every_replay_after_the_loop(flags, T):
     assert run.replays == run.args.steps - 1
     assert results[0] == results[1]
     assert results[0][4] == 2 * 4 * 6 * T  # every step's query tokens' outputs checked
+
+
+def test_serve_runs_the_engine_and_its_checks_pass():
+    result = run_example("serve.py", "--steps", "60", "--every", "20")
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("step 20: ") and "tokens/s" in lines[0], output(result)
+    assert lines[-1].startswith("checks passed: ") and "nothing leaked" in lines[-1], output(result)
+
+
+def test_serve_bad_flag_is_a_usage_error_naming_it():
+    result = run_example("serve.py", "--locality", "1.5")
+    assert result.returncode == 2 and "argument --locality" in result.stderr, output(result)
