@@ -18,8 +18,9 @@ tensors (``SparseDecoder.decode_step``: the step's tokens, sampling noise and ac
 the next tokens out) with no host work: per selection group its indexer (the new indexer key
 written into the dense pool, every key read back through the page table, the top-K units),
 resolve and write indices; per layer fetch, the new token's latent written into its cell,
-attention over the cells; then ``flush`` of the accepted tokens and ``Batch.advance``, which moves
-history and capacity on the device inside a page reserve kept per row (``--reserve-pages``).
+attention over the cells; then ``Batch.finish_step``: the flush of the accepted tokens and the
+advance, which moves history and capacity on the device inside a page reserve kept per row
+(``--reserve-pages``).
 The host's part of a step is: the step's inputs into those tensors, page work only when a row
 may run out of its reserve (then it waits for the device's lengths, and the publish takes the
 row's next pages), ``publish`` (a no-op in steady state), and the step: called (eager), or
@@ -580,9 +581,9 @@ class SparseDecoder:
         indexer keys into the dense pool, every key read back through the page table, each
         query token's top-K units), one resolve of all T selections and write indices; per
         layer fetch, the T tokens' latents into their cells, attention of every query token
-        over the cells; ``flush`` of the accepted tokens only and ``advance`` of the lengths by
-        them on the device (capacity stays history + T: rejected positions are in flight again
-        next step, and rewritten); the next token sampled at each row's last accepted query
+        over the cells; ``finish_step``: the flush of the accepted tokens only and the advance
+        of the lengths by them on the device (capacity stays history + T: rejected positions
+        are in flight again next step, and rewritten); the next token sampled at each row's last accepted query
         token into ``tokens``. Needs the batch published (``host_part``).
 
         Returns what the checks read (``check_step``), by name: a replayed graph's outputs,
@@ -612,8 +613,9 @@ class SparseDecoder:
                     out = out.clone()  # a CUDA-graph output is overwritten by the next replay
                 probes.update({f"q:{layer}": q, f"latent:{layer}": latent, f"out:{layer}": out})
                 x = model.residual(layer, x, out)
-        batch.flush(batch.history + self.accepted)  # only the accepted tokens go to host pages
-        batch.advance(self.accepted)  # history over them, capacity history + T, on the device
+        # only the accepted tokens go to host pages, then history over them and capacity
+        # history + T, on the device (flush to history + accepted, then advance)
+        batch.finish_step(self.accepted)
         self.tokens.copy_(model.sample(at_last_accepted(x, self.accepted), self.noise))
         return probes
 
