@@ -387,20 +387,33 @@ def test_host_side_calls_refuse_to_run_during_stream_capture():
     assert batch.published
 
 
+def write_step(driver, resolve):
+    """Publish, then per selection group ``resolve(spec, selected)`` and each layer's new tokens
+    written into the cells at the group's write indices."""
+    from stepping import write_tokens
+    batch = driver.batch
+    batch.publish()
+    selected, tokens = driver.inputs()
+    for spec, sel in zip(batch.config.selection_groups, selected):
+        resolve(spec, sel)
+        table, _ = batch.write_indices(spec.index)
+        for layer in spec.layers:
+            write_tokens(batch.cells(layer, "kv"), table[:, 0], tokens[layer])
+
+
 def test_eager_calls_of_the_bound_shapes_equal_the_checked_calls(device):
     """OP-STEP: an eager call whose tensor has the bound shape (resolve's [max_rows, K]
     selection with fetch True or False, flush's int32[max_rows] targets) skips the batch's
     Python checks and passes the bound argument lists to the op; it leaves every state tensor
     that the checked call leaves (here: a [max_rows, 1, K] selection with the fetch named by
     layers, and targets as a sequence), over steps with misses and membership changes."""
-    from stepping import ROWS, Driver, assert_same_state, write_tokens
+    from stepping import ROWS, Driver, assert_same_state
     bound, checked = Driver(device, seed=3), Driver(device, seed=3)
     for number in range(12):
         for driver in (bound, checked):
             batch = driver.batch
-            batch.publish()
-            selected, tokens = driver.inputs()
-            for spec, sel in zip(batch.config.selection_groups, selected):
+
+            def resolve(spec, sel):
                 fetch = spec.index % 2 == 0 or number % 3 == 0
                 if driver is bound:
                     batch.resolve(spec.index, sel, fetch=fetch)
@@ -409,9 +422,8 @@ def test_eager_calls_of_the_bound_shapes_equal_the_checked_calls(device):
                                   else False)
                 if not fetch:
                     batch.fetch(*spec.layers)
-                table, _ = batch.write_indices(spec.index)
-                for layer in spec.layers:
-                    write_tokens(batch.cells(layer, "kv"), table[:, 0], tokens[layer])
+
+            write_step(driver, resolve)
             targets = batch.capacity.clone()
             if number % 4 == 1:
                 batch.flush()
@@ -438,18 +450,12 @@ def test_finish_step_is_flush_to_the_accepted_tokens_then_advance(device):
     flush(history + accepted) followed by advance(accepted) leaves, with rows accepting 0 or 1
     tokens and one refused (-1), over steps with membership changes; a bad ``accepted`` is
     refused naming it, before anything runs."""
-    from stepping import ROWS, Driver, assert_same_state, write_tokens
+    from stepping import ROWS, Driver, assert_same_state
     one, split = Driver(device, seed=5), Driver(device, seed=5)
     for number in range(10):
         for driver in (one, split):
             batch = driver.batch
-            batch.publish()
-            selected, tokens = driver.inputs()
-            for spec, sel in zip(batch.config.selection_groups, selected):
-                batch.resolve(spec.index, sel, fetch=True)
-                table, _ = batch.write_indices(spec.index)
-                for layer in spec.layers:
-                    write_tokens(batch.cells(layer, "kv"), table[:, 0], tokens[layer])
+            write_step(driver, lambda spec, sel: batch.resolve(spec.index, sel, fetch=True))
             accepted = torch.tensor([(row + number) % 2 for row in range(ROWS)],
                                     dtype=torch.int32, device=device)
             accepted[number % ROWS] = -1
