@@ -71,7 +71,7 @@ class Batch:
         pin = dev.type == "cuda"
         allocated = {}
         for spec in batch_tensor_specs(config, len(manager.storage.groups), max_rows):
-            if spec.name == "snapshot":
+            if spec.name in ("snapshot", "counter_snapshot"):
                 allocated[spec.name] = readback_ring(spec, dev)
             elif spec.medium == "host":
                 allocated[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, pin_memory=pin)
@@ -80,7 +80,8 @@ class Batch:
         mirror = TableMirror(config, len(manager.storage.groups), max_rows, allocated)
         self._step = step = DeviceStep(self, allocated, mirror)
         self._table = table = RowTable(self, mirror, step.clear_leases)
-        self._sync = table.sync = LengthsSync(table, allocated["snapshot"])
+        self._sync = table.sync = LengthsSync(table, allocated["snapshot"], step.counters,
+                                              allocated["counter_snapshot"])
         self.page_tables = step.page_tables
         self.history, self.capacity, self.lease = step.history, step.capacity, step.lease
         self.written, self.advance_counters = step.written, step.advance_counters

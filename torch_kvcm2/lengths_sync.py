@@ -9,6 +9,12 @@ moved past a windowed page, get PAGES (the next publish plans their pages). An e
 tensor of targets leaves the read-back *owed*: the host learns its watermark only from a copy
 queued after it.
 
+Each read-back also copies the device counters (hits, misses, invalid per selection group,
+``advance``'s refused and short rows: one int64 tensor, so one more copy in the same call, into
+a ring of its own beside the lengths' under the same event; docs/DESIGN.md, "Metrics");
+``counters`` holds them as of the last applied read-back and ``latest_counters`` reads the
+newest arrived one without waiting (``KVCacheManager.metrics``).
+
 State: the ring (``buffers``, their ``events`` on CUDA), ``queue`` (ring positions queued and
 not applied, oldest first), ``owed``, and per row the reserve as published
 (``reserve_tokens``) and the capacity from which its top-up is urgent (``urgent_at``). The row
@@ -51,14 +57,15 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _release_ring(ring: torch.Tensor, events: list, device: int) -> None:
-    """Wait for the copies into the ring, then unregister it (its memory goes with the tensor).
-    After a device fault neither can succeed, and there is nothing left to protect."""
+def _release_ring(rings: tuple, events: list, device: int) -> None:
+    """Wait for the copies into the rings, then unregister them (their memory goes with the
+    tensors). After a device fault neither can succeed, and there is nothing left to protect."""
     try:
         for event in events:
             event.synchronize()
-        torch.ops.torch_kvcm2.host_register(ring.data_ptr(), ring.untyped_storage().nbytes(),
-                                            device, False)
+        for ring in rings:
+            torch.ops.torch_kvcm2.host_register(ring.data_ptr(), ring.untyped_storage().nbytes(),
+                                                device, False)
     except Exception:  # noqa: BLE001 -- a finalizer must finish; the context may be gone
         pass
 
@@ -66,19 +73,27 @@ def _release_ring(ring: torch.Tensor, events: list, device: int) -> None:
 class LengthsSync:
     """The read-back ring of one batch and what applying a read-back does (module docstring)."""
 
-    def __init__(self, table, snapshot: torch.Tensor):
+    def __init__(self, table, snapshot: torch.Tensor, counters: torch.Tensor,
+                 counter_snapshot: torch.Tensor):
         self.table = table
         mirror = table.mirror
         self.source = mirror.lengths  # the device length rows, int32[6, max_rows]
         self.buffers = snapshot.unbind(0)  # page-locked on CUDA; views made once
         self.snapshot = snapshot  # int32[ring, 6, max_rows]
         self.host = snapshot.numpy()
+        # the device counters (one int64 tensor, memory.counter_words) and their ring
+        self.counter_source = counters
+        self.counter_buffers = counter_snapshot.unbind(0)
+        self.counter_snapshot = counter_snapshot
+        self.host_counters = counter_snapshot.numpy()
+        #: the device counters as of the last applied read-back
+        self.counters = np.zeros(counters.numel(), dtype=np.int64)
         self.cuda = mirror.cuda
         self.events: list = [None] * len(self.buffers)
         if self.cuda:
             with torch.cuda.device(self.source.device):
                 self.events = [torch.cuda.Event() for _ in self.buffers]
-            weakref.finalize(self, _release_ring, snapshot, self.events,
+            weakref.finalize(self, _release_ring, (snapshot, counter_snapshot), self.events,
                              _index(self.source.device))
         self.queue: collections.deque = collections.deque()
         self.next = 0
@@ -104,9 +119,11 @@ class LengthsSync:
             if torch.cuda.is_current_stream_capturing():
                 return
             self.buffers[k].copy_(self.source, non_blocking=True)
+            self.counter_buffers[k].copy_(self.counter_source, non_blocking=True)
             self.events[k].record(torch.cuda.current_stream(self.source.device))
         else:
             self.buffers[k].copy_(self.source)
+            self.counter_buffers[k].copy_(self.counter_source)
         self.table.mirror.epoch += 1  # the lengths moved under the groups' write tables
         ring = len(self.buffers)
         self.next = (k + 1) % ring
@@ -141,7 +158,21 @@ class LengthsSync:
                 newest = 1
         for _ in range(newest - 1):
             queue.popleft()
-        self._apply(self.host[queue.popleft()])
+        k = queue.popleft()
+        self.counters[:] = self.host_counters[k]
+        self._apply(self.host[k])
+
+    def latest_counters(self) -> np.ndarray:
+        """The device counters of the newest read-back that has arrived, without applying it
+        or waiting: a queued one whose copy has finished (``Event.query``, no synchronisation),
+        else the last applied. At most ``READBACKS`` read-backs are queued, so these lag the
+        device by at most that many ``advance``/``record_advance`` calls, plus the steps since
+        the last one."""
+        events = self.events
+        for k in reversed(self.queue):
+            if events[k] is None or events[k].query():
+                return self.host_counters[k].copy()
+        return self.counters.copy()
 
     def _apply(self, snapshot: np.ndarray) -> None:
         table = self.table
