@@ -16,6 +16,7 @@ per-step calls refuse to run with unpublished changes (BAT-4).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -82,6 +83,10 @@ class Batch:
         self._table = table = RowTable(self, mirror, step.clear_leases)
         self._sync = table.sync = LengthsSync(table, allocated["snapshot"], step.counters,
                                               allocated["counter_snapshot"])
+        self._sync.flush_token_bytes = step.flush_token_bytes
+        manager._batches.add(self)
+        # a batch collected unclosed still adds its last read-back counters to the manager's
+        self._retire = weakref.finalize(self, manager._counts.retire, self._sync.counters)
         self.page_tables = step.page_tables
         self.history, self.capacity, self.lease = step.history, step.capacity, step.lease
         self.written, self.advance_counters = step.written, step.advance_counters
@@ -538,5 +543,10 @@ class Batch:
                         f"first, or pass discard=True to drop them")
         for cache in members:
             table.remove(cache, discard=True)
+        # the final counters (a read-back now, waited for: close may wait), kept by the manager
+        self._sync.queue_readback()
+        self._sync.catch_up()
+        self._retire()
+        self.manager._batches.discard(self)
         table.closed = True
         self.manager.reserve.give_back(self._memory)

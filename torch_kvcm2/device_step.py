@@ -143,6 +143,7 @@ class DeviceStep:
         layer_index = {layer.name: i for i, layer in enumerate(self.config.layers)}
         self.shared_pools = [g.device_data for g in storage.groups if g.sparse]
         per_pool: dict[int, list] = {}
+        self.flush_token_bytes = 0  # bytes per token one flush writes back (for the metrics)
         for group, state in zip(self.config.selection_groups, self.groups):
             sp = group.sparse
             for layer in group.layers:
@@ -151,6 +152,7 @@ class DeviceStep:
                     if host_group is not None and not host_group.owns(layer_index[layer],
                                                                       place.group):
                         continue
+                    self.flush_token_bytes += buf.bytes_per_token
                     per_pool.setdefault(place.group, []).append((
                         place.pos, self.cells[(layer, buf.role)], state.resident,
                         state.inflight_slots, (sp.slots, sp.tokens_per_unit, sp.max_inflight_tokens)))

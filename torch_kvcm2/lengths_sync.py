@@ -29,8 +29,9 @@ import weakref
 import numpy as np
 import torch
 
-from .memory import ALLOCATED, CAPACITY, LEASE, WRITTEN
+from .memory import ALLOCATED, CAPACITY, DECLARED, LEASE, WRITTEN
 from .rows import BEHIND, PAGES
+from .telemetry import flushed_tokens
 
 NEVER = np.iinfo(np.int64).max
 
@@ -98,6 +99,8 @@ class LengthsSync:
         self.queue: collections.deque = collections.deque()
         self.next = 0
         self.owed = False  # a flush to a tensor of targets ran since the last read-back
+        self.counts = table.manager._counts  # telemetry.HostCounters: bytes flushed
+        self.flush_token_bytes = 0  # bytes per token this batch's flush writes (set by Batch)
         R = table.max_rows
         self.reserve_tokens = np.zeros(R, dtype=np.int64)  # as published, per row
         self.urgent_at = np.full(R, NEVER, dtype=np.int64)
@@ -186,11 +189,19 @@ class LengthsSync:
         # allocated tokens are the host's (only a publish changes them, and a publish may have
         # changed allocated tokens since this copy was queued)
         L[:CAPACITY + 1] = snapshot[:CAPACITY + 1]
+        self.count_flushed(snapshot[WRITTEN], L)
         L[WRITTEN] = snapshot[WRITTEN]
         # every member takes its row when next used, so the steady state costs no per-row work
         state |= BEHIND
         if not table.windowed:
             self._settle_reserves(L, state)
+
+    def count_flushed(self, written: np.ndarray, L: np.ndarray) -> None:
+        """The mirror's watermark moves to ``written`` (a read-back, or the host's own rule for
+        a flush): count the bytes flushed (``telemetry.flushed_tokens``)."""
+        tokens = flushed_tokens(written, L[WRITTEN], L[DECLARED])
+        if tokens:
+            self.counts.flushed_bytes += tokens * self.flush_token_bytes
 
     def _settle_reserves(self, L: np.ndarray, state: np.ndarray) -> None:
         """Reserve top-ups for the next publish, in batches: once a seated row has used more
