@@ -16,6 +16,7 @@ per-step calls refuse to run with unpublished changes (BAT-4).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -71,7 +72,7 @@ class Batch:
         pin = dev.type == "cuda"
         allocated = {}
         for spec in batch_tensor_specs(config, len(manager.storage.groups), max_rows):
-            if spec.name == "snapshot":
+            if spec.name in ("snapshot", "counter_snapshot"):
                 allocated[spec.name] = readback_ring(spec, dev)
             elif spec.medium == "host":
                 allocated[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, pin_memory=pin)
@@ -80,7 +81,12 @@ class Batch:
         mirror = TableMirror(config, len(manager.storage.groups), max_rows, allocated)
         self._step = step = DeviceStep(self, allocated, mirror)
         self._table = table = RowTable(self, mirror, step.clear_leases)
-        self._sync = table.sync = LengthsSync(table, allocated["snapshot"])
+        self._sync = table.sync = LengthsSync(table, allocated["snapshot"], step.counters,
+                                              allocated["counter_snapshot"])
+        self._sync.flush_token_bytes = step.flush_token_bytes
+        manager._batches.add(self)
+        # a batch collected unclosed still adds its last read-back counters to the manager's
+        self._retire = weakref.finalize(self, manager._counts.retire, self._sync.counters)
         self.page_tables = step.page_tables
         self.history, self.capacity, self.lease = step.history, step.capacity, step.lease
         self.written, self.advance_counters = step.written, step.advance_counters
@@ -560,5 +566,10 @@ class Batch:
                         f"first, or pass discard=True to drop them")
         for cache in members:
             table.remove(cache, discard=True)
+        # the final counters (a read-back now, waited for: close may wait), kept by the manager
+        self._sync.queue_readback()
+        self._sync.catch_up()
+        self._retire()
+        self.manager._batches.discard(self)
         table.closed = True
         self.manager.reserve.give_back(self._memory)

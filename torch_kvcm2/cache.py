@@ -13,6 +13,7 @@ listed in that module's docstring; nothing else calls those methods.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
@@ -23,6 +24,8 @@ from .config import BAD
 from .prefix import token_array
 
 ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
+
+logger = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -187,6 +190,9 @@ class KVCache:
         needs = [max(keep - max(live[1], first), 0) for (first, keep), live in zip(plans, self._live)]
         allocated = self.manager.storage.allocate_slots(needs)
         if allocated is None:
+            self.manager._counts.allocations_failed += 1
+            logger.debug("request %d: %s pages per pool group not available", self.request_id,
+                         needs)
             return False
         taken = [(group, slots if n else None) for group, slots, n in zip(groups, allocated, needs)]
         changed = (h, c) != (self._h, self._c)
@@ -254,6 +260,7 @@ class KVCache:
                 f"record_host_write: end ({end}) is past the host-direct range, which ends at "
                 f"{bound} (history {self._h}, capacity {self._c}); tokens from {bound} on are "
                 f"in flight: write them into cells and flush them")
+        self.manager._counts.declared(self._h, self._c, self._declared, end)
         self._declared = max(self._declared, end)
         if self._table is not None:
             self._table._declared(self._row)
@@ -335,6 +342,7 @@ class KVCache:
                 f"KVCache.suspend: tokens are in flight (history {self._h} < capacity "
                 f"{self._c}); flush and advance history, or shrink capacity, first")
         self.state = SUSPENDED
+        self.manager._counts.preemptions += 1
         if self._table is not None:
             self._table._release_lease(self._row)
 
@@ -347,6 +355,7 @@ class KVCache:
         if self._table is not None:
             self._table._grant_lease(self._row)
         self.state = ACTIVE
+        self.manager._counts.resumes += 1
 
     def close(self) -> None:
         """The abort path: leave the batch discarding any in-flight tokens, and free every page.
@@ -355,6 +364,8 @@ class KVCache:
         refuse_during_capture(self.manager.config.device, "KVCache.close")
         if self._table is not None:
             self._table._leave(self)
+        elif self._c > self._h:  # in-flight tokens dropped (a seated cache: _discard_in_flight)
+            self.manager._counts.aborts += 1
         for group, row, live in zip(self.manager.storage.groups, self._pages, self._live):
             group.release(row[live[0]:live[1]])
             row[:] = BAD
@@ -425,6 +436,7 @@ class KVCache:
     def _discard_in_flight(self) -> None:
         """Drop the tokens in flight: capacity shrinks back to history (the abort path)."""
         if self._c > self._h:
+            self.manager._counts.aborts += 1
             self._apply(self._h, self._h)  # a shrink: always succeeds, breaks no rule
 
     def _seat(self, table, row: Optional[int]) -> None:

@@ -9,6 +9,12 @@ moved past a windowed page, get PAGES (the next publish plans their pages). An e
 tensor of targets leaves the read-back *owed*: the host learns its watermark only from a copy
 queued after it.
 
+Each read-back also copies the device counters (hits, misses, invalid per selection group,
+``advance``'s refused and short rows: one int64 tensor, so one more copy in the same call, into
+a ring of its own beside the lengths' under the same event; docs/DESIGN.md, "Metrics");
+``counters`` holds them as of the last applied read-back and ``latest_counters`` reads the
+newest arrived one without waiting (``KVCacheManager.metrics``).
+
 State: the ring (``buffers``, their ``events`` on CUDA), ``queue`` (ring positions queued and
 not applied, oldest first), ``owed``, and per row the reserve as published
 (``reserve_tokens``) and the capacity from which its top-up is urgent (``urgent_at``). The row
@@ -23,8 +29,9 @@ import weakref
 import numpy as np
 import torch
 
-from .memory import ALLOCATED, CAPACITY, LEASE, WRITTEN
+from .memory import ALLOCATED, CAPACITY, DECLARED, LEASE, WRITTEN
 from .rows import BEHIND, PAGES
+from .telemetry import flushed_tokens
 
 NEVER = np.iinfo(np.int64).max
 
@@ -51,14 +58,15 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _release_ring(ring: torch.Tensor, events: list, device: int) -> None:
-    """Wait for the copies into the ring, then unregister it (its memory goes with the tensor).
-    After a device fault neither can succeed, and there is nothing left to protect."""
+def _release_ring(rings: tuple, events: list, device: int) -> None:
+    """Wait for the copies into the rings, then unregister them (their memory goes with the
+    tensors). After a device fault neither can succeed, and there is nothing left to protect."""
     try:
         for event in events:
             event.synchronize()
-        torch.ops.torch_kvcm2.host_register(ring.data_ptr(), ring.untyped_storage().nbytes(),
-                                            device, False)
+        for ring in rings:
+            torch.ops.torch_kvcm2.host_register(ring.data_ptr(), ring.untyped_storage().nbytes(),
+                                                device, False)
     except Exception:  # noqa: BLE001 -- a finalizer must finish; the context may be gone
         pass
 
@@ -66,23 +74,33 @@ def _release_ring(ring: torch.Tensor, events: list, device: int) -> None:
 class LengthsSync:
     """The read-back ring of one batch and what applying a read-back does (module docstring)."""
 
-    def __init__(self, table, snapshot: torch.Tensor):
+    def __init__(self, table, snapshot: torch.Tensor, counters: torch.Tensor,
+                 counter_snapshot: torch.Tensor):
         self.table = table
         mirror = table.mirror
         self.source = mirror.lengths  # the device length rows, int32[6, max_rows]
         self.buffers = snapshot.unbind(0)  # page-locked on CUDA; views made once
         self.snapshot = snapshot  # int32[ring, 6, max_rows]
         self.host = snapshot.numpy()
+        # the device counters (one int64 tensor, memory.counter_words) and their ring
+        self.counter_source = counters
+        self.counter_buffers = counter_snapshot.unbind(0)
+        self.counter_snapshot = counter_snapshot
+        self.host_counters = counter_snapshot.numpy()
+        #: the device counters as of the last applied read-back
+        self.counters = np.zeros(counters.numel(), dtype=np.int64)
         self.cuda = mirror.cuda
         self.events: list = [None] * len(self.buffers)
         if self.cuda:
             with torch.cuda.device(self.source.device):
                 self.events = [torch.cuda.Event() for _ in self.buffers]
-            weakref.finalize(self, _release_ring, snapshot, self.events,
+            weakref.finalize(self, _release_ring, (snapshot, counter_snapshot), self.events,
                              _index(self.source.device))
         self.queue: collections.deque = collections.deque()
         self.next = 0
         self.owed = False  # a flush to a tensor of targets ran since the last read-back
+        self.counts = table.manager._counts  # telemetry.HostCounters: bytes flushed
+        self.flush_token_bytes = 0  # bytes per token this batch's flush writes (set by Batch)
         R = table.max_rows
         self.reserve_tokens = np.zeros(R, dtype=np.int64)  # as published, per row
         self.urgent_at = np.full(R, NEVER, dtype=np.int64)
@@ -104,9 +122,11 @@ class LengthsSync:
             if torch.cuda.is_current_stream_capturing():
                 return
             self.buffers[k].copy_(self.source, non_blocking=True)
+            self.counter_buffers[k].copy_(self.counter_source, non_blocking=True)
             self.events[k].record(torch.cuda.current_stream(self.source.device))
         else:
             self.buffers[k].copy_(self.source)
+            self.counter_buffers[k].copy_(self.counter_source)
         self.table.mirror.epoch += 1  # the lengths moved under the groups' write tables
         ring = len(self.buffers)
         self.next = (k + 1) % ring
@@ -141,7 +161,21 @@ class LengthsSync:
                 newest = 1
         for _ in range(newest - 1):
             queue.popleft()
-        self._apply(self.host[queue.popleft()])
+        k = queue.popleft()
+        self.counters[:] = self.host_counters[k]
+        self._apply(self.host[k])
+
+    def latest_counters(self) -> np.ndarray:
+        """The device counters of the newest read-back that has arrived, without applying it
+        or waiting: a queued one whose copy has finished (``Event.query``, no synchronisation),
+        else the last applied. At most ``READBACKS`` read-backs are queued, so these lag the
+        device by at most that many ``advance``/``record_advance`` calls, plus the steps since
+        the last one."""
+        events = self.events
+        for k in reversed(self.queue):
+            if events[k] is None or events[k].query():
+                return self.host_counters[k].copy()
+        return self.counters.copy()
 
     def _apply(self, snapshot: np.ndarray) -> None:
         table = self.table
@@ -155,11 +189,19 @@ class LengthsSync:
         # allocated tokens are the host's (only a publish changes them, and a publish may have
         # changed allocated tokens since this copy was queued)
         L[:CAPACITY + 1] = snapshot[:CAPACITY + 1]
+        self.count_flushed(snapshot[WRITTEN], L)
         L[WRITTEN] = snapshot[WRITTEN]
         # every member takes its row when next used, so the steady state costs no per-row work
         state |= BEHIND
         if not table.windowed:
             self._settle_reserves(L, state)
+
+    def count_flushed(self, written: np.ndarray, L: np.ndarray) -> None:
+        """The mirror's watermark moves to ``written`` (a read-back, or the host's own rule for
+        a flush): count the bytes flushed (``telemetry.flushed_tokens``)."""
+        tokens = flushed_tokens(written, L[WRITTEN], L[DECLARED])
+        if tokens:
+            self.counts.flushed_bytes += tokens * self.flush_token_bytes
 
     def _settle_reserves(self, L: np.ndarray, state: np.ndarray) -> None:
         """Reserve top-ups for the next publish, in batches: once a seated row has used more

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import weakref
 from typing import Optional
 
 import torch
@@ -14,6 +16,9 @@ from .host_region import DEFAULT_CHUNK_BYTES, check_options, default_threads, re
 from .memory import BatchReserve, batch_memory_bytes
 from .prefix import token_array
 from .storage import HostOptions, Storage
+from .telemetry import HostCounters, snapshot
+
+logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
@@ -78,6 +83,8 @@ class KVCacheManager:
                     f"batch of {config.max_rows} rows ({self._reserve[medium]} bytes)")
         self.storage.allocate(self._reserve, host)
         self.reserve = BatchReserve(self._reserve)
+        self._counts = HostCounters(config)  # what metrics() reports (telemetry.py)
+        self._batches = weakref.WeakSet()  # open batches: their device counters
         self._ids = itertools.count()
         self._closed = False
 
@@ -103,6 +110,7 @@ class KVCacheManager:
         cache = KVCache(self, next(self._ids))
         if pages:
             cache._start_shared(pages, entries)
+        prefix.queries += 1
         prefix.queried_tokens += len(ids)
         prefix.matched_tokens += cache.reused_tokens
         return cache
@@ -166,8 +174,34 @@ class KVCacheManager:
                              f"({config.max_tokens_per_row})")
         pages = ceil_div(tokens, config.tokens_per_page) * count
         if any(pages > group.free_slots + group.cached_slots for group in self.storage.groups):
+            self._counts.admissions_refused += 1
+            logger.debug("can_fit: %d request(s) of %d tokens refused (%d pages per pool group "
+                         "needed)", count, tokens, pages)
             return False
         return True
+
+    def metrics(self) -> dict:
+        """OBS-1: counters since the manager started and gauges now, as a plain dict (schema in
+        docs/METRICS.md), without a host synchronisation: device counters come from each open
+        batch's newest read-back of its lengths that has arrived (queued by every ``advance``
+        or ``record_advance``), so they lag the device by at most ``memory.READBACKS`` (4)
+        advances plus the steps since the last one; closed batches keep their final counts.
+
+        ``selection_groups[name]``: ``hits``, ``misses``, ``invalid`` and ``fetched_bytes``
+        (misses x the group's bytes per unit over its layers' sparse buffers);
+        ``flushed_bytes`` (device to host: tokens the write watermark passed beyond the
+        declared range, x the bytes per token of every sparse buffer this rank flushes);
+        ``host_direct_bytes`` (declared host-direct writes); ``prefix``: ``queries``,
+        ``queried_tokens``, ``hit_tokens``, ``evicted_slots``; ``admissions_refused``
+        (``can_fit`` False), ``preemptions`` (suspend), ``resumes``, ``aborts`` (in-flight
+        tokens dropped by close or a discarding remove), ``allocations_failed`` (a resize or
+        reserve top-up the pools could not supply); ``advance``: ``refused_rows``,
+        ``short_rows``. Gauges: ``pool_groups`` (per pool group ``index``, ``medium``,
+        ``used_bytes``, ``cached_bytes``, ``total_bytes``, ``committed_bytes``), ``media``
+        (the same summed per medium, plus ``batch_bytes`` of the batch reserve in use),
+        ``cached_prefix_bytes``, ``rows``: ``seated``, ``suspended``."""
+        self._check_open("KVCacheManager.metrics")
+        return snapshot(self)
 
     def check_ranks(self, *batches) -> None:
         """TP-2 debug check (collective over the host group; every rank passes its batches in

@@ -83,6 +83,12 @@ def table_entries(config: CacheConfig, num_pool_groups: int, max_rows: int) -> i
     return num_pool_groups * max_rows * config.max_pages_per_row + LENGTH_ROWS * max_rows
 
 
+def counter_words(config: CacheConfig) -> int:
+    """int64 device counters of a batch, in one tensor: per selection group its
+    ``ops.NUM_COUNTERS`` (hits, misses, invalid), then ``advance``'s ``ADVANCE_COUNTERS``."""
+    return ops.NUM_COUNTERS * len(config.selection_groups) + ADVANCE_COUNTERS
+
+
 def staging_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int) -> int:
     """Bytes of one publish staging buffer: the largest delta (every table entry) plus one int64
     per lease whose residency a publish clears."""
@@ -95,14 +101,19 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
     specs = [
         TensorSpec("tables", (table_entries(config, num_pool_groups, max_rows),), INT32),
         TensorSpec("delta", (staging_bytes(config, num_pool_groups, max_rows),), UINT8),
-        TensorSpec("advance_counters", (ADVANCE_COUNTERS,), INT64),
+        # every device counter (views: per selection group hits, misses, invalid; then
+        # advance's refused and short rows), so that the read-back copies them at once
+        TensorSpec("counters", (counter_words(config),), INT64),
         TensorSpec("step_targets", (max_rows,), INT32),  # Batch.finish_step's flush targets
     ]
     specs += [TensorSpec(f"staging{i}", (staging_bytes(config, num_pool_groups, max_rows),),
                          UINT8, "host") for i in range(STAGING_BUFFERS)]
     # on CUDA the read-back ring is whole pages of its own, registered (lengths_sync.py)
-    specs.append(TensorSpec("snapshot", (READBACKS, LENGTH_ROWS, max_rows), INT32, "host",
-                            mmap.PAGESIZE if config.device.type == "cuda" else 1))
+    page = mmap.PAGESIZE if config.device.type == "cuda" else 1
+    specs.append(TensorSpec("snapshot", (READBACKS, LENGTH_ROWS, max_rows), INT32, "host", page))
+    # the counters' read-back ring, filled by the same read-back call (lengths_sync.py)
+    specs.append(TensorSpec("counter_snapshot", (READBACKS, counter_words(config)), INT64, "host",
+                            page))
     for group in config.selection_groups:
         sp, g = group.sparse, group.index
         specs += [
@@ -112,7 +123,6 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
             TensorSpec(f"index_table{g}", (max_rows, sp.max_selected_columns), INT32),
             TensorSpec(f"miss_list{g}", (miss_list_rows(group, max_rows), ops.MISS_FIELDS), INT32),
             TensorSpec(f"miss_count{g}", (ops.MISS_COUNT_WORDS,), INT32),
-            TensorSpec(f"counters{g}", (ops.NUM_COUNTERS,), INT64),
             TensorSpec(f"inflight_slots{g}", (max_rows, sp.max_inflight_units), INT32),
             TensorSpec(f"write_table{g}", (max_rows, sp.max_inflight_tokens + sp.tokens_per_unit - 1),
                        INT32),

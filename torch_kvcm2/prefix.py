@@ -26,6 +26,7 @@ extends.
 """
 from __future__ import annotations
 
+import logging
 from itertools import repeat
 from typing import Optional
 
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 
 from .config import BAD
+
+logger = logging.getLogger(__name__)
 
 
 def token_array(name: str, token_ids) -> np.ndarray:
@@ -99,6 +102,7 @@ class PrefixIndex:
         self._children = np.zeros(0, dtype=np.int32)
         self._free_entries: list[int] = []
         self._clock = 0
+        self.queries = 0  # create_cache(token_ids) calls
         self.queried_tokens = 0  # create_cache(token_ids): tokens asked for, and shared
         self.matched_tokens = 0
         self.evicted_slots = 0
@@ -313,6 +317,7 @@ class PrefixIndex:
         leaves the others."""
         slot = group.pop_lru()
         self.evicted_slots += 1
+        logger.debug("prefix: evicted cached slot %d of pool group %d", slot, group.index)
         e = int(group.owner[slot]) - 1
         if group.window is None:
             self._drop_slots(e)

@@ -78,6 +78,7 @@ class RowTable:
         self.shapes = rules.shapes_of(self.config)
         self.windowed = any(g.window is not None for g in batch.manager.storage.groups)
         self.closed = False
+        self.seated = self.leased = 0  # members, and members with a lease (metrics)
 
     def describe(self, row: int) -> RowSync:
         """A row's sync state as flags (for messages and debugging)."""
@@ -130,6 +131,7 @@ class RowTable:
             self._check_free_row(row, "Batch.add")
         cache._seat(self, row)
         self.caches[row] = cache
+        self.seated += 1
         self.state[row] = 0
         self._mark(row, UPLOAD)
         if not cache.suspended:
@@ -150,6 +152,7 @@ class RowTable:
             cache._discard_in_flight()
         self._release_lease(row)
         self.caches[row] = None
+        self.seated -= 1
         cache._seat(None, None)
         self.state[row] = 0
         self._mark(row, UPLOAD)
@@ -207,6 +210,7 @@ class RowTable:
     def _grant_lease(self, row: int) -> None:
         """A fresh lease for the member at ``row`` (its residency is cleared at publish)."""
         self.leases[row] = heapq.heappop(self.free_leases)  # never empty: one lease per row
+        self.leased += 1
         self._mark(row, UPLOAD | NEW_LEASE)
 
     def _release_lease(self, row: int) -> None:
@@ -215,6 +219,7 @@ class RowTable:
         if lease != BAD:
             heapq.heappush(self.free_leases, lease)
             self.leases[row] = BAD
+            self.leased -= 1
         self.state[row] &= ~NEW_LEASE & 0xFF
         self._mark(row, UPLOAD)
 
@@ -338,6 +343,7 @@ class RowTable:
                                                int(target[row]))
             elif watermark[row] > L[WRITTEN, row]:
                 self.caches[row]._take_written(int(watermark[row]))
+        self.sync.count_flushed(np.where(seated, watermark, 0), L)
         L[WRITTEN] = np.where(seated, watermark, L[WRITTEN])
 
     def record_host_writes(self, ends) -> None:

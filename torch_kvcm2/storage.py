@@ -15,6 +15,7 @@ cached until an allocation that finds no free slot evicts it, least recently use
 from __future__ import annotations
 
 import heapq
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +26,8 @@ from .config import CacheConfig, INT32_MAX
 from .host_region import (DEFAULT_CHUNK_BYTES, HUGE_PAGE, PAGE_SIZE, HostMemoryOps, HostRegion,
                           round_up)
 from .prefix import PrefixIndex
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -181,8 +184,12 @@ class PoolGroup:
                 if not self.region.commit([grow]):
                     for slot in taken:
                         heapq.heappush(self._free, slot)
+                    logger.warning("pool group %d: committing %d more bytes of the host region "
+                                   "failed: %s", self.index, grow[1], self.region.last_error)
                     return None
                 self.committed_bytes += grow[1]
+                logger.debug("pool group %d: host region grew by %d bytes to %d committed",
+                             self.index, grow[1], self.committed_bytes)
             taken.extend(range(self._next, self._next + fresh))
             self._next += fresh
         if taken:
