@@ -9,7 +9,8 @@ slots, and every write path reaches only pages at or above its history (docs/PRE
 resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
 
 A seated cache talks to its batch's row table (``rows.RowTable``) through a private protocol,
-listed in that module's docstring; nothing else calls those methods.
+listed in that module's docstring; nothing else calls those methods. ``transfer.py`` builds an
+imported cache through ``_start_imported`` (TIER-2).
 """
 from __future__ import annotations
 
