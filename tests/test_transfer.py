@@ -183,6 +183,27 @@ def test_a_request_moves_to_a_different_config_and_decodes_there_bit_exactly(dev
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_a_seated_cache_exports_what_its_decode_steps_flushed(device):
+    """The engine's path: a request decodes in a batch (its new tokens reach host pages through
+    flush), then moves while seated; the target continues from there."""
+    source = kv.KVCacheManager(dsa_config(device))
+    cache = prefilled(source)
+    batch = source.create_batch()
+    batch.add(cache)
+    decode(batch, cache, 3)
+    record = cache.export()
+    assert record.history == HISTORY + 3 and cache.seated_in[0] is batch
+    target = kv.KVCacheManager(other_config(device))
+    moved = target.import_cache(record)
+    assert check_tokens(moved, HISTORY + 3, source=cache) > 0
+    other = target.create_batch()
+    other.add(moved)
+    decode(other, moved, 2)
+    assert check_tokens(moved, HISTORY + 5) > 0
+    decode(batch, cache, 1)  # the source decodes on, unaffected
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_a_record_crosses_processes_through_a_file(device, tmp_path):
     """The prefill instance (a child process) exports and saves; this process loads, imports and
     decodes."""

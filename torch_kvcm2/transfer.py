@@ -227,6 +227,7 @@ def import_record(manager, record: CacheRecord, token_ids=None):
             view.index_copy_(0, torch.from_numpy(idx).to(view.device), source)
 
     if not cache._start_imported(h, write):
+        cache.close()  # it holds nothing; no one else has it
         return None
     if ids is not None:
         cache.commit(ids[:h])
