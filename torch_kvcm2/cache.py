@@ -9,7 +9,8 @@ slots, and every write path reaches only pages at or above its history (docs/PRE
 resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
 
 A seated cache talks to its batch's row table (``rows.RowTable``) through a private protocol,
-listed in that module's docstring; nothing else calls those methods.
+listed in that module's docstring; nothing else calls those methods. ``transfer.py`` builds an
+imported cache through ``_start_imported`` (TIER-2).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from . import lengths as rules
 from ._util import check_int, refuse_during_capture
 from .config import BAD
 from .prefix import token_array
+from .transfer import CacheRecord, export_record
 
 ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
 
@@ -328,6 +330,34 @@ class KVCache:
         self._h = self._c = self._flushed = self._declared = h
         self.reused_tokens = h
         self._pages_moved = True
+
+    # ---- moving between managers (TIER-2, torch_kvcm2/transfer.py) ----
+    def export(self, token_ids=None) -> CacheRecord:
+        """A self-contained copy of this request's final tokens (``transfer.CacheRecord``): the
+        config fields an importer must match, ``history_length``, ``token_ids`` when given (a
+        list of ints, a CPU integer tensor or a numpy integer array; stored as int64) and every
+        buffer's pages of tokens ``[0, history)`` as CPU uint8 tensors in the page layout (a
+        windowed layer's live pages only). Reads only; the cache may be seated, suspended or
+        detached. Raises RuntimeError while tokens are in flight (history < capacity: flush and
+        advance history, or ``resize(capacity=history_length)``, first), for a closed cache or
+        manager, and during stream capture; TypeError / ValueError for bad ``token_ids``."""
+        return export_record(self, token_ids)
+
+    def _start_imported(self, history: int, write) -> bool:
+        """Take pages for lengths (history, history) on this new cache, let ``write(self)`` put
+        every byte of ``[0, history)`` on them, and declare those tokens written straight to
+        host pages (what ``record_host_write`` declares; its bound, the in-flight start, stops
+        short of capacity, and an imported cache has nothing in flight). False, with nothing
+        taken, when the pools cannot supply the pages; a failing ``write`` frees them."""
+        if not self._apply(history, history):
+            return False
+        try:
+            write(self)
+        except BaseException:
+            self.close()
+            raise
+        self._declared = history
+        return True
 
     # ---- REQ-4 ----
     def suspend(self) -> None:

@@ -17,6 +17,7 @@ from .memory import BatchReserve, batch_memory_bytes
 from .prefix import token_array
 from .storage import HostOptions, Storage
 from .telemetry import HostCounters, snapshot
+from .transfer import CacheRecord, import_record
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,19 @@ class KVCacheManager:
             raise ValueError(f"{what}: token_ids has {len(ids)} tokens, more than "
                              f"max_tokens_per_row ({self.config.max_tokens_per_row})")
         return ids
+
+    def import_cache(self, record: CacheRecord, token_ids=None) -> Optional[KVCache]:
+        """A new, detached cache equal to the one ``record`` (``KVCache.export()``, perhaps from
+        another manager or process) was made from (TIER-2): capacity = history = the record's,
+        pages allocated in every pool group, every byte of ``[0, history)`` written to them and
+        declared written (SAFE-2), residency empty; ready for ``Batch.add``. ``token_ids`` (else
+        the record's, if any) are committed over the history's whole pages (PFX-1), so later
+        requests here can share them. Returns None, with nothing changed, when the pools cannot
+        supply the pages (``can_fit(record.history)`` says so beforehand). Raises ValueError
+        naming the first mismatching field for a record of an incompatible config (see
+        ``transfer.fingerprint``) or a history past ``max_tokens_per_row``, TypeError for a
+        non-record, RuntimeError when closed or during stream capture."""
+        return import_record(self, record, token_ids)
 
     def create_batch(self, max_rows=None) -> Batch:
         """Same as ``Batch(manager, max_rows)``."""
