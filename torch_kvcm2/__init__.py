@@ -2,7 +2,7 @@
 
 Importing the package loads the native op library (``torch_kvcm2._C``) first; a failed load is
 an error, never a silent fallback. The public API is the configuration (``CacheConfig`` and its
-parts), ``KVCacheManager``, ``KVCache`` and ``Batch``; the per-step custom ops live in
+parts), ``KVCacheManager``, ``KVCache``, ``Batch`` and ``CacheRecord``; the per-step custom ops live in
 ``torch_kvcm2.ops`` and under ``torch.ops.torch_kvcm2``.
 """
 import torch  # noqa: F401  (the op library links against torch)
@@ -13,12 +13,14 @@ from .batch import Batch
 from .cache import KVCache
 from .config import BAD, BufferSpec, CacheConfig, LayerSpec, SparseSpec
 from .manager import KVCacheManager
+from .transfer import CacheRecord
 
 __all__ = [
     "BAD",
     "Batch",
     "BufferSpec",
     "CacheConfig",
+    "CacheRecord",
     "KVCache",
     "KVCacheManager",
     "LayerSpec",
