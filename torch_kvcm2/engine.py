@@ -1,4 +1,4 @@
-"""A fake serving engine over one KVCacheManager and one Batch (SPEC §15, ENG-1/2/4).
+"""A fake serving engine over one KVCacheManager and one Batch (ENG-1/2/4, docs/REQUIREMENTS.md).
 
 ``run_day(Workload(...))`` drives "an engine day": requests arrive (closed loop at a target
 concurrency, or open loop at a rate per step), are admitted by ``KVCacheManager.can_fit``, are
