@@ -19,19 +19,35 @@ except ImportError as exc:  # the optional extra
 
 __all__ = ["KVCacheCollector", "register"]
 
-#: (metric name without prefix or _total, snapshot key, help) of the unlabelled counters
+#: (metric name without prefix or _total, its path in the snapshot, help) of the unlabelled
+#: counters
 _COUNTERS = (
-    ("kv_flushed_bytes", "flushed_bytes", "Bytes written back device to host (flush)."),
-    ("kv_host_direct_bytes", "host_direct_bytes",
+    ("kv_flushed_bytes", ("flushed_bytes",), "Bytes written back device to host (flush)."),
+    ("kv_host_direct_bytes", ("host_direct_bytes",),
      "Bytes declared written straight to host pages (record_host_write)."),
-    ("admissions_refused", "admissions_refused", "can_fit calls that answered False."),
-    ("num_preemptions", "preemptions", "Requests suspended (KVCache.suspend)."),
-    ("num_resumes", "resumes", "Requests resumed (KVCache.resume)."),
-    ("num_aborts", "aborts", "Requests whose in-flight tokens were dropped (close, discard)."),
-    ("allocations_failed", "allocations_failed",
+    ("admissions_refused", ("admissions_refused",), "can_fit calls that answered False."),
+    ("num_preemptions", ("preemptions",), "Requests suspended (KVCache.suspend)."),
+    ("num_resumes", ("resumes",), "Requests resumed (KVCache.resume)."),
+    ("num_aborts", ("aborts",), "Requests whose in-flight tokens were dropped (close, discard)."),
+    ("allocations_failed", ("allocations_failed",),
      "Resizes or reserve top-ups the pools could not supply."),
+    ("prefix_cache_queries", ("prefix", "queried_tokens"),
+     "Prefix-cache queried tokens (create_cache(token_ids))."),
+    ("prefix_cache_hits", ("prefix", "hit_tokens"),
+     "Prefix-cache hit tokens (shared from committed pages)."),
+    ("prefix_cache_requests", ("prefix", "queries"), "create_cache(token_ids) calls."),
+    ("prefix_cache_evictions", ("prefix", "evicted_slots"), "Cached prefix slots evicted."),
+    ("advance_refused_rows", ("advance", "refused_rows"),
+     "Rows Batch.advance refused (past the write watermark)."),
+    ("advance_short_rows", ("advance", "short_rows"),
+     "Rows Batch.advance stopped at their allocated pages."),
 )
 
+
+def _at(snapshot: dict, path: tuple):
+    for key in path:
+        snapshot = snapshot[key]
+    return snapshot
 
 class KVCacheCollector:
     """A ``prometheus_client`` collector of one manager (use ``register``)."""
@@ -65,26 +81,8 @@ class KVCacheCollector:
         for group, values in groups.items():
             family.add_metric([group], values["fetched_bytes"])
         yield family
-        for metric, key, help_text in _COUNTERS:
-            yield CounterMetricFamily(name(metric), help_text, value=m[key])
-        prefix = m["prefix"]
-        yield CounterMetricFamily(name("prefix_cache_queries"),
-                                  "Prefix-cache queried tokens (create_cache(token_ids)).",
-                                  value=prefix["queried_tokens"])
-        yield CounterMetricFamily(name("prefix_cache_hits"),
-                                  "Prefix-cache hit tokens (shared from committed pages).",
-                                  value=prefix["hit_tokens"])
-        yield CounterMetricFamily(name("prefix_cache_requests"),
-                                  "create_cache(token_ids) calls.", value=prefix["queries"])
-        yield CounterMetricFamily(name("prefix_cache_evictions"),
-                                  "Cached prefix slots evicted.", value=prefix["evicted_slots"])
-        advance = m["advance"]
-        yield CounterMetricFamily(name("advance_refused_rows"),
-                                  "Rows Batch.advance refused (past the write watermark).",
-                                  value=advance["refused_rows"])
-        yield CounterMetricFamily(name("advance_short_rows"),
-                                  "Rows Batch.advance stopped at their allocated pages.",
-                                  value=advance["short_rows"])
+        for metric, path, help_text in _COUNTERS:
+            yield CounterMetricFamily(name(metric), help_text, value=_at(m, path))
         yield from self._gauges(m)
 
     def _gauges(self, m: dict):
