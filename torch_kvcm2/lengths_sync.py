@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .memory import ALLOCATED, CAPACITY, DECLARED, LEASE, WRITTEN
-from .rows import BEHIND, PAGES
+from .rows import BEHIND
 from .telemetry import flushed_tokens
 
 NEVER = np.iinfo(np.int64).max
@@ -184,7 +184,7 @@ class LengthsSync:
             # rows whose history, capacity or watermark moved release pages behind their
             # windows at the next publish
             moved = (snapshot[:WRITTEN + 1] != L[:WRITTEN + 1]).any(axis=0) & (L[LEASE] >= 0)
-            state[moved] |= PAGES
+            table.mark_pages(moved)
         # the rows the device writes (history, capacity, written); lease, declared and
         # allocated tokens are the host's (only a publish changes them, and a publish may have
         # changed allocated tokens since this copy was queued)
@@ -212,7 +212,7 @@ class LengthsSync:
         if not (L[CAPACITY] >= self.urgent_at).any():
             return
         wanted = np.minimum(L[CAPACITY] + self.reserve_tokens, self.table.config.max_tokens_per_row)
-        state[(L[LEASE] >= 0) & (wanted > L[ALLOCATED])] |= PAGES
+        self.table.mark_pages((L[LEASE] >= 0) & (wanted > L[ALLOCATED]))
 
     def published(self, rows: list, values: np.ndarray, reserves: np.ndarray) -> None:
         """``rows`` were published with ``values`` (their six lengths) and ``reserves``: the

@@ -59,6 +59,8 @@ class RowSync(enum.IntFlag):
 UPLOAD, NEW_LEASE, DECLARED_ONLY, RESERVE, PAGES, BEHIND = (int(f) for f in RowSync)
 #: the flags that keep a row out of ``resize_rows``' vectorised path (its host state is ahead)
 UNCLEAN = UPLOAD | DECLARED_ONLY | RESERVE | PAGES
+#: the flags that make publish upload or plan something
+PUBLISHED = UPLOAD | DECLARED_ONLY | PAGES
 
 
 class RowTable:
@@ -75,6 +77,9 @@ class RowTable:
         self.free_leases = list(range(R))  # a heap
         self.state = np.zeros(R, dtype=np.uint8)
         self.unpublished = False  # some row has UPLOAD: per-step calls are refused
+        # which of UPLOAD, DECLARED and PAGES some row may have: publish scans the rows only
+        # for those (a steady-state step sets none of them)
+        self.marked = 0
         self.shapes = rules.shapes_of(self.config)
         self.windowed = any(g.window is not None for g in batch.manager.storage.groups)
         self.closed = False
@@ -105,8 +110,14 @@ class RowTable:
 
     def _mark(self, row: int, flags: int) -> None:
         self.state[row] |= flags
+        self.marked |= flags & PUBLISHED
         if flags & UPLOAD:
             self.unpublished = True
+
+    def mark_pages(self, rows: np.ndarray) -> None:
+        """PAGES for the rows of the bool mask ``rows`` (the lengths sync's read-backs)."""
+        self.state[rows] |= PAGES
+        self.marked |= PAGES
 
     # ---- membership (BAT-2) ----
     def add(self, cache, row: Optional[int]) -> int:
@@ -254,9 +265,12 @@ class RowTable:
             # the read-backs that have arrived are applied first; the newest is waited for only
             # when there are host changes to publish (the mirror must not take an older
             # read-back after this publish's delta)
-            sync.catch_up(wait=bool((state & (UPLOAD | DECLARED_ONLY)).any()))
+            sync.catch_up(wait=bool(self.marked & (UPLOAD | DECLARED_ONLY)))
         pages_only = False
-        due = np.flatnonzero(state & PAGES)
+        due = ()
+        if self.marked & PAGES:
+            self.marked &= ~PAGES  # a read-back applied while planning sets it again
+            due = np.flatnonzero(state & PAGES)
         if len(due):
             # page work for rows advance() moved (reserve top-ups, windowed releases), planned
             # from the lengths the host has: with a read-back still in flight they are a step
@@ -269,9 +283,9 @@ class RowTable:
                 cache = self.caches[row]
                 if cache is not None and not cache.suspended:
                     cache._retake_pages(wait=False, grow_only=pages_only)
-        rows = np.flatnonzero(state & (UPLOAD | DECLARED_ONLY)).tolist()
-        if not rows:
+        if not self.marked & (UPLOAD | DECLARED_ONLY):
             return
+        rows = np.flatnonzero(state & (UPLOAD | DECLARED_ONLY)).tolist()
         owners, values, reserves, leases = [], [], [], []
         for row in rows:
             cache, lease = self.caches[row], self.leases[row]
@@ -301,6 +315,7 @@ class RowTable:
         if not pages_only:  # a pages-only publish may keep old pages
             done |= RESERVE
         state[rows] &= ~done & 0xFF
+        self.marked &= ~(UPLOAD | DECLARED_ONLY)
         self.unpublished = False
 
     def flush_width(self, lengths: np.ndarray) -> int:
@@ -431,6 +446,7 @@ class RowTable:
             for i, hh, cc in zip(moved.tolist(), h2[moved].tolist(), c2[moved].tolist()):
                 caches[i]._take_resize(hh, cc)
             self.state[index[moved]] |= UPLOAD
+            self.marked |= UPLOAD
             self.unpublished = True
         refused = clean & bad
         done = np.flatnonzero(fast | refused)
