@@ -21,6 +21,8 @@ BEHIND      every applied read-back of the lengths       the cache taking the mi
 =========== ============================================ =============================================
 
 A removed row is a hole with UPLOAD alone; a moved cache takes its state to the new row.
+``RowTable.marked`` records which of UPLOAD, DECLARED and PAGES some row may have, so a publish
+with nothing to do scans no row.
 
 The protocol with ``KVCache`` (private on both sides; nothing else calls it). A seated cache calls
 the table: ``_changed(row)``, ``_declared(row)``, ``_reserve_set(row)``, ``_grant_lease(row)``,
