@@ -11,7 +11,7 @@
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
 #   TEST_RUNS=N runs the CUDA suite N times in a row (tests_cuda_1.log ...; default 1);
 #   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
-#   reduce-overhead, --graph; shared_prefix.py).
+#   reduce-overhead, --graph; shared_prefix.py; serve.py eager and --graph --delays).
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only); without it the
 #   benchmarks end with benchmarks/eager_parts.py (the eager step's host time per call).
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
@@ -73,7 +73,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   # the main example on the GPU: eager, compiled, and compiled into CUDA graphs
   [ "${EXAMPLES:-1}" = 1 ] && for run in "sparse_decode.py" "sparse_decode.py --compile" \
       "sparse_decode.py --compile reduce-overhead" "sparse_decode.py --graph" \
-      "shared_prefix.py"; do
+      "shared_prefix.py" "serve.py" "serve.py --graph --delays"; do
     echo "== examples/$run" | tee -a "$OUT/examples.log"
     python3 examples/$run 2>&1 | tail -7 | tee -a "$OUT/examples.log"
     echo "example $run rc: ${PIPESTATUS[0]}" | tee -a "$OUT/examples.log" "$OUT/gpu.txt"

@@ -88,12 +88,21 @@ def test_cuda_engine_day_one_graph_with_delays():
     with a sleep kernel before every op of DELAY_OPS, until the request-steps reach
     TORCH_KVCM2_ENGINE_REQUEST_STEPS (default 100,000), over as many seeded days as it takes."""
     want = int(os.environ.get("TORCH_KVCM2_ENGINE_REQUEST_STEPS", "100000"))
-    done, seed = 0, 100
+    done, seed, totals = 0, 100, dict(days=0, steps=0, preemptions=0, resumes=0, aborts=0,
+                                      finished=0, prefix_hits=0, checked_tokens=0,
+                                      graph_replays=0)
     while done < want:
         knobs = dict(seed=seed, device="cuda", graph=True, delay_ops=DELAY_OPS,
                      steps=max(50, min(3000, (want - done) // 6)), pool_pages=120)
         result = run_day(Workload(**knobs))
-        assert result.preemptions >= 0 and result.finished > 0
+        assert result.finished > 0 and result.checked_tokens > 0
+        assert all(result.delays[op] > 0 for op in DELAY_OPS)
+        assert result.graph_replays > 0
+        print(f"cuda engine day seed {seed}: {result.summary()}")
         done += result.request_steps
         seed += 1
-    assert done >= want
+        totals["days"] += 1
+        for key in totals.keys() - {"days"}:
+            totals[key] += getattr(result, key)
+    print(f"cuda engine days: {done} request-steps, " + ", ".join(f"{v} {k}" for k, v in totals.items()))
+    assert done >= want and totals["preemptions"] > 0 and totals["resumes"] > 0

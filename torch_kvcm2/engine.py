@@ -184,6 +184,7 @@ class DayResult:
     drawn_selections: int = 0
     checked_tokens: int = 0
     verified_history_tokens: int = 0
+    graph_replays: int = 0  #: decode steps run by replaying the captured graph
     delays: dict = field(default_factory=dict)
     hit_rates: dict = field(default_factory=dict)
     cached_slots_at_end: list = field(default_factory=list)
@@ -308,7 +309,7 @@ class Engine:
         self.next_rid = 0
         self.targets = np.zeros(w.max_rows, dtype=np.int32)
         self.check_seconds = 0.0
-        self.warm, self.replays, self.graph_delays = False, 0, {}
+        self.warm, self.graph_delays = False, {}
 
     # ---- delays (ENG-1: a delay kernel before chosen ops) ----
     def default_delay(self, op: str) -> None:
@@ -571,7 +572,7 @@ class Engine:
             self.batch.record_advance()
             for op, n in self.graph_delays.items():
                 self.result.delays[op] += n
-            self.replays += 1
+            self.result.graph_replays += 1
         else:
             self.step_fn()
             self.warm = True
