@@ -63,15 +63,13 @@ class DeviceStep:
         self.lengths = L = mirror.lengths  # int32[6, max_rows], the table store's length rows
         self.history, self.capacity, self.lease = L[HISTORY], L[CAPACITY], L[LEASE]
         self.written, self.declared, self.allocated = L[WRITTEN], L[DECLARED], L[ALLOCATED]
-        # every device counter in one tensor (memory.counter_words); groups and advance own views
-        self.counters = allocated["counters"]
-        n, groups = ops.NUM_COUNTERS, len(self.config.selection_groups)
-        self.advance_counters = self.counters[n * groups:]
+        self.advance_counters = allocated["advance_counters"]
         self.step_targets = allocated["step_targets"]  # int32[max_rows]: history + accepted
         self.device = self.history.device  # with its index: what arguments.fits compares
-        self.groups = [self._new_group_state(g, allocated,
-                                             self.counters[n * g.index:n * (g.index + 1)])
-                       for g in self.config.selection_groups]
+        self.groups = [self._new_group_state(g, allocated) for g in self.config.selection_groups]
+        # the read-back gathers these into counter_stage (memory.counter_words' order)
+        self.counter_parts = [state.counters for state in self.groups] + [self.advance_counters]
+        self.counter_stage = allocated["counter_stage"]
         self.cells: dict[tuple[str, str], torch.Tensor] = {}
         # per sparse layer: its cells, host pools, positions in a slot and page tables
         self.fetch_args: dict[str, tuple] = {}
@@ -94,8 +92,7 @@ class DeviceStep:
                                (self.history, self.capacity, self.lease, self.shape_pairs))
 
     # ---- construction ----
-    def _new_group_state(self, group: SelectionGroup, allocated: dict,
-                         counters: torch.Tensor) -> GroupState:
+    def _new_group_state(self, group: SelectionGroup, allocated: dict) -> GroupState:
         g, rows, sp = group.index, self.max_rows, group.sparse
         index_buffer = allocated[f"index_table{g}"].fill_(BAD)  # int32[max_rows, T*K]
         state = GroupState(
@@ -108,7 +105,7 @@ class DeviceStep:
                               for t in range(1, sp.max_query_tokens + 1)),
             miss_list=allocated[f"miss_list{g}"],
             miss_count=allocated[f"miss_count{g}"],
-            counters=counters,  # a view of the batch's counters: read back with the lengths
+            counters=allocated[f"counters{g}"],  # read back with the lengths
             inflight_slots=allocated[f"inflight_slots{g}"].fill_(BAD),
             write_table=allocated[f"write_table{g}"].fill_(BAD),
             inflight_start=allocated[f"inflight_start{g}"].fill_(BAD),

@@ -10,8 +10,9 @@ tensor of targets leaves the read-back *owed*: the host learns its watermark onl
 queued after it.
 
 Each read-back also copies the device counters (hits, misses, invalid per selection group,
-``advance``'s refused and short rows: one int64 tensor, so one more copy in the same call, into
-a ring of its own beside the lengths' under the same event; docs/DESIGN.md, "Metrics");
+``advance``'s refused and short rows: separate int64 tensors, gathered on the device by one
+``cat`` into a stage, then one more copy in the same call, into a ring of its own beside the
+lengths' under the same event; docs/DESIGN.md, "Metrics");
 ``counters`` holds them as of the last applied read-back and ``latest_counters`` reads the
 newest arrived one without waiting (``KVCacheManager.metrics``).
 
@@ -74,21 +75,22 @@ def _release_ring(rings: tuple, events: list, device: int) -> None:
 class LengthsSync:
     """The read-back ring of one batch and what applying a read-back does (module docstring)."""
 
-    def __init__(self, table, snapshot: torch.Tensor, counters: torch.Tensor,
-                 counter_snapshot: torch.Tensor):
+    def __init__(self, table, snapshot: torch.Tensor, counter_parts: list,
+                 counter_stage: torch.Tensor, counter_snapshot: torch.Tensor):
         self.table = table
         mirror = table.mirror
         self.source = mirror.lengths  # the device length rows, int32[6, max_rows]
         self.buffers = snapshot.unbind(0)  # page-locked on CUDA; views made once
         self.snapshot = snapshot  # int32[ring, 6, max_rows]
         self.host = snapshot.numpy()
-        # the device counters (one int64 tensor, memory.counter_words) and their ring
-        self.counter_source = counters
+        # the device counters (int64 tensors, gathered into the stage in memory.counter_words'
+        # order) and their ring
+        self.counter_parts, self.counter_source = counter_parts, counter_stage
         self.counter_buffers = counter_snapshot.unbind(0)
         self.counter_snapshot = counter_snapshot
         self.host_counters = counter_snapshot.numpy()
         #: the device counters as of the last applied read-back
-        self.counters = np.zeros(counters.numel(), dtype=np.int64)
+        self.counters = np.zeros(counter_stage.numel(), dtype=np.int64)
         self.cuda = mirror.cuda
         self.events: list = [None] * len(self.buffers)
         if self.cuda:
@@ -122,11 +124,12 @@ class LengthsSync:
             if torch.cuda.is_current_stream_capturing():
                 return
             self.buffers[k].copy_(self.source, non_blocking=True)
+            torch.cat(self.counter_parts, out=self.counter_source)
             self.counter_buffers[k].copy_(self.counter_source, non_blocking=True)
             self.events[k].record(torch.cuda.current_stream(self.source.device))
         else:
             self.buffers[k].copy_(self.source)
-            self.counter_buffers[k].copy_(self.counter_source)
+            torch.cat(self.counter_parts, out=self.counter_buffers[k])
         self.table.mirror.epoch += 1  # the lengths moved under the groups' write tables
         ring = len(self.buffers)
         self.next = (k + 1) % ring

@@ -84,7 +84,7 @@ def table_entries(config: CacheConfig, num_pool_groups: int, max_rows: int) -> i
 
 
 def counter_words(config: CacheConfig) -> int:
-    """int64 device counters of a batch, in one tensor: per selection group its
+    """int64 device counters of a batch as the read-back gathers them: per selection group its
     ``ops.NUM_COUNTERS`` (hits, misses, invalid), then ``advance``'s ``ADVANCE_COUNTERS``."""
     return ops.NUM_COUNTERS * len(config.selection_groups) + ADVANCE_COUNTERS
 
@@ -101,9 +101,12 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
     specs = [
         TensorSpec("tables", (table_entries(config, num_pool_groups, max_rows),), INT32),
         TensorSpec("delta", (staging_bytes(config, num_pool_groups, max_rows),), UINT8),
-        # every device counter (views: per selection group hits, misses, invalid; then
-        # advance's refused and short rows), so that the read-back copies them at once
-        TensorSpec("counters", (counter_words(config),), INT64),
+        # advance's refused and short rows; each group's counters are a tensor of their own
+        # too, never views of one tensor: torch 2.11's AOTAutograd gives mutated inputs that
+        # share a storage a synthetic base, and cudagraph trees then skip the graph
+        TensorSpec("advance_counters", (ADVANCE_COUNTERS,), INT64),
+        # where the read-back gathers every counter (one device copy) before its one D2H copy
+        TensorSpec("counter_stage", (counter_words(config),), INT64),
         TensorSpec("step_targets", (max_rows,), INT32),  # Batch.finish_step's flush targets
     ]
     specs += [TensorSpec(f"staging{i}", (staging_bytes(config, num_pool_groups, max_rows),),
@@ -123,6 +126,7 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
             TensorSpec(f"index_table{g}", (max_rows, sp.max_selected_columns), INT32),
             TensorSpec(f"miss_list{g}", (miss_list_rows(group, max_rows), ops.MISS_FIELDS), INT32),
             TensorSpec(f"miss_count{g}", (ops.MISS_COUNT_WORDS,), INT32),
+            TensorSpec(f"counters{g}", (ops.NUM_COUNTERS,), INT64),
             TensorSpec(f"inflight_slots{g}", (max_rows, sp.max_inflight_units), INT32),
             TensorSpec(f"write_table{g}", (max_rows, sp.max_inflight_tokens + sp.tokens_per_unit - 1),
                        INT32),
