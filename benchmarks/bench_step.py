@@ -193,7 +193,7 @@ def bench_step_wall(timer, device, quick) -> list:
     G, L = len(groups), sum(groups)
     # history grows one token a step, for fewer steps than half the reserve (asserted at the
     # end), so no top-up (page work at a publish) falls in a timed loop
-    reserve = 32 * PAGE
+    reserve = 40 * PAGE
     manager, batch, caches = reserved_step_batch(device, sz, reserve)
     fill_random(manager.storage.groups[0], 11)
     gen = torch.Generator(device=device).manual_seed(11)
@@ -244,9 +244,24 @@ def bench_step_wall(timer, device, quick) -> list:
             graphs.append(graph)
         batch.record_advance()
 
-    def measure(index, per_step_misses):
-        """(eager, graph, GPU) us per step of the stream whose step i selects sets[index(i)];
-        checks that every timed step missed ``per_step_misses`` units."""
+    scrape = metrics_scraper(manager)
+    observed_reads = [0, 0]  # metrics() calls, scrapes
+
+    def observe():
+        """P-OBS: ``metrics()`` every step, a Prometheus scrape (or, without prometheus_client,
+        the same metrics() walk the collector makes) every 100 steps."""
+        snapshot = manager.metrics()
+        observed_reads[0] += 1
+        if observed_reads[0] % 100 == 1:  # the first observed step, then every 100th
+            scrape()
+            observed_reads[1] += 1
+        return snapshot
+
+    def measure(index, per_step_misses, obs=False):
+        """(eager, graph, GPU, observed) us per step of the stream whose step i selects
+        sets[index(i)]; checks that every timed step missed ``per_step_misses`` units. With
+        ``obs``, ``observed`` is (plain, with observation) us per step of the graph (eager on
+        the CPU) over interleaved runs, for P-OBS; else None."""
         def eager(i):
             batch.publish()
             bodies[index(i)]()
@@ -275,12 +290,31 @@ def bench_step_wall(timer, device, quick) -> list:
             gpu_us = graph_step_gpu_us(batch, replay, steps)
         else:
             gpu_us = wall(ops_alone)
+        observed = None
+        if obs:
+            plain = replayed if graphs else eager
+
+            def watched(i):
+                plain(i)
+                observe()
+
+            # interleaved pairs, so drift on a shared machine hits both sides alike
+            pairs = [(wall(plain, 1), wall(watched, 1)) for _ in range(6)]
+            observed = (statistics.median(p for p, _ in pairs),
+                        statistics.median(w for _, w in pairs))
+
+            def guarded():  # untimed: CUDA raises on any synchronising call in these steps
+                for _ in range(steps):
+                    watched(step[0])
+                    step[0] += 1
+
+            sync_checked(device, guarded)
         sync()
         got, want = misses() - before, (step[0] - first) * per_step_misses
         assert got == want, f"{got} misses in the timed steps, expected {want}"
-        return eager_us, graph_us, gpu_us
+        return eager_us, graph_us, gpu_us, observed
 
-    fresh = measure(lambda i: i % period, R * new * G)
+    fresh = measure(lambda i: i % period, R * new * G, obs=True)
     resident = measure(lambda i: i % 4, 0)
     batch.catch_up()
     del graphs
@@ -290,7 +324,7 @@ def bench_step_wall(timer, device, quick) -> list:
     for g, st in enumerate(batch.groups):
         assert bool((st.index_table >= 0).all()), f"group {g}: a selected unit has no entry"
     out = []
-    for name, (eager_us, graph_us, gpu_us), claim in (
+    for name, (eager_us, graph_us, gpu_us, _), claim in (
             (f"{100 * new / K:.0f}% misses", fresh, True), ("all resident", resident, False)):
         shape = f"{L}L/{G}G x {R}r K={K} S={S} {name}"
         note = (f"{name}: wall time per step, median of 5 runs of {steps} steps: eager "
@@ -313,4 +347,47 @@ def bench_step_wall(timer, device, quick) -> list:
                               passed=graph_us <= 1.02 * gpu_us if claim else None,
                               extra={"gpu_us": gpu_us, "ratio": graph_us / gpu_us}))
         out[-1].extra["note"] = note
+    plain_us, watched_us = fresh[3]
+    metrics = manager.metrics()
+    hits = sum(g["hits"] for g in metrics["selection_groups"].values())
+    assert observed_reads[0] >= 7 * steps and observed_reads[1] >= 1, observed_reads
+    assert hits > 0, "metrics() saw no device counters"
+    ratio = watched_us / plain_us
+    out.append(Result(
+        "P-OBS", f"{L}L/{G}G x {R}r K={K}: {'graph' if device == 'cuda' else 'eager'} step "
+        f"+ metrics() every step, a scrape every 100", watched_us, target="<= 1.01x without",
+        passed=ratio <= 1.01 if device == "cuda" else None,
+        extra={"without_us": plain_us, "ratio": ratio, "metrics_calls": observed_reads[0],
+               "scrapes": observed_reads[1],
+               "note": f"{watched_us:.0f} us per step with metrics() every step and "
+                       f"{observed_reads[1]} scrape(s) every 100 steps, against {plain_us:.0f} us "
+                       f"without ({ratio:.3f}x; medians of 6 interleaved runs of {steps} steps); "
+                       f"no synchronising CUDA call"
+                       + (" (torch.cuda.set_sync_debug_mode('error') around them)"
+                          if device == "cuda" else "")}))
     return out
+
+
+def metrics_scraper(manager):
+    """A Prometheus scrape of ``manager`` (text exposition of a registry holding the library's
+    collector) when prometheus_client is installed; else the collector's own walk of
+    ``metrics()``, which is most of a scrape's cost."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return manager.metrics
+    from torch_kvcm2.metrics import register
+    registry = prometheus_client.CollectorRegistry()
+    register(manager, registry)
+    return lambda: prometheus_client.generate_latest(registry)
+
+
+def sync_checked(device, run):
+    """``run()`` with CUDA's sync debug mode raising on any synchronising call (CUDA only)."""
+    if device != "cuda":
+        return run()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

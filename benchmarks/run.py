@@ -15,7 +15,9 @@ torch's copy and an elementwise kernel on the same bytes); P-TORCH times a strai
 torch-op resolve + fetch against the library's on P-RES's workload (eagerly: it synchronises);
 P-STEP times a whole decode step of cache ops (61 sparse layers in 16 selection groups) as one
 graph replay, next to the same step with 61 private groups (P-STEP-HS, the HiSparse shape);
-P-CAP reads the GPU bytes per request off the batch's cell tensors at two context lengths.
+P-CAP reads the GPU bytes per request off the batch's cell tensors at two context lengths;
+P-STEP-WALL's run also gives P-OBS (its captured step with ``metrics()`` every step and a
+Prometheus scrape every 100, interleaved with runs without).
 
 Memory on the GPU machine (default run): P-STEP's 61 layers x 64 rows x 4096 slots x 656 B are
 10.5 GB of GPU cells and 64 rows x 2,560 tokens of history x 61 layers are 6.7 GB of pinned
@@ -67,10 +69,13 @@ def main(argv=None) -> int:
     ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX",
            "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP"]
     wanted = set(ids if args.only is None else args.only.split(","))
-    if wanted - set(ids) - {"P-STEP-HS"}:
-        parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
+    riders = {"P-STEP-HS", "P-OBS"}  # measured by P-STEP and P-STEP-WALL
+    if wanted - set(ids) - riders:
+        parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - riders)}")
     if wanted & {"P-STEP", "P-STEP-HS"}:
         wanted |= {"P-RES", "P-STEP"}
+    if "P-OBS" in wanted:
+        wanted.add("P-STEP-WALL")
     q = args.quick
     benches = {
         "P-RES": lambda: [bench_resolve(timer, device, q)],

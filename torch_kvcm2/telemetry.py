@@ -74,11 +74,12 @@ def snapshot(manager) -> dict:
         seated += table.seated
         suspended += table.seated - table.leased
     n, G = NUM_COUNTERS, len(config.selection_groups)
+    values, unit_bytes = device.tolist(), counts.unit_bytes.tolist()  # Python ints, one call each
     groups = {}
     for g, spec in enumerate(config.selection_groups):
-        hits, misses, invalid = (int(x) for x in device[n * g:n * (g + 1)])
+        hits, misses, invalid = values[n * g:n * (g + 1)]
         groups[spec.name] = {"hits": hits, "misses": misses, "invalid": invalid,
-                             "fetched_bytes": misses * int(counts.unit_bytes[g])}
+                             "fetched_bytes": misses * unit_bytes[g]}
     pools, media = [], {m: {"used_bytes": 0, "cached_bytes": 0, "total_bytes": 0,
                             "committed_bytes": 0, "batch_bytes": manager.reserve.in_use[m]}
                         for m in ("gpu", "host")}
@@ -104,7 +105,7 @@ def snapshot(manager) -> dict:
         "resumes": counts.resumes,
         "aborts": counts.aborts,
         "allocations_failed": counts.allocations_failed,
-        "advance": {"refused_rows": int(device[n * G]), "short_rows": int(device[n * G + 1])},
+        "advance": {"refused_rows": values[n * G], "short_rows": values[n * G + 1]},
         "pool_groups": pools,
         "media": media,
         "cached_prefix_bytes": sum(p["cached_bytes"] for p in pools),
