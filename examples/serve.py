@@ -10,8 +10,10 @@ conversations through the prefix cache, are preempted (suspended) when pages run
 resumed, abort, and finish (history verified, pages committed, cache closed). Every decode step
 checks what attention read; after the drain every pool slot, lease and batch byte is back.
 
-Prints a one-line summary every ``--every`` steps and a final check line; exits 1 when a check
-fails (the message names the seed, the step and the knobs).
+Prints a one-line summary every ``--every`` steps (its cache figures -- hit rate, bytes fetched
+and flushed, preemptions -- from ``manager.metrics()``, as an operator's dashboard reads them)
+and a final check line; exits 1 when a check fails (the message names the seed, the step and
+the knobs).
 
     python examples/serve.py [--steps N] [--seed S] [--arrival closed|open] [--help]
 """
@@ -92,12 +94,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def report(engine) -> None:
-    r = engine.result
-    rates = " ".join(f"{g.name}={engine.batch.hit_rate(g.index)['hit_rate']:.2f}"
-                     for g in engine.config.selection_groups)
+    """The periodic summary line, its cache figures from ``manager.metrics()`` (no host
+    synchronisation; device counters lag by at most a few steps, docs/METRICS.md)."""
+    r, m = engine.result, engine.manager.metrics()
+    groups = m["selection_groups"]
+    rates = " ".join(f"{name}={g['hits'] / max(1, g['hits'] + g['misses']):.2f}"
+                     for name, g in groups.items())
+    fetched = sum(g["fetched_bytes"] for g in groups.values())
     print(f"step {r.steps}: {r.tokens_per_second:.0f} tokens/s, concurrency {r.concurrency:.2f}, "
-          f"hit rate {rates}, preemptions {r.preemptions}, resumes {r.resumes}, aborts "
-          f"{r.aborts}, prefix hits {r.prefix_hits}", flush=True)
+          f"hit rate {rates}, fetched {fetched / 1e6:.1f} MB, flushed "
+          f"{m['flushed_bytes'] / 1e6:.1f} MB, preemptions {m['preemptions']}, resumes "
+          f"{m['resumes']}, aborts {m['aborts']}, prefix hit tokens {m['prefix']['hit_tokens']}",
+          flush=True)
 
 
 def main(argv=None) -> int:
