@@ -29,7 +29,8 @@ benchmarks live in one file per area, each importing harness.py (timing, ceiling
 builders, output): bench_residency.py (P-RES, P-TORCH, P-INDEX), bench_mtp.py (P-RES-MTP),
 bench_fetch.py (P-FETCH-*, P-FLUSH, the scaling table), bench_step.py (P-STEP, P-STEP-HS,
 P-STEP-WALL), bench_host.py (P-HOST), bench_memory.py (P-CAP, P-START), bench_prefix.py
-(P-PFX) and bench_tp.py (P-TP).
+(P-PFX), bench_tp.py (P-TP) and serve.py (P-SERVE: also a script of its own, with its table,
+JSON and plot).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from bench_prefix import bench_prefix  # noqa: E402
 from bench_residency import bench_index, bench_resolve, bench_torch  # noqa: E402
 from bench_step import bench_step, bench_step_wall  # noqa: E402
 from bench_tp import bench_tp  # noqa: E402
+from serve import bench_serve  # noqa: E402
 from harness import (Timer, ceilings, machine_title, pick_device, print_scaling,  # noqa: E402
                      print_table, release, write_json)
 
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX",
-           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP"]
+           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP", "P-SERVE"]
     wanted = set(ids if args.only is None else args.only.split(","))
     riders = {"P-STEP-HS", "P-OBS"}  # measured by P-STEP and P-STEP-WALL
     if wanted - set(ids) - riders:
@@ -99,6 +101,7 @@ def main(argv=None) -> int:
         "P-START": lambda: bench_start(device, q),
         "P-PFX": lambda: bench_prefix(timer, device, q),
         "P-TP": lambda: bench_tp(device, q),
+        "P-SERVE": lambda: bench_serve(device, q),
     }
     results = []
     for rid in ids:

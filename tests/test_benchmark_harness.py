@@ -13,7 +13,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ben
 
 IDS = ["P-RES", "P-RES-MTP", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FLUSH", "P-INDEX", "P-INDEX-L", "P-TORCH", "P-STEP",
        "P-STEP-HS", "P-CAP", "P-HOST", "P-HOST", "P-STEP-WALL", "P-STEP-WALL", "P-OBS", "P-START", "P-START-GROW",
-       "P-START-OLD", "P-PFX", "P-PFX", "P-PFX", "P-TP", "P-TP", "P-TP", "P-TP"]
+       "P-START-OLD", "P-PFX", "P-PFX", "P-PFX", "P-TP", "P-TP", "P-TP", "P-TP", "P-SERVE", "P-SERVE"]
 
 
 @pytest.fixture(scope="module")

@@ -379,6 +379,30 @@ def test_advance_refuses_bad_rows_and_never_passes_the_flush(device):
     assert holes.history.tolist() == [0] * 4 and holes.advance_counters.tolist() == [0, 0]
 
 
+def test_advance_without_sparse_layers_is_bounded_by_pages_only(device):
+    """A config of dense layers only has nothing to flush (history may pass capacity's tokens at
+    once, written_prefix): the device's advance moves history without any flush, through the
+    row's reserve, and stops short at its pages."""
+    layers = [kv.LayerSpec("d0", [kv.BufferSpec("k", 8), kv.BufferSpec("v", 8)])]
+    config = kv.CacheConfig(tokens_per_page=4, layers=layers, max_rows=2, max_tokens_per_row=64,
+                            gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device)
+    manager = kv.KVCacheManager(config)
+    batch = kv.Batch(manager)
+    cache = manager.create_cache()
+    cache.set_reserve(4)
+    assert cache.resize(capacity=3)
+    batch.add(cache)
+    batch.publish()
+    ones = torch.ones(2, dtype=torch.int32, device=device)
+    for _ in range(5):
+        batch.advance(ones)
+    assert (cache.history_length, cache.capacity) == (5, 8)  # 3 + a reserve of 4: 2 pages
+    assert batch.advance_counters.tolist() == [0, 0]
+    batch.advance(ones)  # capacity would be 9: cut at the pages, the row counted short
+    assert (cache.history_length, cache.capacity) == (6, 8)
+    assert batch.advance_counters.tolist() == [0, 1]
+
+
 def test_advance_compiles_fullgraph():
     """HOST-3: flush + advance trace with fullgraph=True; record_advance afterwards brings the
     host up to date, equal to eager."""

@@ -441,7 +441,10 @@ class KVCache:
         P = self._page_tokens
         keep = self._live[0][1] if self._live else -(-self._c // P)
         allocated = min(keep * P, self._max_tokens)
-        return self._h, self._c, self._flushed, self._declared, allocated, self._reserve
+        # without sparse layers nothing is flushed: history may advance through capacity
+        # (written_prefix), so the device's advance is bounded by the row's ceiling only
+        written = self._flushed if self._shapes else self._max_tokens
+        return self._h, self._c, written, self._declared, allocated, self._reserve
 
     def _pages_unmoved(self) -> bool:
         """No page moved since the batch last published this cache: a publish of its row then

@@ -1,0 +1,771 @@
+"""P-SERVE (ENG-5, docs/REQUIREMENTS.md): decode throughput of a DeepSeek-V3.2-shaped stand-in model
+with torch_kvcm2 (sparse latents on host pages, a GPU working set of cells per request) against
+the dense baseline (every token's KV in paged GPU pools, what an engine does without offload),
+same model, same budgets, same selections.
+
+    python benchmarks/serve.py [--json out.json] [--plot out.png] [--contexts 32768,131072]
+    python benchmarks/serve.py --quick        # CPU, tiny shapes, about a minute (tested in CI)
+
+The stand-in model, per layer and decode step (each part a flag, defaults below):
+
+* weights: a GEMM of the batch against the GPU's share of the layer's weights -- the attention
+  and shared expert (``--dense-weight-mb``), plus the routed experts the node's tokens touch:
+  of ``--experts-per-gpu`` local experts of ``--expert-mb`` each, 8 of 256 routed per token,
+  over the batch of every GPU of the node (``--node-gpus``, data-parallel attention), the
+  expected number touched, ``E (1 - (1 - 8/256)^(B x gpus))``: the fixed cost batching
+  amortises;
+* the indexer: each row's query scores every dense indexer key of its context (``--key-bytes``
+  per token per layer, read from its GPU pages) and takes the top K (``--top-k``). The query's
+  preference is the locality model's (``--locality`` of the top K kept from the step before;
+  the rest walk through older history, as P-STEP-WALL): its selection is added to the scores as
+  a bias, so the top-K the step uses is the top-K the indexer computed, and it equals the
+  locality model's selection (checked);
+* attention: the K selected ``--latent-bytes`` rows per layer, gathered through the index table
+  from the cells (torch_kvcm2) or through the page table from the dense pool (baseline), summed.
+
+torch_kvcm2's step adds, per selection group (``--layers-per-indexer`` layers share one;
+DeepSeek-V3.2 has one indexer per layer), ``resolve`` with the fetch of the misses from host
+pages, the new token's latent written into its cell, ``flush`` of it to host pages and
+``advance``; the baseline writes the new token into its pool and advances. Both run their whole
+device step as one CUDA graph per concurrency (eagerly on the CPU), with the host's ``publish``
+before and ``record_advance`` after each replay and a synchronisation per step (an engine reads
+each step's sampled tokens): TPOT is that wall time per step.
+
+Budgets, the same for both sides: the KV GPU budget one H200 of an 8xH200 node has left after
+DeepSeek-V3.2's weights (FP8, ~690 GB over 8 GPUs = 86 GB; 10 GB of activations and workspace:
+``--gpu-kv-gb`` 45 of 141 GB) and one GPU's share of a 2 TiB host (``--host-gb`` 240 of 256,
+16 for the OS and the engine). With ``--layers`` below ``--model-layers`` (61) both budgets and
+the weights scale by layers/61, so concurrency is the full model's and the per-step costs are
+the run's layers' share (tokens/s is then the scaled model's; the ratios carry over). The GPU
+machine has 128 GiB of host memory: the H200 run uses 4 layers (a 15.7 GB host budget).
+
+Concurrency is swept 1, 2, 4, ... and then each side's maximum: requests of ``context`` tokens
+(prompt; ``--output`` tokens of decode each) admitted by ``KVCacheManager.can_fit`` into a batch
+of that many rows, until the pools (or the batch's cells) refuse: the binding resource is the
+medium that refused. Prefill is not timed: every request's history is written straight to its
+pages (host pages for torch_kvcm2's latents). Each level decodes ``--steps`` timed steps after a
+warm-up. Checks, every level: what attention gathered in the last step equals the bytes the
+stand-in model wrote for those tokens (sampled rows, first and last layer); the indexer's top-K
+equals the locality model's selection; the misses counted by ``manager.metrics()`` equal the
+locality model's; every decoded token reached its pages (host pages, read back) bit for bit;
+after the level every pool slot and batch byte is back (``stats()``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_kvcm2 as kv  # noqa: E402
+from harness import Result, pick_device, write_json  # noqa: E402
+
+WORD = 4  # bytes per int32 word of the stand-in model's KV
+BIAS = 1 << 40  # the query's preference, above any key score (scores < 2^37)
+
+
+@dataclass
+class Shape:
+    """One run's geometry, budgets and stand-in model (argument docs in ``parse_args``)."""
+    layers: int = 61
+    model_layers: int = 61
+    latent_bytes: int = 656
+    key_bytes: int = 132
+    top_k: int = 2048
+    slots: int = 2560
+    page: int = 64
+    layers_per_indexer: int = 1
+    locality: float = 0.9
+    output: int = 2048
+    steps: int = 16
+    warmup: int = 3
+    gpu_kv_gb: float = 45.0
+    host_gb: float = 240.0
+    dense_weight_mb: float = 67.0
+    expert_mb: float = 44.0
+    experts_per_gpu: int = 32
+    node_gpus: int = 8
+    hidden: int = 4096
+    max_concurrency: int = 512
+
+    @property
+    def steps_total(self) -> int:
+        """Decode tokens each request has room for (its pages at admission: what it holds at
+        its last token, as an engine that admits by ``can_fit(prompt + output)`` counts)."""
+        return self.output
+
+    @property
+    def scale(self) -> float:
+        return self.layers / self.model_layers
+
+    @property
+    def new(self) -> int:
+        """Units of each row's top-K that change every step."""
+        return max(1, round(self.top_k * (1 - self.locality)))
+
+    @property
+    def period(self) -> int:
+        """Steps after which a walked unit returns: by then the LRU set has evicted it (the
+        ``S - (K - new)`` slots beside the kept core, 1.25x over)."""
+        spare = self.slots - (self.top_k - self.new)
+        return max(2, -(-5 * spare // (4 * self.new)))
+
+    def weight_bytes(self, rows: int) -> int:
+        """Bytes of weights one layer's GEMMs read for a batch of ``rows`` (module docstring)."""
+        touched = self.experts_per_gpu * (1 - (1 - 8 / 256) ** (rows * self.node_gpus))
+        return int((self.dense_weight_mb + self.expert_mb * touched) * 1e6)
+
+
+QUICK = Shape(layers=2, model_layers=2, latent_bytes=64, key_bytes=16, top_k=32, slots=48, page=16,
+              output=256, steps=4, warmup=2, gpu_kv_gb=0.0006, host_gb=0.0015, dense_weight_mb=0.05,
+              expert_mb=0.01, experts_per_gpu=4, hidden=64, max_concurrency=64)
+
+
+def pattern(rid: torch.Tensor, pos: torch.Tensor, layer: int, salt: int, words: int) -> torch.Tensor:
+    """The stand-in model's bytes of tokens ``pos`` of requests ``rid`` (broadcast) in one layer
+    and buffer: int32[..., words], a hash (every byte depends on all four)."""
+    x = (rid.long() * 0x9E3779B1 + pos.long() * 0x85EBCA77 + (layer * 0xC2B2AE3D + salt * 0x27D4EB2F))
+    x = x[..., None] + torch.arange(words, device=x.device, dtype=torch.int64) * 0x165667B1
+    x = (x ^ (x >> 15)) & 0xFFFFFFFF
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    return ((x ^ (x >> 13)) & 0x7FFFFFFF).to(torch.int32)
+
+
+def token_rows(view: torch.Tensor, pages: torch.Tensor, pos: torch.Tensor) -> tuple:
+    """Index of tokens ``pos`` in a paged view ``uint8[n, chunks, P, b]`` through ``pages``
+    (a row's page indices of the view, broadcast against ``pos``): (page, token)."""
+    P = view.shape[2]
+    return pages.gather(-1, (pos // P).long()), (pos % P).long()
+
+
+def read_tokens(view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """int32[..., words] of the tokens at (page, tok) of a paged view."""
+    got = view[page, :, tok]  # [..., chunks, b]
+    return got.flatten(-2).contiguous().view(torch.int32)
+
+
+def write_tokens(view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor, words: torch.Tensor) -> None:
+    chunks, b = view.shape[1], view.shape[3]
+    view[page, :, tok] = words.view(torch.uint8).view(*words.shape[:-1], chunks, b)
+
+
+def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
+    """(the most requests of ``context`` + ``output`` tokens the budgets hold, the medium that
+    binds): a manager reserves its batch memory (the cells, on torch_kvcm2's side) for
+    ``max_rows`` rows at construction, so the rows and the requests' pages share each budget.
+    Read off two probe managers (1 and 2 rows) and one request's pages per medium."""
+    reserved = []
+    for rows in (1, 2):
+        probe = kv.KVCacheManager(build_config(shape, side, device, context, rows, budgets=False))
+        stats = probe.stats()
+        reserved.append({m: stats[m]["reserved_bytes"] for m in ("gpu", "host")})
+        groups = stats["pool_groups"]
+        probe.close()
+    pages = -(-(context + shape.output) // shape.page)
+    best, binding = None, None
+    for medium, budget in (("gpu", shape.gpu_kv_gb), ("host", shape.host_gb)):
+        per_row = reserved[1][medium] - reserved[0][medium]
+        fixed = reserved[0][medium] - per_row
+        request = sum(pages * g["page_bytes"] * g["scale"] for g in groups if g["medium"] == medium)
+        if per_row + request == 0:
+            continue
+        rows = int((budget * 1e9 * shape.scale - fixed) // (per_row + request))
+        if best is None or rows < best:
+            best, binding = rows, (f"{'GPU' if medium == 'gpu' else 'host'} memory "
+                                   f"({request / 1e6:.1f} MB of pages per request, "
+                                   f"{per_row / 1e6:.1f} MB of batch memory per row)")
+    return min(best, shape.max_concurrency), binding
+
+
+def build_config(shape: Shape, side: str, device: str, context: int, rows: int,
+                 budgets: bool = True) -> kv.CacheConfig:
+    """Per layer a latent (sparse on torch_kvcm2's side, a dense GPU buffer on the baseline's)
+    and a dense indexer key; budgets as the module docstring says."""
+    layers, spec = [], None
+    for i in range(shape.layers):
+        if side == "kvcm2":
+            if i % shape.layers_per_indexer == 0:
+                spec = kv.SparseSpec(tokens_per_unit=1, width=shape.top_k, slots=shape.slots,
+                                     max_inflight_tokens=1, selection_id=f"i{i}")
+            buffers = [kv.BufferSpec("kv", shape.latent_bytes, sparse=True),
+                       kv.BufferSpec("ik", shape.key_bytes)]
+            layers.append(kv.LayerSpec(f"l{i}", buffers, sparse=spec))
+        else:
+            layers.append(kv.LayerSpec(f"l{i}", [kv.BufferSpec("kv", shape.latent_bytes),
+                                                 kv.BufferSpec("ik", shape.key_bytes)]))
+    big = 1 << 50  # a probe's budgets: room for any reserve
+    return kv.CacheConfig(tokens_per_page=shape.page, layers=layers, max_rows=rows,
+                          max_tokens_per_row=context + shape.output + 4 * shape.page,
+                          gpu_budget_bytes=int(shape.gpu_kv_gb * 1e9 * shape.scale) if budgets else big,
+                          host_budget_bytes=int(shape.host_gb * 1e9 * shape.scale) if budgets else big,
+                          device=torch.device(device))
+
+
+@dataclass
+class Level:
+    side: str
+    context: int
+    rows: int
+    step_ms: list = field(default_factory=list)
+    parts_ms: dict = field(default_factory=dict)
+    hit_rate: float = 1.0
+    fetched_bytes_per_step: float = 0.0
+    checked_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.rows * 1e3 / statistics.mean(self.step_ms)
+
+    @property
+    def tpot_p50(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def tpot_p99(self) -> float:
+        ordered = sorted(self.step_ms)
+        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+class Side:
+    """One side (``kvcm2`` or ``dense``) at one context: a manager, its admitted requests (with
+    their histories written) and, per concurrency, a batch and its captured step."""
+
+    def __init__(self, shape: Shape, side: str, device: str, context: int):
+        self.shape, self.side, self.device, self.context = shape, side, device, context
+        self.max_rows, self.planned_binding = plan_rows(shape, side, device, context)
+        if self.max_rows < 1:
+            raise SystemExit(f"{side} at {context} tokens: not even one request fits the budgets")
+        self.config = build_config(shape, side, device, context, self.max_rows)
+        self.manager = kv.KVCacheManager(self.config)
+        self.caches: list = []
+        self.names = [layer.name for layer in self.config.layers]
+        self.weights = [torch.zeros(shape.weight_bytes(shape.max_concurrency) // 2 // shape.hidden + 1,
+                                    shape.hidden, dtype=torch.bfloat16, device=device)
+                        for _ in self.names]
+        self.binding = None  # which medium refused the next request or batch
+
+    # ---- admission ----
+    def admit(self, count: int) -> bool:
+        """Requests up to ``count``, each with its history written and its reserve set; False
+        (nothing half-done) when the pools refuse one."""
+        sh = self.shape
+        while len(self.caches) < count:
+            need = self.context + sh.steps_total
+            if not self.manager.can_fit(need):
+                self.binding = self.refusing_medium(need)
+                return False
+            cache = self.manager.create_cache()
+            # pages for the prompt and, as the reserve that advance moves through on the
+            # device, for every output token: what the request holds at its last token
+            cache.set_reserve(sh.steps_total)
+            if not cache.resize(capacity=self.context + 1):
+                cache.close()
+                self.binding = self.refusing_medium(need)
+                return False
+            self.write_history(cache, len(self.caches))
+            if self.side == "kvcm2":
+                cache.record_host_write(self.context)  # the sparse latents' host pages
+            assert cache.resize(history=self.context)
+            assert cache.resize(capacity=self.context)
+            self.caches.append(cache)
+        return True
+
+    def refusing_medium(self, tokens: int) -> str:
+        """The medium whose free bytes are short of one more request of ``tokens`` tokens."""
+        stats = self.manager.stats()
+        short = []
+        for g in stats["pool_groups"]:
+            need = -(-tokens // self.config.tokens_per_page)
+            if g["free_slots"] < need:
+                short.append("host pages" if g["medium"] == "host" else "GPU pages")
+        return " and ".join(sorted(set(short))) or "the batch reserve"
+
+    def write_history(self, cache, rid: int) -> None:
+        """Every layer's latent and key of prompt tokens [0, context): straight to the pages
+        (on CUDA the host pages through their device-mapped view)."""
+        pos = torch.arange(self.context, device=self.device)
+        r = torch.tensor(rid, device=self.device)
+        for li, name in enumerate(self.names):
+            for role, nbytes in (("kv", self.shape.latent_bytes), ("ik", self.shape.key_bytes)):
+                view = self.manager.buffer_view(name, role)
+                pages = torch.as_tensor(cache.host_pages(name, role), device=self.device)
+                for start in range(0, self.context, 1 << 16):  # bounded temporaries
+                    p = pos[start:start + (1 << 16)]
+                    page, tok = token_rows(view, pages, p)
+                    write_tokens(view, page, tok, pattern(r, p, li, role == "ik", nbytes // WORD))
+
+    # ---- one concurrency level ----
+    def run_level(self, rows: int) -> Level | None:
+        """``rows`` requests decoding ``steps`` timed steps in a batch of ``rows`` rows; None
+        when they do not fit (``binding`` says why)."""
+        sh = self.shape
+        if not self.admit(rows):
+            return None
+        try:
+            batch = kv.Batch(self.manager, max_rows=rows)
+        except (RuntimeError, ValueError) as error:  # the batch's reserve does not fit
+            if "budget" not in str(error) and "reserve" not in str(error):
+                raise
+            self.binding = "GPU budget (the batch's cells)" if self.side == "kvcm2" else "GPU budget"
+            return None
+        try:
+            level = self.decode(batch, rows)
+        except BaseException:
+            batch.close(discard=True)  # the failure is what matters, not the tokens in flight
+            raise
+        batch.close()
+        return level
+
+    def decode(self, batch, rows: int) -> Level:
+        sh = self.shape
+        members = self.caches[:rows]
+        for cache in members:
+            h = cache.history_length
+            # what is left of the output's room, so a request holds context + output in all
+            cache.set_reserve(self.context + sh.steps_total - h - 1)
+            assert cache.resize(capacity=h + 1)  # the next token's room
+            batch.add(cache)
+        batch.publish()
+        step = DecodeStep(self, batch, members)
+        level = Level(self.side, self.context, rows)
+        cuda = self.device == "cuda"
+        graph = None
+        for _ in range(sh.warmup):
+            batch.publish()
+            step()
+            if cuda:
+                batch.record_advance()
+        if cuda:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            batch.publish()
+            with torch.cuda.graph(graph, stream=stream):
+                step()
+            torch.cuda.synchronize()
+        metrics = self.manager.metrics()
+        before = sum(g["misses"] for g in metrics["selection_groups"].values())
+        hits_before = sum(g["hits"] for g in metrics["selection_groups"].values())
+        for _ in range(sh.steps):
+            start = time.perf_counter()
+            batch.publish()
+            if graph is not None:
+                graph.replay()
+                batch.record_advance()
+                torch.cuda.synchronize()  # an engine reads each step's sampled tokens
+            else:
+                step()
+            level.step_ms.append((time.perf_counter() - start) * 1e3)
+        batch.catch_up()
+        level.parts_ms = step.parts(batch)  # eager, timed by part; advances the rows too
+        batch.catch_up()
+        metrics = self.manager.metrics()
+        misses = sum(g["misses"] for g in metrics["selection_groups"].values()) - before
+        hits = sum(g["hits"] for g in metrics["selection_groups"].values()) - hits_before
+        if self.side == "kvcm2":
+            groups = len(self.config.selection_groups)
+            want = (sh.steps + 1) * rows * sh.new * groups  # + the parts step
+            assert misses == want, f"{misses} misses counted by metrics(), the locality model made {want}"
+            level.hit_rate = hits / max(1, hits + misses)
+            level.fetched_bytes_per_step = misses * sh.latent_bytes / (sh.steps + 1)
+        level.checked_tokens = step.check(batch)
+        assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran short"
+        for cache in members:
+            h = cache.history_length
+            cache.set_reserve(self.context + sh.steps_total - h)  # held: context + output
+            assert cache.resize(capacity=h)  # nothing in flight between levels
+            batch.remove(cache)
+        return level
+
+    def close(self, check: bool = True) -> None:
+        for cache in self.caches:
+            cache.close()
+        self.caches.clear()
+        if not check:  # after a failure: free everything, report the failure
+            self.manager.close()
+            return
+        stats = self.manager.stats()
+        for g in stats["pool_groups"]:
+            assert g["used_slots"] == 0 and g["shared_slots"] == 0, ("a slot leaked", g)
+        assert stats["gpu"]["batch_bytes_in_use"] == 0 and stats["host"]["batch_bytes_in_use"] == 0
+        self.manager.close()
+
+
+class DecodeStep:
+    """The device part of one decode step (fixed shapes, capturable): per layer the weights'
+    GEMM, the indexer, the cache's resolve + fetch (torch_kvcm2), the new token's KV written,
+    attention's gather; then flush (torch_kvcm2) and advance."""
+
+    def __init__(self, side: Side, batch, members: list):
+        sh, dev, rows = side.shape, side.device, len(members)
+        self.side, self.batch, self.shape, self.rows = side, batch, sh, rows
+        self.kvcm2 = side.side == "kvcm2"
+        storage = side.manager.storage
+        self.rid = torch.arange(rows, device=dev, dtype=torch.int32)  # request i sits at row i
+        for i, cache in enumerate(members):
+            assert batch.row_of(cache) == i
+        self.started = [cache.history_length for cache in members]
+        P = sh.page
+        self.span = side.context + sh.output  # positions the indexer scores (masked by length)
+        self.npages = -(-self.span // P)
+        self.views, self.pages, self.keys, self.key_slots = {}, {}, {}, {}
+        for name in side.names:
+            for role in ("kv", "ik"):
+                place = storage.place(name, role)
+                scale = storage.groups[place.group].scale
+                table = batch.page_tables[place.group][:rows, :self.npages].long()
+                slots = torch.where(table >= 0, table, 0)  # pages past the reserve: never read
+                # a row's page indices in the buffer's view (slot x scale + the buffer's place)
+                self.pages[name, role] = slots * scale + place.pos
+                self.views[name, role] = view = side.manager.buffer_view(name, role)
+                if role == "ik":  # the indexer reads this buffer's pages of the slots in use
+                    self.keys[name] = view[place.pos::scale][:int(slots.max()) + 1]
+                    self.key_slots[name] = slots
+        # the locality model's selections: a kept core plus a window walking older history
+        gen = torch.Generator(device="cpu").manual_seed(7 + rows)
+        K, new, period = sh.top_k, sh.new, sh.period
+        assert side.context >= K - new + period * new, "context too short for the selection walk"
+        order = torch.stack([torch.randperm(side.context, generator=gen)[:K - new + period * new]
+                             for _ in range(rows)]).to(dev)
+        core, walk = order[:, :K - new], order[:, K - new:]
+        self.sets = torch.stack([torch.cat([core, walk[:, i * new:(i + 1) * new]], 1)
+                                 for i in range(period)]).to(torch.int64)  # [period, R, K]
+        self.counter = torch.zeros((), dtype=torch.int64, device=dev)  # steps run, on the device
+        self.ones = torch.ones(rows, dtype=torch.int32, device=dev)
+        self.x = torch.ones(sh.hidden, rows, dtype=torch.bfloat16, device=dev)
+        wrows = sh.weight_bytes(rows) // 2 // sh.hidden
+        self.wviews = [w[:wrows] for w in side.weights]
+        self.out = torch.zeros(sh.layers, rows, dtype=torch.int64, device=dev)
+        self.gathered = {}  # layer -> int32[R, K, words] of the last step (checked layers)
+        self.selection = {}  # layer -> int64[R, K] positions of the last step
+        self.checked = (side.names[0], side.names[-1])
+        self.positions = torch.arange(self.npages * P, device=dev)
+
+    def __call__(self) -> None:
+        self.run(None)
+
+    def run(self, timer) -> None:
+        """One step; ``timer(part)`` marks the start of each part when timing parts."""
+        sh, batch = self.shape, self.batch
+        mark = timer or (lambda part: None)
+        history = batch.history[:self.rows]
+        pos = history.long()  # the new token's position, per row
+        chosen = self.sets.index_select(0, self.counter.remainder(sh.period).view(1))[0]
+        bias = torch.zeros(self.rows, self.npages * sh.page, dtype=torch.int64, device=pos.device)
+        bias.scatter_(1, chosen, BIAS)
+        live = self.positions[None, :] < pos[:, None]  # history only
+        for li, name in enumerate(self.side.names):
+            mark("weights")
+            torch.mm(self.wviews[li], self.x)
+            mark("indexer")
+            # every key of the slots in use read once (this level's requests own them all)
+            scores = self.keys[name].view(torch.int32).sum(dim=(1, 3))  # [slots, P]
+            rows_scores = scores[self.key_slots[name]].flatten(1)  # [R, npages*P]
+            rows_scores = torch.where(live, rows_scores + bias, -1)
+            selected = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices
+            mark("cache")
+            words_kv = sh.latent_bytes // WORD
+            new_kv = pattern(self.rid, pos, li, 0, words_kv)
+            new_key = pattern(self.rid, pos, li, 1, sh.key_bytes // WORD)
+            page, tok = token_rows(self.views[name, "ik"], self.pages[name, "ik"], pos[:, None])
+            write_tokens(self.views[name, "ik"], page[:, 0], tok[:, 0], new_key)
+            if self.kvcm2:
+                group = self.side.config.group_of(name)
+                if group.layers[0] == name:
+                    self.index = batch.resolve(group.index, selected.to(torch.int32), fetch=True)
+                    self.write_entry = batch.write_indices(group.index)[0][:, 0]
+                cells = batch.cells(name, "kv")
+                entry = self.write_entry.long()
+                write_tokens(cells, entry // sh.page, entry % sh.page, new_kv)
+                mark("attention")
+                e = self.index.long()
+                got = read_tokens(cells, e // sh.page, e % sh.page)  # [R, K, words]
+            else:
+                view = self.views[name, "kv"]
+                page, tok = token_rows(view, self.pages[name, "kv"], pos[:, None])
+                write_tokens(view, page[:, 0], tok[:, 0], new_kv)
+                mark("attention")
+                page, tok = token_rows(view, self.pages[name, "kv"], selected)
+                got = read_tokens(view, page, tok)
+            self.out[li] = got.long().sum(dim=(1, 2))
+            if name in self.checked:
+                self.gathered[name] = got
+                self.selection[name] = selected
+        mark("cache")
+        if self.kvcm2:
+            batch.flush(batch.history + 1)
+        batch.advance(self.ones)
+        self.counter += 1
+
+    def parts(self, batch) -> dict:
+        """One eager step timed by part (ms; CUDA events on the GPU)."""
+        cuda = self.side.device == "cuda"
+        marks = []
+
+        def timer(part):
+            if cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                marks.append((part, event))
+            else:
+                marks.append((part, time.perf_counter()))
+        batch.publish()
+        self.run(timer)
+        timer("end")
+        if cuda:
+            torch.cuda.synchronize()
+        if cuda:
+            batch.record_advance()
+        totals: dict = {}
+        for (part, a), (_, b) in zip(marks, marks[1:]):
+            ms = a.elapsed_time(b) if cuda else (b - a) * 1e3
+            totals[part] = totals.get(part, 0.0) + ms
+        return totals
+
+    def check(self, batch) -> int:
+        """The checks of the module docstring for this level; returns the tokens compared."""
+        sh, side = self.shape, self.side
+        checked = 0
+        last = (self.counter - 1).remainder(sh.period)
+        want_sel = self.sets[int(last)].sort(1).values
+        for li, name in enumerate(side.names):
+            if name not in self.checked:
+                continue
+            sel = self.selection[name]
+            assert torch.equal(sel.sort(1).values, want_sel), f"{name}: the indexer's top-K is not the selection"
+            want = pattern(self.rid[:, None], sel, li, 0, sh.latent_bytes // WORD)
+            assert torch.equal(self.gathered[name], want), f"{name}: attention read wrong bytes"
+            checked += sel.numel()
+        # every decoded token reached its pages (host pages on torch_kvcm2's side), bit for bit
+        start = side.context  # every token decoded so far, this level's and earlier levels'
+        for r, cache in enumerate(side.caches[:self.rows]):
+            end = cache.history_length
+            assert end == self.started[r] + int(self.counter), "a row did not advance every step"
+            pos = torch.arange(start, end, device=side.device)
+            for li, name in enumerate(side.names):
+                if name not in self.checked:
+                    continue
+                view = side.manager.buffer_view(name, "kv")
+                pages = torch.as_tensor(cache.host_pages(name, "kv"), device=side.device)
+                page, tok = token_rows(view, pages, pos)
+                got = read_tokens(view, page, tok)
+                assert torch.equal(got, pattern(torch.tensor(r), pos, li, 0, sh.latent_bytes // WORD)), \
+                    f"row {r} {name}: a decoded token's latent on its pages differs"
+                checked += len(pos)
+        return checked
+
+
+def levels_for(limit: int) -> list:
+    out, c = [], 1
+    while c < limit:
+        out.append(c)
+        c *= 2
+    return out
+
+
+def run_context(shape: Shape, device: str, context: int, progress) -> list:
+    """Both sides at one context: concurrency 1, 2, 4, ... below the side's maximum, then the
+    maximum (``plan_rows``; admitted by ``can_fit``, and one more refused, checked)."""
+    results = []
+    for name in ("dense", "kvcm2"):
+        side = Side(shape, name, device, context)
+        try:
+            for rows in levels_for(side.max_rows) + [side.max_rows]:
+                progress(f"{context} tokens, {name}: concurrency {rows} of {side.max_rows}")
+                level = side.run_level(rows)
+                if level is None:
+                    raise AssertionError(f"{name}: {rows} requests planned to fit and did not "
+                                         f"({side.binding})")
+                results.append(level)
+            level.maximum = True
+            level.binding = side.planned_binding
+            if side.max_rows >= shape.max_concurrency:
+                level.binding = f"the sweep's cap ({shape.max_concurrency})"
+        except BaseException:
+            side.close(check=False)
+            raise
+        side.close()
+    return results
+
+
+def summarize(levels: list, shape: Shape) -> dict:
+    """The four P-SERVE figures per context."""
+    out = {}
+    for context in sorted({lv.context for lv in levels}):
+        by = {s: [lv for lv in levels if lv.context == context and lv.side == s] for s in ("dense", "kvcm2")}
+        dense_max = max(lv.rows for lv in by["dense"])
+        ours_max = max(lv.rows for lv in by["kvcm2"])
+        best = {s: max(lv.tokens_per_s for lv in by[s]) for s in by}
+        small = {}
+        for rows in (1, 2):
+            d = [lv for lv in by["dense"] if lv.rows == rows]
+            o = [lv for lv in by["kvcm2"] if lv.rows == rows]
+            if d and o:
+                small[rows] = o[0].tokens_per_s / d[0].tokens_per_s
+        tpot = max(lv.tpot_p99 / lv.tpot_p50 for lv in by["kvcm2"])
+        out[context] = {
+            "max_concurrency": {"dense": dense_max, "kvcm2": ours_max, "ratio": ours_max / dense_max},
+            "best_tokens_per_s": {**best, "ratio": best["kvcm2"] / best["dense"]},
+            "low_concurrency_ratio": small,
+            "tpot_p99_over_p50": tpot,
+            "binding": {s: getattr(by[s][-1], "binding", "") for s in by},
+        }
+    return out
+
+
+def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
+    print(f"# P-SERVE — {title}")
+    print(f"# {shape.layers} of {shape.model_layers} layers, K={shape.top_k}, S={shape.slots}, "
+          f"latent {shape.latent_bytes} B + key {shape.key_bytes} B per token per layer, locality "
+          f"{shape.locality}, budgets GPU {shape.gpu_kv_gb * shape.scale:.2f} GB / host "
+          f"{shape.host_gb * shape.scale:.2f} GB (x{shape.scale:.3f} of {shape.gpu_kv_gb} / {shape.host_gb})")
+    print("| context | side  | conc. | tokens/s | TPOT p50 ms | p99 ms | hit rate | PCIe MB/step | parts ms (weights/indexer/cache/attention) | bound |")
+    print("|---------|-------|-------|----------|-------------|--------|----------|--------------|--------------------------------------------|-------|")
+    for lv in levels:
+        parts = "/".join(f"{lv.parts_ms.get(p, 0):.2f}" for p in ("weights", "indexer", "cache", "attention"))
+        bound = getattr(lv, "binding", "") if getattr(lv, "maximum", False) else ""
+        hit = f"{lv.hit_rate:8.3f}" if lv.side == "kvcm2" else f"{'-':>8}"
+        print(f"| {lv.context:7} | {lv.side:5} | {lv.rows:5} | {lv.tokens_per_s:8.0f} | "
+              f"{lv.tpot_p50:11.3f} | {lv.tpot_p99:6.3f} | {hit} | "
+              f"{lv.fetched_bytes_per_step / 1e6:12.2f} | {parts:42} | {bound} |")
+    for context, s in summary.items():
+        mc, bt = s["max_concurrency"], s["best_tokens_per_s"]
+        low = ", ".join(f"c={c}: {r:.2f}x" for c, r in s["low_concurrency_ratio"].items())
+        print(f"# {context} tokens: max concurrency {mc['kvcm2']} vs {mc['dense']} ({mc['ratio']:.2f}x; "
+              f"target >= 3x); best tokens/s {bt['kvcm2']:.0f} vs {bt['dense']:.0f} ({bt['ratio']:.2f}x; "
+              f">= 3x); at low concurrency {low} (>= 0.97x); TPOT p99/p50 {s['tpot_p99_over_p50']:.2f} "
+              f"(<= 1.2); bound: kvcm2 by {s['binding']['kvcm2']}, dense by {s['binding']['dense']}")
+
+
+def plot(levels: list, path: str, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# no plot: pip install -e .[bench] (matplotlib)", file=sys.stderr)
+        return False
+    contexts = sorted({lv.context for lv in levels})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.2), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for side, label in (("dense", "dense KV in HBM"), ("kvcm2", "torch_kvcm2")):
+            pts = sorted((lv.rows, lv.tokens_per_s) for lv in levels if lv.context == context and lv.side == side)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{context:,}-token context")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def bench_serve(device: str, quick: bool) -> list:
+    """benchmarks/run.py's P-SERVE rows: one per context, the sweep run as ``main`` runs it
+    (the H200 default: 4 layers, 32K and 128K tokens), its four target figures in the note."""
+    shape, contexts = (QUICK, [256, 512]) if quick else (Shape(layers=4), [32768, 131072])
+    levels = []
+    for context in contexts:
+        levels += run_context(shape, device, context, lambda what: None)
+    out = []
+    for context, s in summarize(levels, shape).items():
+        mc, bt = s["max_concurrency"], s["best_tokens_per_s"]
+        low = min(s["low_concurrency_ratio"].values(), default=0.0)
+        best = max((lv for lv in levels if lv.context == context and lv.side == "kvcm2"),
+                   key=lambda lv: lv.tokens_per_s)
+        met = (mc["ratio"] >= 3 and bt["ratio"] >= 3 and low >= 0.97
+               and s["tpot_p99_over_p50"] <= 1.2)
+        out.append(Result(
+            "P-SERVE", f"{context} tokens: TPOT p50 at kvcm2's best ({best.rows} requests)",
+            best.tpot_p50 * 1e3, target="3x conc., 3x tokens/s", passed=met if device == "cuda" else None,
+            extra={**s, "note": f"{context} tokens: max concurrency {mc['kvcm2']} vs {mc['dense']} "
+                                f"({mc['ratio']:.2f}x), best tokens/s {bt['kvcm2']:.0f} vs "
+                                f"{bt['dense']:.0f} ({bt['ratio']:.2f}x), at 1-2 requests "
+                                f"{low:.2f}x, TPOT p99/p50 {s['tpot_p99_over_p50']:.2f}"}))
+    return out
+
+
+def parse_args(argv=None):
+    d = Shape()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CPU, tiny shapes (about a minute)")
+    p.add_argument("--contexts", default="32768,131072", help="prompt tokens, comma-separated")
+    p.add_argument("--layers", type=int, default=4, help="layers run (budgets scale by layers/61)")
+    p.add_argument("--model-layers", type=int, default=d.model_layers)
+    p.add_argument("--latent-bytes", type=int, default=d.latent_bytes, help="sparse latent per token per layer")
+    p.add_argument("--key-bytes", type=int, default=d.key_bytes, help="indexer key per token per layer")
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--slots", type=int, default=d.slots, help="cells per request per layer (S)")
+    p.add_argument("--layers-per-indexer", type=int, default=d.layers_per_indexer)
+    p.add_argument("--locality", type=float, default=d.locality, help="share of the top-K kept step to step")
+    p.add_argument("--output", type=int, default=d.output, help="decode tokens per request")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per level")
+    p.add_argument("--gpu-kv-gb", type=float, default=d.gpu_kv_gb)
+    p.add_argument("--host-gb", type=float, default=d.host_gb)
+    p.add_argument("--dense-weight-mb", type=float, default=d.dense_weight_mb)
+    p.add_argument("--expert-mb", type=float, default=d.expert_mb)
+    p.add_argument("--experts-per-gpu", type=int, default=d.experts_per_gpu)
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
+    p.add_argument("--json")
+    p.add_argument("--plot", help="PNG path (needs matplotlib: pip install -e .[bench])")
+    args = p.parse_args(argv)
+    if args.quick:
+        shape, contexts = QUICK, [256, 512]
+    else:
+        shape = Shape(**{k: getattr(args, k) for k in (
+            "layers", "model_layers", "latent_bytes", "key_bytes", "top_k", "slots",
+            "layers_per_indexer", "locality", "output", "steps", "gpu_kv_gb", "host_gb",
+            "dense_weight_mb", "expert_mb", "experts_per_gpu", "max_concurrency")})
+        contexts = [int(c) for c in args.contexts.split(",")]
+    for name in ("layers", "top_k", "slots", "output", "steps", "layers_per_indexer"):
+        if getattr(shape, name) < 1:
+            p.error(f"argument --{name.replace('_', '-')}: must be >= 1")
+    if not 0 < shape.locality < 1:
+        p.error("argument --locality: must be in (0, 1)")
+    if shape.slots < shape.top_k + 1:
+        p.error("argument --slots: must exceed --top-k (the new token needs a cell)")
+    return args, shape, contexts
+
+
+def main(argv=None) -> int:
+    args, shape, contexts = parse_args(argv)
+    device, _ = pick_device(args.quick)
+    if device == "cpu" and not args.quick:
+        print("no CUDA kernels or GPU: running --quick", file=sys.stderr)
+        shape, contexts = QUICK, [256, 512]
+    started = time.perf_counter()
+
+    def progress(what: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+    levels = []
+    for context in contexts:
+        levels += run_context(shape, device, context, progress)
+    summary = summarize(levels, shape)
+    title = ("CPU smoke run: numbers are not claims" if device == "cpu"
+             else f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
+    print_table(levels, summary, shape, title)
+    if args.plot:
+        plot(levels, args.plot, f"P-SERVE: {title}")
+    if args.json:
+        write_json(args.json, {"device": title, "shape": shape.__dict__, "summary": summary,
+                               "levels": [{**lv.__dict__, "tokens_per_s": lv.tokens_per_s,
+                                           "tpot_p50": lv.tpot_p50, "tpot_p99": lv.tpot_p99}
+                                          for lv in levels]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""P-SERVE's benchmark (benchmarks/serve.py) on the CPU: --quick runs both sides at two contexts,
+every level checked (what attention read, the indexer's top-K, the misses metrics() counted,
+every decoded token on its pages, nothing leaked), and writes its table, JSON and plot."""
+import importlib
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def serve():
+    sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+    return importlib.import_module("serve")
+
+
+def test_quick_serve_runs_both_sides_checked_with_table_json_and_plot(serve, tmp_path, capsys):
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    assert serve.main(["--quick", "--json", str(out), "--plot", str(png)]) == 0
+    data = json.loads(out.read_text())
+    levels = data["levels"]
+    for context in (256, 512):
+        for side in ("dense", "kvcm2"):
+            rows = [lv["rows"] for lv in levels if lv["context"] == context and lv["side"] == side]
+            assert rows[0] == 1 and rows == sorted(rows) and len(rows) >= 3, (context, side, rows)
+        summary = data["summary"][str(context)]
+        mc = summary["max_concurrency"]
+        # the quick budgets: torch_kvcm2 holds more requests than the dense baseline
+        assert mc["kvcm2"] > mc["dense"] >= 1
+        assert summary["binding"]["dense"].startswith("GPU memory")
+    assert all(lv["checked_tokens"] > 0 and lv["tokens_per_s"] > 0 for lv in levels)
+    ours = [lv for lv in levels if lv["side"] == "kvcm2"]
+    assert all(0.85 < lv["hit_rate"] < 0.95 for lv in ours)  # locality 0.9 of the top-K
+    printed = capsys.readouterr().out
+    assert "numbers are not claims" in printed and "max concurrency" in printed
+    pytest.importorskip("matplotlib")  # the [bench] extra; CI installs it
+    assert png.stat().st_size > 10_000
+
+
+def test_serve_bad_flag_is_a_usage_error(serve, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--locality", "1.5"])
+    assert exit_.value.code == 2 and "--locality" in capsys.readouterr().err
