@@ -351,9 +351,7 @@ class Side:
             with torch.cuda.graph(graph, stream=stream):
                 step()
             torch.cuda.synchronize()
-        metrics = self.manager.metrics()
-        before = sum(g["misses"] for g in metrics["selection_groups"].values())
-        hits_before = sum(g["hits"] for g in metrics["selection_groups"].values())
+        before = self.counted()
         for _ in range(sh.steps):
             start = time.perf_counter()
             batch.publish()
@@ -367,15 +365,13 @@ class Side:
         batch.catch_up()
         level.parts_ms = step.parts(batch)  # eager, timed by part; advances the rows too
         batch.catch_up()
-        metrics = self.manager.metrics()
-        misses = sum(g["misses"] for g in metrics["selection_groups"].values()) - before
-        hits = sum(g["hits"] for g in metrics["selection_groups"].values()) - hits_before
+        hits, misses, fetched = (a - b for a, b in zip(self.counted(), before))
         if self.side == "kvcm2":
             groups = len(self.config.selection_groups)
             want = (sh.steps + 1) * rows * sh.new * groups  # + the parts step
             assert misses == want, f"{misses} misses counted by metrics(), the locality model made {want}"
             level.hit_rate = hits / max(1, hits + misses)
-            level.fetched_bytes_per_step = misses * sh.latent_bytes / (sh.steps + 1)
+            level.fetched_bytes_per_step = fetched / (sh.steps + 1)
         level.checked_tokens = step.check(batch)
         assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran short"
         for cache in members:
@@ -384,6 +380,12 @@ class Side:
             assert cache.resize(capacity=h)  # nothing in flight between levels
             batch.remove(cache)
         return level
+
+    def counted(self) -> tuple:
+        """(hits, misses, bytes fetched host to device) since the manager started, summed over
+        the selection groups, from ``manager.metrics()`` (what an operator's dashboard reads)."""
+        groups = self.manager.metrics()["selection_groups"].values()
+        return tuple(sum(g[key] for g in groups) for key in ("hits", "misses", "fetched_bytes"))
 
     def close(self, check: bool = True) -> None:
         for cache in self.caches:

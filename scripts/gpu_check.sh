@@ -5,6 +5,7 @@
 #   (docs/DEVELOPMENT.md), rebuild with TORCH_KVCM2_DEV and run those. Logs go to $OUT (the device
 #   tool brings them back). Every call starts with the production build again.
 # Usage: [TESTS=0] [TEST_RUNS=N] [STALE=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1]
+#        [SERVE=1] [SERVE_ARGS=...]
 #        [PDL_AB=1] [PROFILE=1] [NCU=1] [AB_THREADS=N] [KVCM2_SAFETY_STEPS=N]
 #        bash scripts/gpu_check.sh [pytest args]
 # Production build:
@@ -12,6 +13,7 @@
 #   TEST_RUNS=N runs the CUDA suite N times in a row (tests_cuda_1.log ...; default 1);
 #   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
 #   reduce-overhead, --graph; shared_prefix.py; serve.py eager and --graph --delays).
+#   SERVE=1 runs benchmarks/serve.py (P-SERVE: serve.txt, serve.json, serve.png).
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only); without it the
 #   benchmarks end with benchmarks/eager_parts.py (the eager step's host time per call).
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
@@ -85,6 +87,11 @@ if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/run.py --json "$OUT/bench.json" ${SCALING:+--scaling} \
     ${BENCH_ONLY:+--only "$BENCH_ONLY"} 2>&1 | tee "$OUT/bench.txt"
   [ -z "${BENCH_ONLY:-}" ] && python3 benchmarks/eager_parts.py 2>&1 | tee "$OUT/eager_parts.txt"
+fi
+if [ "${SERVE:-0}" = 1 ]; then
+  # P-SERVE: both sides, both contexts, table + JSON + plot (matplotlib when installed)
+  python3 benchmarks/serve.py --json "$OUT/serve.json" --plot "$OUT/serve.png" ${SERVE_ARGS:-} \
+    2>&1 | tee "$OUT/serve.txt" | grep -v "^\[" ; echo "serve rc: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
 fi
 if [ "${NCU:-0}" = 1 ]; then
   # launch 1 is P-RES's cold first resolve (every unit a miss); launch 2 is the timer's warm-up
