@@ -13,7 +13,7 @@ from .batch import Batch
 from .cache import KVCache
 from .config import CacheConfig
 from .host_region import DEFAULT_CHUNK_BYTES, check_options, default_threads, resolve_numa
-from .memory import BatchReserve, batch_memory_bytes
+from .memory import BatchReserve, batch_reserve_bytes
 from .prefix import token_array
 from .storage import HostOptions, Storage
 from .telemetry import HostCounters, snapshot
@@ -75,10 +75,7 @@ class KVCacheManager:
                                    "make one HostGroup per manager")
         self.host_group = host_group
         self.storage = Storage(config, host_group)
-        # A batch's memory is linear in its rows plus a few bytes per selection group, so the
-        # reserve of max_rows one-row batches covers any split of max_rows rows over batches.
-        one_row = batch_memory_bytes(config, len(self.storage.groups), 1)
-        self._reserve = {medium: config.max_rows * n for medium, n in one_row.items()}
+        self._reserve = batch_reserve_bytes(config, len(self.storage.groups))
         for medium in ("gpu", "host"):
             budget = getattr(config, f"{medium}_budget_bytes")
             if self._reserve[medium] > budget:
