@@ -32,7 +32,9 @@ token on the host pages are compared bit for bit, and no row may have been refus
 by ``advance``. Any mismatch exits with status 1. The checks are not timed: eagerly they run
 after each step; with ``--graph`` each replay's outputs are copied aside and checked after the
 loop. The script prints tokens/s and the host time per step (median wall time of the host's part
-of a step, as above), in every mode.
+of a step, as above), in every mode. Before building anything it estimates the memory the flags
+need (``memory_parts``) and refuses, as a usage error naming the flag, a run the machine cannot
+hold; phases that last more than a few seconds report their progress on stderr.
 
 ``--compile [reduce-overhead]`` runs each decode layer's cache work and attention
 (``decode_layer``) as one ``torch.compile(fullgraph=True)`` module (or CUDA-graph replays),
