@@ -133,7 +133,7 @@ def test_a_run_bigger_than_the_machine_is_refused_before_it_allocates(script, ar
     allocated or built: the refusal names the flag, the need and what is available, at once
     (a run that began allocating terabytes would be killed, or take minutes)."""
     started = time.monotonic()
-    result = run_example(script, *args)
+    result = run_example(script, *args, "--device", "cpu")  # all of it host memory, then
     assert result.returncode == 2, output(result)
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith(f"{script}: error: argument {args[0]}: this run needs about "), error
