@@ -112,6 +112,7 @@ def test_sparse_decode_graph_replays_the_whole_step_and_its_checks_pass(flags, o
     ("sparse_decode.py", ["--steps", "100000000"]),
     ("shared_prefix.py", ["--requests", "100000000"]),
     ("shared_prefix.py", ["--prefix", "1000000000"]),
+    ("quickstart.py", ["--prompt-lengths", "1000000000"]),
 ]])
 def test_bad_flag_is_a_usage_error_naming_it(script, args, flag):
     result = run_example(script, *args)
