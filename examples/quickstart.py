@@ -8,12 +8,14 @@ CUDA kernels and a GPU is visible, else on the CPU.
     python examples/quickstart.py [--prompt-lengths 40,70] [--steps 6] [--device cpu] [--help]
 """
 import argparse
+import sys
 
 import torch
 
 import torch_kvcm2 as kv
 
-from flags import add_device_flag, pick_device, positive_int, prompt_lengths  # examples/flags.py
+from flags import (Part, add_device_flag, check_memory, pick_device, positive_int,
+                   prompt_lengths)  # examples/flags.py
 
 P, U, K, S, I, B = 16, 1, 8, 16, 4, 64  # page, unit, width, slots, in-flight tokens, bytes/token
 LAYERS = ("layer0", "layer1")
@@ -27,11 +29,19 @@ parser.add_argument("--steps", type=positive_int, default=6,
                     help="steps: the prefill, then decode steps")
 add_device_flag(parser)
 args = parser.parse_args()
-device = pick_device(args.device).type
+device = pick_device(args.device)
 prompts = args.prompt_lengths
 ROWS = len(prompts)
 max_tokens = -(-(max(prompts) + args.steps) // P) * P  # whole pages for the longest request
 pool_bytes = ROWS * max_tokens * B * len(LAYERS)  # every page of every request
+check_memory(parser, sys.argv[1:], [  # before anything is allocated
+    Part("the cache's host pages", pool_bytes, ("--prompt-lengths", "--steps"), "host"),
+    Part("the cache's GPU budget", (1 << 20) + ROWS * max_tokens * 64, ("--prompt-lengths",),
+         "device"),
+    Part("the prefill's positions and token bytes", max(prompts) * (ROWS * 8 + 18 * B),
+         ("--prompt-lengths",), "host"),
+], device)
+device = device.type
 latent = kv.BufferSpec("kv", bytes_per_token=B, sparse=True)
 sparse = kv.SparseSpec(tokens_per_unit=U, width=K, slots=S, max_inflight_tokens=I,
                        selection_id="indexer0")

@@ -9,15 +9,27 @@ what this request's own prefill would have written. Prints the bytes saved again
 copies and the hit rates (prefix and cells). Runs on CUDA when the extension has CUDA kernels
 and a GPU is visible, else on the CPU.
 
+The budgets default to what the run needs: the batch reserve (``memory.batch_reserve_bytes``)
+plus the pages of the first request and the private pages of the others; ``--gpu-budget`` and
+``--host-budget`` set them. Flags whose run would need more memory than the machine has now are
+refused before anything is allocated, naming the flag. Phases that last more than a few seconds
+report their progress on stderr.
+
     python examples/shared_prefix.py [--requests 16] [--prefix 1024] [--private 64] [--steps 4]
+                                     [--gpu-budget BYTES] [--host-budget BYTES]
 """
 import argparse
+import dataclasses
+import sys
 
 import torch
 
 import torch_kvcm2 as kv
+from torch_kvcm2.memory import batch_reserve_bytes
 
-from flags import add_device_flag, pick_device, positive_int  # examples/flags.py
+from flags import (Part, add_device_flag, check_memory, human, pick_device, positive_int,
+                   size)  # examples/flags.py
+from running import Progress  # examples/running.py
 
 P, U, K, S, I, B = 16, 1, 8, 16, 4, 64  # page, unit, width, slots, in-flight tokens, bytes/token
 LAYERS = ("layer0", "layer1")
@@ -30,9 +42,15 @@ parser.add_argument("--prefix", type=positive_int, default=1024,
 parser.add_argument("--private", type=positive_int, default=64,
                     help="tokens of each request's own message")
 parser.add_argument("--steps", type=positive_int, default=4, help="decode steps")
+parser.add_argument("--gpu-budget", type=size, default=argparse.SUPPRESS,
+                    help="CacheConfig.gpu_budget_bytes: bytes (K, M, G, T suffixes) for the "
+                         "batch's cells and tables (default: what the run needs)")
+parser.add_argument("--host-budget", type=size, default=argparse.SUPPRESS,
+                    help="CacheConfig.host_budget_bytes: bytes (K, M, G, T suffixes) for the host "
+                         "pages and the pinned staging (default: what the run needs)")
 add_device_flag(parser)
 args = parser.parse_args()
-device = pick_device(args.device).type
+device = pick_device(args.device)
 ROWS = args.requests
 prompt = args.prefix + args.private
 max_tokens = -(-(prompt + args.steps + I) // P) * P
@@ -40,11 +58,46 @@ per_token = B * len(LAYERS)
 latent = kv.BufferSpec("kv", bytes_per_token=B, sparse=True)
 sparse = kv.SparseSpec(tokens_per_unit=U, width=K, slots=S, max_inflight_tokens=I,
                        selection_id="indexer0")
-config = kv.CacheConfig(tokens_per_page=P, layers=[kv.LayerSpec(n, [latent], sparse=sparse) for n in LAYERS],
-                        max_rows=ROWS, max_tokens_per_row=max_tokens,
-                        gpu_budget_bytes=(1 << 20) + ROWS * S * per_token * 2,
-                        host_budget_bytes=(1 << 20) + ROWS * max_tokens * per_token, device=device)
-manager = kv.KVCacheManager(config)
+try:  # without budgets first: they depend on the config's batch reserve
+    config = kv.CacheConfig(tokens_per_page=P, max_rows=ROWS, max_tokens_per_row=max_tokens,
+                            layers=[kv.LayerSpec(n, [latent], sparse=sparse) for n in LAYERS],
+                            gpu_budget_bytes=0, host_budget_bytes=0, device=device)
+except ValueError as error:
+    parser.error(f"argument --prefix/--private/--steps: these lengths make an invalid cache "
+                 f"config: {error}")
+# the pages the run holds at its end: every page of the first request, and each later request's
+# pages after the system prompt's whole pages, which it shares
+row_pages = max_tokens // P
+pages = row_pages + (ROWS - 1) * (row_pages - args.prefix // P)
+reserve = batch_reserve_bytes(config)  # cells, tables, staging: nothing allocated yet
+need = {"gpu": reserve["gpu"], "host": reserve["host"] + pages * P * per_token}
+for medium in ("gpu", "host"):
+    budget = getattr(args, f"{medium}_budget", None)
+    if budget is not None and budget < need[medium]:
+        parser.error(f"argument --{medium}-budget: {budget} bytes is less than this run needs: "
+                     f"{need[medium]} bytes ({human(need[medium])}: the batch reserve of "
+                     f"{reserve[medium]} bytes for {ROWS} rows"
+                     + (f" and {pages} pages of {P * per_token} bytes)" if medium == "host" else ")"))
+tokens_bytes = ROWS * (prompt + args.steps) * 8
+check_memory(parser, sys.argv[1:], [
+    Part("the cache's host pages", pages * P * per_token,
+         ("--requests", "--prefix", "--private", "--steps"), "host"),
+    Part("the batch's cells and tables", reserve["gpu"], ("--requests", "--prefix"), "device"),
+    Part("the batch's pinned staging", reserve["host"], ("--requests", "--prefix"), "host"),
+    Part("the token ids", 2 * tokens_bytes, ("--requests", "--prefix", "--private"), "host"),
+    Part("the prefill's positions and indices", 2 * ROWS * prompt * 4,
+         ("--requests", "--prefix", "--private"), "device"),
+    Part("the prefill's token bytes", prompt * (18 * B + 40), ("--prefix", "--private"), "host"),
+], device)
+device = device.type
+config = dataclasses.replace(
+    config, gpu_budget_bytes=getattr(args, "gpu_budget", need["gpu"] + (1 << 20)),
+    host_budget_bytes=getattr(args, "host_budget", need["host"] + (1 << 20)))
+try:
+    manager = kv.KVCacheManager(config)
+except ValueError as error:  # a budget below what the batch reserve and one page need (STO-4)
+    flag = "--gpu-budget" if "the gpu budget" in str(error) else "--host-budget"
+    parser.error(f"argument {flag}: {error}")
 batch = kv.Batch(manager)
 generator = torch.Generator().manual_seed(0)
 system = torch.randint(0, 100_000, (args.prefix,), generator=generator)
@@ -77,14 +130,17 @@ def select(row: int, h: int) -> torch.Tensor:
     return picks[row]
 
 
-def step(rows):
+def step(rows, what):
     """One step of the seated requests ``rows``: publish; resolve K units of history per row
     (most of them the previous step's); fetch; write the new tokens ([history, s0) to host pages, [s0, capacity) to cells); check
-    every selected token read from the cells; declare, flush, advance history."""
+    every selected token read from the cells; declare, flush, advance history. Its progress,
+    as ``what``, goes to stderr when it lasts."""
     batch.publish()
+    members = batch.members()
+    shown, done = Progress(what, 2 * len(LAYERS) * len(rows), "rows x layers (write, check)"), 0
     selected = torch.full((ROWS, K), -1, dtype=torch.int32)
     for row in rows:
-        h = batch.members()[row].history_length
+        h = members[row].history_length
         if h:
             selected[row] = select(row, h)
     index = batch.resolve(0, selected.to(device))
@@ -93,13 +149,15 @@ def step(rows):
     table, start = batch.write_indices(0)
     for i, layer in enumerate(LAYERS):
         for row in rows:
-            cache = batch.members()[row]
+            cache = members[row]
             h, s0 = cache.history_length, int(start[row])
             positions = torch.full((ROWS, max(s0 - h, 1)), -1, dtype=torch.int32)
             positions[row, :s0 - h] = torch.arange(h, s0, dtype=torch.int32)
             host = batch.host_token_indices(layer, "kv", positions.to(device))[row]
             write(manager.storage.view(layer, "kv"), host, row, positions[row], i)
             write(batch.cells(layer, "kv"), table[row], row, s0 + torch.arange(table.shape[1]), i)
+            done += 1
+            shown.update(done)
     batch.record_host_writes()
     checked = 0
     for i, layer in enumerate(LAYERS):  # 'attention' reads the selected tokens from the cells
@@ -113,9 +171,11 @@ def step(rows):
             if not torch.equal(got, want):
                 raise SystemExit(f"check failed: row {row} {layer}: a selected token read wrong bytes")
             checked += len(entry)
+            done += 1
+            shown.update(done)
     batch.flush()
     for row in rows:
-        cache = batch.members()[row]
+        cache = members[row]
         assert cache.resize(history=cache.capacity)
     return checked
 
@@ -125,27 +185,31 @@ first = manager.create_cache(tokens[0])
 assert first.reused_tokens == 0
 batch.add(first)
 assert first.resize(capacity=prompt)
-reads = step([0])
+reads = step([0], "prefill of the first request")
 committed = first.commit(tokens[0][:first.history_length])
 # the others: the system prompt's pages are shared; each prefills only its own message
 caches = [first]
+seating = Progress("seating the later requests", ROWS - 1, "requests")
 for row in range(1, ROWS):
+    seating.update(row - 1)
     cache = manager.create_cache(tokens[row])
     batch.add(cache, row=row)
     assert cache.resize(capacity=prompt)
     caches.append(cache)
 reused = [c.reused_tokens for c in caches]
 if ROWS > 1:
-    reads += step(list(range(1, ROWS)))
-for _ in range(args.steps):  # decode: one new token per request
+    reads += step(list(range(1, ROWS)), "prefill of the later requests")
+for number in range(args.steps):  # decode: one new token per request
     for row, cache in enumerate(caches):
         tokens[row] = torch.cat([tokens[row], torch.randint(0, 100_000, (1,), generator=generator)])
         assert cache.resize(capacity=cache.capacity + 1)
-    reads += step(list(range(ROWS)))
+    reads += step(list(range(ROWS)), f"decode step {number + 1} of {args.steps}")
 history = 0
+verifying = Progress("verifying the host pages", len(LAYERS) * ROWS, "rows x layers")
 for i, layer in enumerate(LAYERS):  # every token of history is on its host pages
     host = manager.storage.slot_pages(layer, "kv", device_side=False)
     for row, cache in enumerate(caches):
+        verifying.update(i * ROWS + row)
         pages = torch.tensor(cache.pages(manager.storage.place(layer, "kv").group))
         t = torch.arange(cache.history_length)
         if not torch.equal(host[pages[t // P], 0, t % P], token_bytes(i, tokens[row][t], t)):

@@ -32,7 +32,9 @@ token on the host pages are compared bit for bit, and no row may have been refus
 by ``advance``. Any mismatch exits with status 1. The checks are not timed: eagerly they run
 after each step; with ``--graph`` each replay's outputs are copied aside and checked after the
 loop. The script prints tokens/s and the host time per step (median wall time of the host's part
-of a step, as above), in every mode.
+of a step, as above), in every mode. Before building anything it estimates the memory the flags
+need (``memory_parts``) and refuses, as a usage error naming the flag, a run the machine cannot
+hold; phases that last more than a few seconds report their progress on stderr.
 
 ``--compile [reduce-overhead]`` runs each decode layer's cache work and attention
 (``decode_layer``) as one ``torch.compile(fullgraph=True)`` module (or CUDA-graph replays),
@@ -57,9 +59,9 @@ import torch
 import torch_kvcm2 as kv
 from torch_kvcm2 import BAD, ops
 
-from flags import (GPU, add_device_flag, cuda_usable, pick_device, positive_int, prompt_lengths,
-                   usage_error)  # examples/flags.py
-from running import Timer, progress  # examples/running.py
+from flags import (GPU, Part, add_device_flag, check_memory, chosen_device, cuda_usable,
+                   pick_device, positive_int, prompt_lengths, usage_error)  # examples/flags.py
+from running import Progress, Timer, announce  # examples/running.py
 
 KV_DTYPE = torch.float16  # the latent as stored; attention math runs in float32
 KEY_DTYPE = torch.float32  # indexer keys as stored
@@ -133,6 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"so at least 2 are needed")
     check_draft_flags(p, args)
     check_cache_flags(p, args)
+    # before anything is built: a config of absurd sizes takes long to build, and more to fill
+    check_memory(p, sys.argv[1:] if argv is None else argv, memory_parts(args),
+                 chosen_device(args.device))
     args.prompts = [args.prompt_lengths[i % len(args.prompt_lengths)] for i in range(args.rows)]
     try:  # any rule the checks above do not state: the library's own message
         build_config(args, torch.device("cpu"))
@@ -199,11 +204,63 @@ def pick_device_for(args) -> torch.device:
 
 # ---------------------------------------------------------------- cache configuration
 
+def longest_prompt(args) -> int:
+    """The longest prompt of the rows (``--prompt-lengths`` cycled over ``--rows``)."""
+    return max(args.prompt_lengths[:args.rows])
+
+
+def budgets(args) -> tuple:
+    """(max_tokens_per_row, gpu_budget_bytes, host_budget_bytes) of the cache config, from the
+    flags alone. Whole pages, for the longest row's tokens (every step accepting all T, plus the
+    next step's T in flight) and the reserve of pages beyond them; the budgets hold every page of
+    every row and the cells, plus generous slack for the batch's tables."""
+    P, U, L, T = args.tokens_per_page, args.tokens_per_unit, args.layers, args.query_tokens
+    groups = -(-L // args.group_size)
+    max_tokens = -(-(longest_prompt(args) + args.steps * T + T + args.reserve_pages * P) // P) * P
+    pages = args.rows * max_tokens // P
+    host = pages * P * L * args.latent * KV_DTYPE.itemsize
+    dense = pages * P * groups * args.index_dim * KEY_DTYPE.itemsize
+    cells = args.rows * L * args.slots * U * args.latent * KV_DTYPE.itemsize
+    tables = 64 * args.rows * (max_tokens // P + args.slots + T * args.topk + args.inflight) * groups
+    return max_tokens, dense + cells + tables + (1 << 20), host + (1 << 20)
+
+
+def memory_parts(args) -> list:
+    """The memory a run of these flags takes, in parts (``flags.Part``), from the flags alone,
+    so that absurd values are refused at once: the cache config's budgets (``budgets``: the
+    manager's pools, cells and tables, filled by the run) and the script's own tensors: the
+    dense reference, the weights, the sampling noise drawn up front (made in float64 on the
+    host), and the prefill's activations at their peak (the indexer's scores of every prompt
+    token against every position, or the attention's gathered units)."""
+    R, L, T, N = args.rows, args.layers, args.query_tokens, longest_prompt(args)
+    d, H, D, Di, V = args.d_model, args.heads, args.latent, args.index_dim, args.vocab
+    W, U, groups = args.topk + 1, args.tokens_per_unit, -(-L // args.group_size)
+    max_tokens, gpu, host = budgets(args)
+    noise = (args.steps + 1 + args.steps * args.draft_tokens) * R * V
+    indexer = 4 * R * N * (2 * max_tokens + 2 * max_tokens // U) + R * max_tokens * Di * 4
+    attention = R * N * W * U * (6 * D + 12 * H + 9)
+    activations = R * N * (4 * (4 * d + 2 * H * D + 2 * Di) + 24) + max(indexer, attention)
+    lengths = ("--rows", "--prompt-lengths", "--steps")
+    return [
+        Part("the cache's host pages", host, lengths + ("--layers", "--latent"), "host"),
+        Part("the cache's GPU pools, cells and tables", gpu, lengths + ("--layers", "--slots"),
+             "device"),
+        Part("the dense reference", R * max_tokens * (L * D * 2 + groups * Di * 4 + 4),
+             lengths + ("--layers", "--latent"), "device"),
+        Part("the model's weights", 4 * (V * d + L * (2 * d * H * D + d * D) + groups * 2 * d * Di),
+             ("--d-model", "--layers", "--heads", "--latent", "--vocab"), "device"),
+        Part("the sampling noise", 4 * noise, ("--steps", "--rows", "--vocab", "--draft-tokens"),
+             "device"),
+        Part("drawing the sampling noise", 24 * noise,
+             ("--steps", "--rows", "--vocab", "--draft-tokens"), "host"),
+        Part("the prefill's activations", activations,
+             ("--rows", "--prompt-lengths", "--d-model", "--heads", "--latent"), "device"),
+    ]
+
+
 def build_config(args, device) -> kv.CacheConfig:
     P, U, L, T = args.tokens_per_page, args.tokens_per_unit, args.layers, args.query_tokens
-    # whole pages, for the longest row's tokens (every step accepting all T, plus the next
-    # step's T in flight) and the reserve of pages beyond them
-    max_tokens = -(-(max(args.prompts) + args.steps * T + T + args.reserve_pages * P) // P) * P
+    max_tokens, gpu_budget, host_budget = budgets(args)
     sparse = {}  # one SparseSpec per selection group; its layers share residency and resolve
     layers = []
     for i in range(L):
@@ -218,15 +275,9 @@ def build_config(args, device) -> kv.CacheConfig:
         layers.append(kv.LayerSpec(f"layer{i}", [
             kv.BufferSpec("kv", args.latent * KV_DTYPE.itemsize, sparse=True),
             kv.BufferSpec("indexer_k", index_bytes)], sparse=spec))
-    # Budgets: every page of every row, the cells, plus generous slack for the batch's tables.
-    pages = args.rows * max_tokens // P
-    host = pages * P * L * args.latent * KV_DTYPE.itemsize
-    dense = pages * P * len(sparse) * args.index_dim * KEY_DTYPE.itemsize
-    cells = args.rows * L * args.slots * U * args.latent * KV_DTYPE.itemsize
-    tables = 64 * args.rows * (max_tokens // P + args.slots + T * args.topk + args.inflight) * len(sparse)
     return kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=args.rows,
-                          max_tokens_per_row=max_tokens, gpu_budget_bytes=dense + cells + tables + (1 << 20),
-                          host_budget_bytes=host + (1 << 20), device=device)
+                          max_tokens_per_row=max_tokens, gpu_budget_bytes=gpu_budget,
+                          host_budget_bytes=host_budget, device=device)
 
 
 def as_tokens(paged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -261,8 +312,10 @@ class Model:
         self.heads = H
         self.embedding = torch.randn(args.vocab, d, generator=g).to(device)
         self.w = {}
+        shown = Progress("making the weights", len(config.layers), "layers")
         for group in config.selection_groups:
             for i, layer in enumerate(group.layers):
+                shown.update(len(self.w))
                 w = {"q": weight(d, H * D), "kv": weight(d, D), "o": weight(H * D, d)}
                 if i == 0:
                     w.update(iq=weight(d, args.index_dim), ik=weight(d, args.index_dim))
@@ -542,6 +595,7 @@ class SparseDecoder:
         positions = torch.where(qpos < lengths[:, None], qpos, BAD)
         batch.publish()
         x = self.model.embedding[tokens]
+        shown, done = Progress("prefill", len(self.config.layers), "layers"), 0
         for group in self.config.selection_groups:
             for i, layer in enumerate(group.layers):
                 h, q, latent = self.model.attention_inputs(layer, x)
@@ -561,6 +615,8 @@ class SparseDecoder:
                 self.write_kv(layer, positions, latent, table, start)
                 out = attend_dense(q, latent, selected, qpos, U)
                 x = self.model.residual(layer, x, out)
+                done += 1
+                shown.update(done)
         batch.record_host_writes()  # the prefill wrote [history, start) to host pages
         batch.flush()
         for cache in self.caches:  # flushed: history advances; room for the next T tokens
@@ -707,10 +763,13 @@ class SparseDecoder:
         it ran; with --graph each replay's outputs are copied aside (untimed) and checked after
         the loop."""
         kept = []
+        shown = Progress("decode", steps)
         for step in range(steps):
             first = step == 0 and bool(self.args.compile or self.args.graph)
             if first:
                 self.timer.stop()
+                if self.args.compile:
+                    announce("compiling the decode step (first step, may take a minute)...")
                 started = time.perf_counter()
             begin = time.perf_counter()
             probes = self.host_part(step, self.replay if self.graph else None)
@@ -728,10 +787,12 @@ class SparseDecoder:
                 self.timer.start()
             else:
                 self.host_s.append(host)
-            progress(step + 1, steps)
+            shown.update(step + 1)
         self.timer.stop()
-        for probes in kept:
+        checking = Progress("checking the replays", len(kept))
+        for number, probes in enumerate(kept):
             self.check_step(probes)
+            checking.update(number + 1)
 
     def verify(self) -> int:
         """After decoding: no row was refused or cut short by advance; every row's history is
@@ -750,7 +811,9 @@ class SparseDecoder:
         batch.publish()
         history = torch.tensor(history, device=self.device)
         positions = torch.where(self.all_positions < history[:, None], self.all_positions, BAD)
-        for layer in self.ref.kv:
+        shown = Progress("verifying the host pages", len(self.ref.kv), "layers")
+        for number, layer in enumerate(self.ref.kv):
+            shown.update(number)
             index = batch.host_token_indices(layer, "kv", positions)
             pages = as_tokens(self.manager.storage.view(layer, "kv"), KV_DTYPE)
             ok = index >= 0
@@ -834,7 +897,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = pick_device_for(args)
     run = SparseDecoder(args, device)
-    groups = "; ".join(f"{g.name}: {', '.join(g.layers)}" for g in run.config.selection_groups)
+    groups = [f"{g.name}: {', '.join(g.layers)}" for g in run.config.selection_groups]
+    groups = "; ".join(groups if len(groups) <= 4 else groups[:2] + [f"... {len(groups)} groups"])
     print(f"device {device}: {args.rows} request(s), prompts {args.prompts}, {args.layers} layers "
           f"({groups}); units of {args.tokens_per_unit} tokens, top-{args.topk} units + the "
           f"current one, {args.slots} slots per request"

@@ -3,10 +3,11 @@
 ``DEVICES`` is ["cpu"] plus "cuda" when this build registered CUDA kernels and a GPU is visible.
 Tests parametrised with ``devices`` get the CUDA case marked ``cuda`` (select them with
 ``pytest -m cuda``); tests that need CUDA outright use the ``cuda`` marker and are skipped here
-when it is absent.
+when it is absent. The run ends with one line counting the skipped tests by reason.
 """
 from __future__ import annotations
 
+import collections
 import os
 import sys
 
@@ -23,6 +24,7 @@ def cuda_available() -> bool:
 
 
 HAS_CUDA = cuda_available()
+NEEDS_CUDA = "needs a CUDA GPU and the extension's CUDA kernels"
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
@@ -31,7 +33,7 @@ DEVICE_PARAMS = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=[
         pytest.mark.cuda,
-        pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA kernels and a visible GPU"),
+        pytest.mark.skipif(not HAS_CUDA, reason=NEEDS_CUDA),
     ]),
 ]
 
@@ -49,7 +51,23 @@ def devices() -> list:
 
 
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs CUDA kernels and a visible GPU")
+    skip = pytest.mark.skip(reason=NEEDS_CUDA)
     for item in items:
         if item.get_closest_marker("cuda") is not None and not HAS_CUDA:
             item.add_marker(skip)
+
+
+def skip_reason(report) -> str:
+    """The reason a skipped test's report gives (pytest stores (path, line, "Skipped: why"))."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line: how many tests were skipped and why, grouped by reason, most common first."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped:
+        reasons = collections.Counter(skip_reason(report) for report in skipped)
+        terminalreporter.write_line(f"{len(skipped)} skipped: " + "; ".join(
+            f"{reason} ({count})" for reason, count in reasons.most_common()))

@@ -11,10 +11,13 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
+import torch_kvcm2
+from torch_kvcm2 import KVCacheManager, missing_for
 from torch_kvcm2.config import BufferSpec, CacheConfig, LayerSpec, SelectionGroup, SparseSpec
 
 TOKENS_PER_PAGE = 64
 MAX_ROWS = 8
+SEE = " (see docs/REQUIREMENTS.md)"  # every config error says where its rule ids are defined
 
 # DeepSeek-V3.2-like: a dense indexer key cache (128 fp8 + one fp32 scale) next to the sparse
 # 656-byte MLA latent rows; a token-level top-2048 indexer shared by the "dsa" layers.
@@ -57,11 +60,21 @@ def make_config(layers=None, **changes) -> CacheConfig:
 
 
 def error(layers=None, **changes) -> str:
-    """The message of the ValueError (and nothing else) that constructing the config raises."""
+    """The message of the ValueError (and nothing else) that constructing the config raises;
+    ``layers`` given as a function is called inside, so that a spec that refuses its own fields
+    when it is made (``with_buffer(...)`` of a bad value) raises there too."""
+    return error_of(lambda: make_config(layers() if callable(layers) else layers, **changes))
+
+
+def error_of(build) -> str:
+    """The message of the ValueError (and nothing else) that calling ``build()`` raises, which
+    must end by saying where its requirement ids are defined; returned without that ending."""
     with pytest.raises(ValueError) as info:
-        make_config(layers, **changes)
+        build()
     assert type(info.value) is ValueError
-    return str(info.value)
+    message = str(info.value)
+    assert message.endswith(SEE), message
+    return message[:-len(SEE)]
 
 
 def with_layer(name: str, **changes) -> list:
@@ -170,6 +183,94 @@ def test_device_is_normalised_to_torch_device():
     assert make_config(device="cuda:1").device == torch.device("cuda", 1)  # validated, not opened
 
 
+# ---------------------------------------------------------------- the device
+# A config names its device without opening it: configs are built on a control host and shipped
+# to the GPU hosts. The manager, which allocates on it, refuses a device this process cannot use
+# and says what is missing (docs/DESIGN.md, "A config names its device; the manager opens it").
+
+
+@pytest.mark.skipif(not missing_for("cuda"), reason="needs a process that cannot use CUDA")
+def test_manager_refuses_an_unusable_cuda_device_naming_what_is_missing():
+    config = make_config(device="cuda")  # builds, here too
+    with pytest.raises(RuntimeError) as info:
+        KVCacheManager(config)  # before anything is allocated: the host budget is 16 GiB
+    message = str(info.value)
+    assert message.startswith("KVCacheManager(): the config's device 'cuda' cannot be used in "
+                              "this process: "), message
+    assert message.endswith('Build the config with device="cpu" to run on the CPU'), message
+    for phrase in missing_for("cuda"):
+        assert phrase in message, message
+    assert ("CPU-only build" in message) == (torch.version.cuda is None), message
+    assert ("built without CUDA kernels" in message) == (not torch_kvcm2.has_cuda_kernels())
+
+
+def test_missing_for_names_each_missing_part(monkeypatch):
+    util = torch_kvcm2._util
+    assert missing_for("cpu") == [] and missing_for(torch.device("cpu")) == []
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(util, "has_cuda_kernels", lambda: False)
+    assert_expected_inline(
+        "\n".join(missing_for("cuda")).replace(torch.__version__, "<version>"),
+        """\
+torch <version> is a CPU-only build (torch.version.cuda is None)
+the torch_kvcm2 extension was built without CUDA kernels (torch_kvcm2.has_cuda_kernels() is False: build it with a CUDA torch and toolkit, TORCH_KVCM2_CUDA=1)""",
+    )
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA torch on a host without a GPU
+    monkeypatch.setattr(util, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert missing_for("cuda:0") == [
+        "no CUDA device is visible (torch.cuda.is_available() is False)"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert missing_for("cuda") == missing_for("cuda:1") == []
+    assert missing_for("cuda:2") == ["there is no device cuda:2 (2 CUDA device(s) visible)"]
+
+
+# ---------------------------------------------------------------- each spec checks its fields
+
+
+def test_specs_refuse_bad_fields_when_they_are_made():
+    assert_expected_inline(
+        error_of(lambda: BufferSpec("kv", bytes_per_token=-1)),
+        """buffer 'kv': CFG-1: bytes_per_token must be a non-negative int, got -1""",
+    )
+    assert_expected_inline(
+        error_of(lambda: BufferSpec("kv", bytes_per_token=6.5)),
+        """buffer 'kv': CFG-1: bytes_per_token must be a non-negative int, got 6.5""",
+    )
+    assert_expected_inline(
+        error_of(lambda: BufferSpec(None, 8)),
+        """buffer: CFG-1: a buffer role must be a non-empty str, got None""",
+    )
+    assert_expected_inline(
+        error_of(lambda: SparseSpec(tokens_per_unit=1, width=0, slots=16, max_inflight_tokens=4)),
+        """sparse settings: CFG-3: width must be a positive int, got 0""",
+    )
+    assert_expected_inline(
+        error_of(lambda: SparseSpec(1, 8, False, 4, selection_id="g0")),
+        """sparse settings of selection_id 'g0': CFG-3: slots must be a positive int, got False""",
+    )
+    assert_expected_inline(
+        error_of(lambda: SparseSpec(1, 8, 16, 2, max_query_tokens=3)),
+        """sparse settings: MTP-1: max_inflight_tokens (2) must be >= max_query_tokens (3): every query token of a step is in flight""",
+    )
+    assert_expected_inline(
+        error_of(lambda: LayerSpec("L0", [])),
+        """layer 'L0': CFG-1: a layer needs at least one buffer""",
+    )
+    assert_expected_inline(
+        error_of(lambda: LayerSpec("L0", [INDEXER_K], window=-1)),
+        """layer 'L0': CFG-1: window must be a positive int or None, got -1""",
+    )
+    assert_expected_inline(
+        error_of(lambda: LayerSpec("L0", [INDEXER_K, "latent"])),
+        """layer 'L0': CFG-1: buffers must be BufferSpec, got str""",
+    )
+    # a zero-size buffer and the smallest sparse settings are fine
+    assert BufferSpec("sink", 0).bytes_per_token == 0
+    assert SparseSpec(1, 1, 3, 1).max_inflight_units == 2
+
+
 # ---------------------------------------------------------------- lookups
 
 
@@ -252,9 +353,8 @@ def test_cfg1_duplicate_layer_names():
 
 
 def test_cfg1_duplicate_roles_in_a_layer():
-    layers = with_layer("L1", buffers=[INDEXER_K, LATENT, BufferSpec("latent", 512)])
     assert_expected_inline(
-        error(layers),
+        error(lambda: with_layer("L1", buffers=[INDEXER_K, LATENT, BufferSpec("latent", 512)])),
         """layer 'L1', buffer 'latent': CFG-1: buffer roles must be unique within a layer""",
     )
     # the same role in different layers is the normal case
@@ -263,8 +363,8 @@ def test_cfg1_duplicate_roles_in_a_layer():
 
 def test_cfg1_negative_bytes_per_token():
     assert_expected_inline(
-        error(with_buffer("L1", "indexer_k", bytes_per_token=-1)),
-        """layer 'L1', buffer 'indexer_k': CFG-1: bytes_per_token must be a non-negative int, got -1""",
+        error(lambda: with_buffer("L1", "indexer_k", bytes_per_token=-1)),
+        """buffer 'indexer_k': CFG-1: bytes_per_token must be a non-negative int, got -1""",
     )
 
 
@@ -279,18 +379,18 @@ def test_cfg1_page_of_a_buffer_fits_int32():
 
 def test_cfg1_bad_window():
     assert_expected_inline(
-        error(with_layer("swa", window=0)),
+        error(lambda: with_layer("swa", window=0)),
         """layer 'swa': CFG-1: window must be a positive int or None, got 0""",
     )
     assert_expected_inline(
-        error(with_layer("swa", window=-128)),
+        error(lambda: with_layer("swa", window=-128)),
         """layer 'swa': CFG-1: window must be a positive int or None, got -128""",
     )
 
 
 def test_cfg1_layer_without_buffers():
     assert_expected_inline(
-        error(with_layer("swa", buffers=[])),
+        error(lambda: with_layer("swa", buffers=[])),
         """layer 'swa': CFG-1: a layer needs at least one buffer""",
     )
 
@@ -323,12 +423,12 @@ def test_cfg1_bad_max_total_input_tokens():
 
 def test_cfg2_non_positive_chunks():
     assert_expected_inline(
-        error(with_buffer("swa", "v", chunks=0)),
-        """layer 'swa', buffer 'v': CFG-2: chunks must be a positive int, got 0""",
+        error(lambda: with_buffer("swa", "v", chunks=0)),
+        """buffer 'v': CFG-2: chunks must be a positive int, got 0""",
     )
     assert_expected_inline(
-        error(with_buffer("swa", "v", chunks=-8)),
-        """layer 'swa', buffer 'v': CFG-2: chunks must be a positive int, got -8""",
+        error(lambda: with_buffer("swa", "v", chunks=-8)),
+        """buffer 'v': CFG-2: chunks must be a positive int, got -8""",
     )
 
 
@@ -336,8 +436,8 @@ def test_cfg2_bytes_per_token_must_divide_by_chunks():
     make_config(with_buffer("L0", "latent", chunks=656))  # 1 byte per chunk-token
     assert make_config().layer("swa").buffers[0].bytes_per_chunk_token == 256
     assert_expected_inline(
-        error(with_buffer("L0", "latent", chunks=3)),
-        """layer 'L0', buffer 'latent': CFG-2: bytes_per_token (656) must be divisible by chunks (3)""",
+        error(lambda: with_buffer("L0", "latent", chunks=3)),
+        """buffer 'latent': CFG-2: bytes_per_token (656) must be divisible by chunks (3)""",
     )
 
 
@@ -346,47 +446,47 @@ def test_cfg2_bytes_per_token_must_divide_by_chunks():
 
 def test_cfg3_tokens_per_unit_non_positive():
     assert_expected_inline(
-        error(with_sparse("P", tokens_per_unit=0)),
-        """layer 'P', buffer 'latent': CFG-3: tokens_per_unit must be a positive int, got 0""",
+        error(lambda: with_sparse("P", tokens_per_unit=0)),
+        """sparse settings: CFG-3: tokens_per_unit must be a positive int, got 0""",
     )
 
 
 def test_cfg3_width_non_positive():
     assert_expected_inline(
-        error(with_sparse("P", width=0)),
-        """layer 'P', buffer 'latent': CFG-3: width must be a positive int, got 0""",
+        error(lambda: with_sparse("P", width=0)),
+        """sparse settings: CFG-3: width must be a positive int, got 0""",
     )
 
 
 def test_cfg3_slots_non_positive():
     assert_expected_inline(
-        error(with_sparse("P", slots=-4)),
-        """layer 'P', buffer 'latent': CFG-3: slots must be a positive int, got -4""",
+        error(lambda: with_sparse("P", slots=-4)),
+        """sparse settings: CFG-3: slots must be a positive int, got -4""",
     )
 
 
 def test_cfg3_max_inflight_tokens_non_positive():
     assert_expected_inline(
-        error(with_sparse("P", max_inflight_tokens=0)),
-        """layer 'P', buffer 'latent': CFG-3: max_inflight_tokens must be a positive int, got 0""",
+        error(lambda: with_sparse("P", max_inflight_tokens=0)),
+        """sparse settings: CFG-3: max_inflight_tokens must be a positive int, got 0""",
     )
 
 
 def test_cfg3_tokens_per_unit_must_divide_tokens_per_page():
     assert_expected_inline(
-        error(with_sparse("P", tokens_per_unit=48)),
+        error(lambda: with_sparse("P", tokens_per_unit=48)),
         """layer 'P', buffer 'latent': CFG-3: tokens_per_unit (48) must divide tokens_per_page (64)""",
     )
     # a unit may be a whole page but not more
     assert_expected_inline(
-        error(with_sparse("P", tokens_per_unit=128)),
+        error(lambda: with_sparse("P", tokens_per_unit=128)),
         """layer 'P', buffer 'latent': CFG-3: tokens_per_unit (128) must divide tokens_per_page (64)""",
     )
 
 
 def test_cfg3_slots_multiple_of_units_per_page():
     assert_expected_inline(
-        error(with_sparse("P", slots=70)),
+        error(lambda: with_sparse("P", slots=70)),
         """layer 'P', buffer 'latent': CFG-3: slots (70) must be a multiple of units per page (4)""",
     )
 
@@ -396,12 +496,12 @@ def test_cfg3_slots_cover_width_and_inflight_units_boundary():
     sparse = SparseSpec(tokens_per_unit=64, width=8, slots=11, max_inflight_tokens=128)
     make_config(one_layer(sparse))
     assert_expected_inline(
-        error(one_layer(dataclasses.replace(sparse, slots=10))),
+        error(lambda: one_layer(dataclasses.replace(sparse, slots=10))),
         """layer 'only', buffer 'latent': CFG-3: slots (10) must be >= width + ceil(max_inflight_tokens / tokens_per_unit) + 1 = 11""",
     )
     # the ceiling, not the floor: 129 in-flight tokens may touch 3 whole units, plus the head
     assert_expected_inline(
-        error(one_layer(dataclasses.replace(sparse, max_inflight_tokens=129))),
+        error(lambda: one_layer(dataclasses.replace(sparse, max_inflight_tokens=129))),
         """layer 'only', buffer 'latent': CFG-3: slots (11) must be >= width + ceil(max_inflight_tokens / tokens_per_unit) + 1 = 12""",
     )
     make_config(one_layer(dataclasses.replace(sparse, max_inflight_tokens=129, slots=12)))
@@ -412,7 +512,7 @@ def test_cfg3_slots_boundary_with_several_units_per_page():
     sparse = dataclasses.replace(PRIVATE, width=61, slots=64)
     make_config(one_layer(sparse))
     assert_expected_inline(
-        error(one_layer(dataclasses.replace(sparse, width=62))),
+        error(lambda: one_layer(dataclasses.replace(sparse, width=62))),
         """layer 'only', buffer 'latent': CFG-3: slots (64) must be >= width + ceil(max_inflight_tokens / tokens_per_unit) + 1 = 65""",
     )
 
@@ -422,7 +522,7 @@ def test_cfg3_entries_fit_int32():
     sparse = SparseSpec(tokens_per_unit=64, width=65533, slots=65535, max_inflight_tokens=1)
     make_config(one_layer(sparse), max_rows=32768)
     assert_expected_inline(
-        error(one_layer(sparse), max_rows=32769),
+        error(lambda: one_layer(sparse), max_rows=32769),
         """layer 'only', buffer 'latent': CFG-3: max_rows * slots (32769 * 65535) must fit int32 (entries are int32)""",
     )
 
@@ -430,7 +530,7 @@ def test_cfg3_entries_fit_int32():
 def test_cfg3_slots_upper_limit():
     sparse = SparseSpec(tokens_per_unit=64, width=65534, slots=65536, max_inflight_tokens=1)
     assert_expected_inline(
-        error(one_layer(sparse)),
+        error(lambda: one_layer(sparse)),
         """layer 'only', buffer 'latent': CFG-3: slots (65536) must be at most 65535""",
     )
 
@@ -440,43 +540,43 @@ def test_cfg3_slots_upper_limit():
 
 def test_cfg4_shared_id_disagrees_on_tokens_per_unit():
     assert_expected_inline(
-        error(with_sparse("L1", tokens_per_unit=2)),
+        error(lambda: with_sparse("L1", tokens_per_unit=2)),
         """layer 'L1', buffer 'latent': CFG-4: tokens_per_unit (2) differs from layer 'L0' (1) in selection group 'dsa'""",
     )
 
 
 def test_cfg4_shared_id_disagrees_on_width():
     assert_expected_inline(
-        error(with_sparse("L2", width=1024)),
+        error(lambda: with_sparse("L2", width=1024)),
         """layer 'L2', buffer 'latent': CFG-4: width (1024) differs from layer 'L0' (2048) in selection group 'dsa'""",
     )
 
 
 def test_cfg4_shared_id_disagrees_on_slots():
     assert_expected_inline(
-        error(with_sparse("L1", slots=2240)),
+        error(lambda: with_sparse("L1", slots=2240)),
         """layer 'L1', buffer 'latent': CFG-4: slots (2240) differs from layer 'L0' (2176) in selection group 'dsa'""",
     )
 
 
 def test_cfg4_shared_id_disagrees_on_max_inflight_tokens():
     assert_expected_inline(
-        error(with_sparse("L1", max_inflight_tokens=32)),
+        error(lambda: with_sparse("L1", max_inflight_tokens=32)),
         """layer 'L1', buffer 'latent': CFG-4: max_inflight_tokens (32) differs from layer 'L0' (64) in selection group 'dsa'""",
     )
 
 
 def test_cfg4_shared_id_disagrees_on_window():
     assert_expected_inline(
-        error(with_layer("L2", window=4096)),
+        error(lambda: with_layer("L2", window=4096)),
         """layer 'L2', buffer 'latent': CFG-4: window (4096) differs from layer 'L0' (None) in selection group 'dsa'""",
     )
 
 
 def test_cfg4_selection_id_must_be_a_string():
     assert_expected_inline(
-        error(with_sparse("P", selection_id=7)),
-        """layer 'P', buffer 'latent': CFG-4: selection_id must be a str or None, got 7""",
+        error(lambda: with_sparse("P", selection_id=7)),
+        """sparse settings: CFG-4: selection_id must be a non-empty str or None, got 7""",
     )
 
 
@@ -485,14 +585,14 @@ def test_cfg4_selection_id_must_be_a_string():
 
 def test_cfg5_sparse_buffers_without_sparse_settings():
     assert_expected_inline(
-        error(with_layer("L1", sparse=None)),
+        error(lambda: with_layer("L1", sparse=None)),
         """layer 'L1', buffer 'latent': CFG-5: a layer with sparse buffers needs sparse settings""",
     )
 
 
 def test_cfg5_sparse_settings_without_sparse_buffers():
     assert_expected_inline(
-        error(with_layer("swa", sparse=PRIVATE)),
+        error(lambda: with_layer("swa", sparse=PRIVATE)),
         """layer 'swa': CFG-5: a layer without sparse buffers must not have sparse settings""",
     )
 
@@ -526,12 +626,12 @@ def test_cfg7_bools_are_not_ints():
         """config: CFG-1: max_rows must be a positive int, got True""",
     )
     assert_expected_inline(
-        error(with_buffer("L0", "latent", bytes_per_token=True)),
-        """layer 'L0', buffer 'latent': CFG-1: bytes_per_token must be a non-negative int, got True""",
+        error(lambda: with_buffer("L0", "latent", bytes_per_token=True)),
+        """buffer 'latent': CFG-1: bytes_per_token must be a non-negative int, got True""",
     )
     assert_expected_inline(
-        error(with_sparse("L0", width=True)),
-        """layer 'L0', buffer 'latent': CFG-3: width must be a positive int, got True""",
+        error(lambda: with_sparse("L0", width=True)),
+        """sparse settings of selection_id 'dsa': CFG-3: width must be a positive int, got True""",
     )
 
 
@@ -544,22 +644,34 @@ VIOLATIONS = {
     "gpu_budget_bytes=1.0": (dict(gpu_budget_bytes=1.0), "config: CFG-1: "),
     "host_budget_bytes=None": (dict(host_budget_bytes=None), "config: CFG-1: "),
     "max_total_input_tokens=True": (dict(max_total_input_tokens=True), "config: CFG-1: "),
-    "window=True": (dict(layers=with_layer("swa", window=True)), "layer 'swa': CFG-1: "),
-    "window=1.5": (dict(layers=with_layer("swa", window=1.5)), "layer 'swa': CFG-1: "),
-    "bytes_per_token=1.5": (dict(layers=with_buffer("swa", "k", bytes_per_token=1.5)),
-                            "layer 'swa', buffer 'k': CFG-1: "),
-    "chunks=True": (dict(layers=with_buffer("swa", "k", chunks=True)),
-                    "layer 'swa', buffer 'k': CFG-2: "),
-    "chunks=2.0": (dict(layers=with_buffer("swa", "k", chunks=2.0)),
-                   "layer 'swa', buffer 'k': CFG-2: "),
-    "tokens_per_unit=True": (dict(layers=with_sparse("P", tokens_per_unit=True)),
-                             "layer 'P', buffer 'latent': CFG-3: "),
+    "window=True": (dict(layers=lambda: with_layer("swa", window=True)), "layer 'swa': CFG-1: "),
+    "window=1.5": (dict(layers=lambda: with_layer("swa", window=1.5)), "layer 'swa': CFG-1: "),
+    "bytes_per_token=1.5": (dict(layers=lambda: with_buffer("swa", "k", bytes_per_token=1.5)),
+                            "buffer 'k': CFG-1: "),
+    "chunks=True": (dict(layers=lambda: with_buffer("swa", "k", chunks=True)),
+                    "buffer 'k': CFG-2: "),
+    "chunks=2.0": (dict(layers=lambda: with_buffer("swa", "k", chunks=2.0)), "buffer 'k': CFG-2: "),
+    "tokens_per_unit=True": (dict(layers=lambda: with_sparse("P", tokens_per_unit=True)),
+                             "sparse settings: CFG-3: "),
     "tokens_per_unit=0 (no division by zero)": (
-        dict(layers=with_sparse("L1", tokens_per_unit=0)), "layer 'L1', buffer 'latent': CFG-3: "),
-    "slots=68.0": (dict(layers=with_sparse("P", slots=68.0)),
-                   "layer 'P', buffer 'latent': CFG-3: "),
-    "max_inflight_tokens=None": (dict(layers=with_sparse("P", max_inflight_tokens=None)),
-                                 "layer 'P', buffer 'latent': CFG-3: "),
+        dict(layers=lambda: with_sparse("L1", tokens_per_unit=0)),
+        "sparse settings of selection_id 'dsa': CFG-3: "),
+    "slots=68.0": (dict(layers=lambda: with_sparse("P", slots=68.0)), "sparse settings: CFG-3: "),
+    "max_inflight_tokens=None": (dict(layers=lambda: with_sparse("P", max_inflight_tokens=None)),
+                                 "sparse settings: CFG-3: "),
+    "role=''": (dict(layers=lambda: [LayerSpec("x", [BufferSpec("", 4)])]), "buffer: CFG-1: "),
+    "sparse=1": (dict(layers=lambda: with_buffer("swa", "k", sparse=1)), "buffer 'k': CFG-1: "),
+    "name=''": (dict(layers=lambda: [LayerSpec("", [INDEXER_K])]), "layer: CFG-1: "),
+    "name=3": (dict(layers=lambda: [LayerSpec(3, [INDEXER_K])]), "layer: CFG-1: "),
+    "buffers=BufferSpec": (dict(layers=lambda: with_layer("swa", buffers=INDEXER_K)),
+                           "layer 'swa': CFG-1: "),
+    "sparse=<a BufferSpec>": (dict(layers=lambda: with_layer("L0", sparse=LATENT)),
+                              "layer 'L0': CFG-3: "),
+    "max_query_tokens=0": (dict(layers=lambda: with_sparse("P", max_query_tokens=0)),
+                           "sparse settings: MTP-1: "),
+    "selection_id=''": (dict(layers=lambda: with_sparse("P", selection_id="")),
+                        "sparse settings: CFG-4: "),
+    "device='meta'": (dict(device="meta"), "config: CFG-1: "),
 }
 
 

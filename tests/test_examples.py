@@ -14,6 +14,7 @@ replay's outputs after the loop.
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -49,12 +50,16 @@ def output(result):
      "checks passed: 384 decode attention outputs match the dense reference"),
     ("sparse_decode.py", ["--steps", "4", "--draft-tokens", "1", "--compile"], "and eager;"),
     ("shared_prefix.py", [], "checks passed: "),
+    ("shared_prefix.py", ["--host-budget", "64M", "--gpu-budget", "16M"], "checks passed: "),
 ])
 def test_example_runs_and_its_checks_pass(script, args, expect):
     result = run_example(script, *args,
                          *(["--device", "cpu"] if script == "sparse_decode.py" else []))
     assert result.returncode == 0, output(result)
     assert expect in result.stdout
+    # the first --compile step compiles for a while: it says so first, on stderr
+    compiling = "compiling the decode step (first step, may take a minute)...\n"
+    assert (compiling in result.stderr) == ("--compile" in args), output(result)
     if script == "sparse_decode.py":  # every mode prints its host time next to tokens/s
         assert "tokens/s, host time per step " in result.stdout, output(result)
         drafts = "--draft-tokens" in args
@@ -95,7 +100,20 @@ def test_sparse_decode_graph_replays_the_whole_step_and_its_checks_pass(flags, o
     ("quickstart.py", ["--prompt-lengths", "40,x"], "--prompt-lengths"),
     ("shared_prefix.py", ["--requests", "0"], "--requests"),
     ("shared_prefix.py", ["--prefix", "-5"], "--prefix"),
-])
+    ("shared_prefix.py", ["--prefix", "3000000000"], "--prefix"),  # past int32 tokens per row
+    ("shared_prefix.py", ["--gpu-budget", "1000"], "--gpu-budget"),  # below the batch reserve
+    ("shared_prefix.py", ["--host-budget", "10K"], "--host-budget"),  # below the pages needed
+    ("shared_prefix.py", ["--host-budget", "1x"], "--host-budget"),
+] + [(script, args, args[0]) for script, args in [  # runs bigger than any machine
+    ("sparse_decode.py", ["--rows", "100000"]),
+    ("sparse_decode.py", ["--prompt-lengths", "100000000"]),
+    ("sparse_decode.py", ["--d-model", "100000000"]),
+    ("sparse_decode.py", ["--layers", "100000000"]),
+    ("sparse_decode.py", ["--steps", "100000000"]),
+    ("shared_prefix.py", ["--requests", "100000000"]),
+    ("shared_prefix.py", ["--prefix", "1000000000"]),
+    ("quickstart.py", ["--prompt-lengths", "1000000000"]),
+]])
 def test_bad_flag_is_a_usage_error_naming_it(script, args, flag):
     result = run_example(script, *args)
     assert result.returncode == 2, output(result)
@@ -103,6 +121,43 @@ def test_bad_flag_is_a_usage_error_naming_it(script, args, flag):
     error = [line for line in result.stderr.splitlines() if ": error: " in line]
     assert len(error) == 1 and flag in error[0], output(result)
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize("script, args", [
+    ("sparse_decode.py", ["--rows", "100000"]),
+    ("sparse_decode.py", ["--layers", "100000000"]),
+    ("shared_prefix.py", ["--prefix", "1000000000"]),
+])
+def test_a_run_bigger_than_the_machine_is_refused_before_it_allocates(script, args):
+    """The memory a run needs (the cache config's budgets and the script's own tensors) is
+    estimated from the flags and compared with what the machine has now, before anything is
+    allocated or built: the refusal names the flag, the need and what is available, at once
+    (a run that began allocating terabytes would be killed, or take minutes)."""
+    started = time.monotonic()
+    result = run_example(script, *args, "--device", "cpu")  # all of it host memory, then
+    assert result.returncode == 2, output(result)
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"{script}: error: argument {args[0]}: this run needs about "), error
+    assert " of host memory, more than the " in error and " available (" in error, error
+    assert error.endswith(f"Lower {args[0]}"), error
+    assert time.monotonic() - started < 60, output(result)  # the interpreter's start, mostly
+
+
+def test_progress_of_a_long_phase_is_a_line_every_few_seconds_without_a_terminal(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        from running import Progress
+    finally:
+        sys.path.pop(0)
+    quick = Progress("prefill", 3, "layers")  # a phase shorter than its interval: silent
+    for done in (1, 2, 3):
+        quick.update(done)
+    slow = Progress("prefill", 3, "layers", every=0.0)  # as if each layer took the interval
+    for done in (1, 2, 3):
+        slow.update(done)
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert printed.err == "prefill: 1/3 layers after 0 s\nprefill: 2/3 layers after 0 s\n"
 
 
 def test_sparse_decode_works_for_short_prompts():

@@ -18,6 +18,22 @@ def test_pool_groups_coalesce_by_life_cycle_sparsity_and_page_bytes():
     assert storage.place("private", "scale").group is None  # CFG-6: zero-size takes no memory
 
 
+@pytest.mark.parametrize("changes", [{}, dict(window_layer=False), dict(layers=1, max_rows=1),
+                                     dict(latent_bytes=4, latent_chunks=2, max_rows=7)])
+def test_batch_reserve_from_the_config_alone_is_what_the_manager_reserves(changes):
+    """STO-4: ``memory.batch_reserve_bytes(config)`` (what an example sizes its budgets with
+    before building anything) counts the pool groups as Storage makes them and equals the
+    reserve the manager takes."""
+    from torch_kvcm2.memory import batch_reserve_bytes, pool_group_count
+
+    config = dsa_config(**changes)
+    manager = kv.KVCacheManager(config)
+    assert pool_group_count(config) == len(manager.storage.groups)
+    stats = manager.stats()
+    assert batch_reserve_bytes(config) == {m: stats[m]["reserved_bytes"] for m in ("gpu", "host")}
+    assert min(batch_reserve_bytes(config).values()) > 0
+
+
 def test_sparse_groups_live_in_host_memory_dense_in_device_memory():
     """STO-2 (CPU build: every medium is CPU memory, the same code paths run)."""
     storage = kv.KVCacheManager(dsa_config()).storage

@@ -9,6 +9,7 @@ import torch  # noqa: F401  (the op library links against torch)
 
 from . import _C  # noqa: F401  (registers every op; must precede ops)
 from . import ops
+from ._util import has_cuda_kernels, missing_for
 from .batch import Batch
 from .cache import KVCache
 from .config import BAD, BufferSpec, CacheConfig, LayerSpec, SparseSpec
@@ -26,10 +27,7 @@ __all__ = [
     "LayerSpec",
     "SparseSpec",
     "has_cuda_kernels",
+    "missing_for",
     "ops",
 ]
 
-
-def has_cuda_kernels() -> bool:
-    """True when this build of the extension registered CUDA kernels for its ops."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("torch_kvcm2::resolve", "CUDA")

@@ -3,6 +3,15 @@ from __future__ import annotations
 
 import torch
 
+#: where the requirement ids that messages cite (``CFG-1``, ``STO-4``, ...) are defined
+REQUIREMENTS = "docs/REQUIREMENTS.md"
+
+
+def cite(message: str) -> str:
+    """A user-facing message that cites requirement ids, with where they are defined appended;
+    every error message that cites one goes through here."""
+    return f"{message} (see {REQUIREMENTS})"
+
 
 def refuse_during_capture(device: torch.device, what: str) -> None:
     """Host-side calls change tables a captured graph would silently bake in: refuse them while
@@ -22,3 +31,42 @@ def check_int(name: str, value, minimum: int = 0) -> int:
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
+
+
+def has_cuda_kernels() -> bool:
+    """True when this build of the extension registered CUDA kernels for its ops."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("torch_kvcm2::resolve", "CUDA")
+
+
+def missing_for(device) -> list[str]:
+    """What this process lacks to run a manager on ``device`` (a torch device or its name), one
+    phrase each; empty when nothing is missing. A CPU device lacks nothing. A CUDA device needs
+    a CUDA build of torch, an extension built with CUDA kernels and a visible GPU of that index."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    missing = []
+    if torch.version.cuda is None:
+        missing.append(f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)")
+    if not has_cuda_kernels():
+        missing.append("the torch_kvcm2 extension was built without CUDA kernels "
+                       "(torch_kvcm2.has_cuda_kernels() is False: build it with a CUDA torch and "
+                       "toolkit, TORCH_KVCM2_CUDA=1)")
+    if torch.version.cuda is not None:
+        if not torch.cuda.is_available():
+            missing.append("no CUDA device is visible (torch.cuda.is_available() is False)")
+        elif device.index is not None and device.index >= torch.cuda.device_count():
+            missing.append(f"there is no device cuda:{device.index} "
+                           f"({torch.cuda.device_count()} CUDA device(s) visible)")
+    return missing
+
+
+def require_device(device: torch.device, what: str) -> None:
+    """RuntimeError naming everything ``missing_for(device)`` finds, before anything is opened
+    on it (a config names its device without opening it, so that it can be built on a host
+    without one)."""
+    missing = missing_for(device)
+    if missing:
+        raise RuntimeError(f"{what}: the config's device {str(device)!r} cannot be used in this "
+                           f"process: {'; '.join(missing)}. Build the config with "
+                           f"device=\"cpu\" to run on the CPU")

@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ._util import cite
 from .config import INT32_MAX
 
 INT32 = torch.int32
@@ -60,8 +61,9 @@ def check_selection(name: str, t, device: torch.device, rows: int, sp) -> int:
     tokens = t.shape[1]
     if not 1 <= tokens <= T:
         check_index_tensor(name, t, device, ())
-        raise ValueError(f"{name} has {tokens} query tokens per row (shape {tuple(t.shape)}) "
-                         f"but the selection group allows 1..{T} (max_query_tokens, MTP-2)")
+        raise ValueError(cite(f"{name} has {tokens} query tokens per row (shape "
+                              f"{tuple(t.shape)}) but the selection group allows 1..{T} "
+                              f"(max_query_tokens, MTP-2)"))
     check_index_tensor(name, t, device, (rows, tokens, sp.width))
     return tokens
 

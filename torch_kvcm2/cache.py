@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from . import lengths as rules
-from ._util import check_int, refuse_during_capture
+from ._util import check_int, cite, refuse_during_capture
 from .config import BAD
 from .prefix import token_array
 from .transfer import CacheRecord, export_record
@@ -149,7 +149,7 @@ class KVCache:
                 self._h, self._c, h, c, self._flushed, self._declared, cells, self._shapes,
                 config.max_tokens_per_row, config.max_total_input_tokens, max, min):
             if violated:
-                raise ValueError(self._message(rule, h, c, d))
+                raise ValueError(cite(self._message(rule, h, c, d)))
 
     def _message(self, rule: str, h: int, c: int, d: dict) -> str:
         config = self.manager.config

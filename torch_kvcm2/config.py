@@ -1,7 +1,10 @@
 """Configuration (REQUIREMENTS §3, CFG-1..7): frozen dataclasses validated at construction.
 
-Every violation raises ``ValueError`` naming the layer, the buffer and the rule before anything
-is allocated. Sequences given as lists are stored as tuples so configs are hashable.
+Every violation raises ``ValueError`` naming the layer, the buffer and the rule (and where rule
+ids are defined) before anything is allocated: each spec checks its own fields when it is made,
+``CacheConfig`` the rules that relate them. Sequences given as lists are stored as tuples so
+configs are hashable. A config names its device without opening it (it may be built on a host
+without a GPU and shipped); ``KVCacheManager`` refuses a device this process cannot use.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import lengths
+from ._util import cite
 
 BAD = -1  #: "no page / no entry"; never scaled, never folded to 0
 INT32_MAX = 2**31 - 1
@@ -22,11 +26,15 @@ def max_inflight_units(max_inflight_tokens: int, tokens_per_unit: int) -> int:
     return -(-max_inflight_tokens // tokens_per_unit) + 1
 
 
+def _refuse(where: str, rule: str, detail: str):
+    raise ValueError(cite(f"{where}: {rule}: {detail}"))
+
+
 def _fail(rule: str, detail: str, layer: Optional[str] = None, buffer: Optional[str] = None):
     where = "config" if layer is None else f"layer {layer!r}"
     if buffer is not None:
         where += f", buffer {buffer!r}"
-    raise ValueError(f"{where}: {rule}: {detail}")
+    _refuse(where, rule, detail)
 
 
 def _is_int(value) -> bool:
@@ -41,12 +49,32 @@ class BufferSpec:
     page layout (CFG-2): a page is ``chunks`` equal contiguous slabs, each holding the page's
     tokens in order (1 = token-major, H = head-major). ``sparse`` puts the buffer's history in
     host memory behind per-row cells; otherwise it lives in a paged GPU pool.
+
+    Raises ``ValueError`` naming the buffer and the rule for a bad field: an empty or non-str
+    ``role``, a ``bytes_per_token`` that is not a non-negative int (bools are not ints), a
+    ``chunks`` that is not a positive int or does not divide ``bytes_per_token``, a non-bool
+    ``sparse``. What needs the page size (a page must fit int32 offsets) is the config's check.
     """
 
     role: str
     bytes_per_token: int
     sparse: bool = False
     chunks: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.role, str) or not self.role:
+            _refuse("buffer", "CFG-1", f"a buffer role must be a non-empty str, got {self.role!r}")
+        where = f"buffer {self.role!r}"
+        if not _is_int(self.bytes_per_token) or self.bytes_per_token < 0:
+            _refuse(where, "CFG-1", f"bytes_per_token must be a non-negative int, got "
+                    f"{self.bytes_per_token!r}")
+        if not isinstance(self.sparse, bool):
+            _refuse(where, "CFG-1", f"sparse must be a bool, got {self.sparse!r}")
+        if not _is_int(self.chunks) or self.chunks <= 0:
+            _refuse(where, "CFG-2", f"chunks must be a positive int, got {self.chunks!r}")
+        if self.bytes_per_token % self.chunks:
+            _refuse(where, "CFG-2", f"bytes_per_token ({self.bytes_per_token}) must be divisible "
+                    f"by chunks ({self.chunks})")
 
     @property
     def bytes_per_chunk_token(self) -> int:
@@ -58,7 +86,13 @@ class SparseSpec:
     """Sparse settings of a layer (CFG-3): unit size U, selection width K, slots S per row,
     the in-flight token budget I per row, an optional shared ``selection_id`` (CFG-4), and
     ``max_query_tokens`` T, the most query tokens of a row one step resolves together (MTP-1;
-    1 for plain decoding, 1 + drafts for speculative decoding)."""
+    1 for plain decoding, 1 + drafts for speculative decoding).
+
+    Raises ``ValueError`` naming the rule for a bad field: a count that is not a positive int
+    (bools are not ints), ``max_inflight_tokens`` below ``max_query_tokens``, a ``selection_id``
+    that is neither a non-empty str nor None. The rules that relate the fields to the page size
+    and the batch (CFG-3: units per page, slots for a full selection, entries in int32) are the
+    config's checks."""
 
     tokens_per_unit: int
     width: int
@@ -66,6 +100,23 @@ class SparseSpec:
     max_inflight_tokens: int
     selection_id: Optional[str] = None
     max_query_tokens: int = 1
+
+    def __post_init__(self):
+        sid = self.selection_id
+        if sid is not None and (not isinstance(sid, str) or not sid):
+            _refuse("sparse settings", "CFG-4", f"selection_id must be a non-empty str or None, "
+                    f"got {sid!r}")
+        where = "sparse settings" + (f" of selection_id {sid!r}" if sid is not None else "")
+        for attr in ("tokens_per_unit", "width", "slots", "max_inflight_tokens"):
+            value = getattr(self, attr)
+            if not _is_int(value) or value <= 0:
+                _refuse(where, "CFG-3", f"{attr} must be a positive int, got {value!r}")
+        T = self.max_query_tokens
+        if not _is_int(T) or T <= 0:
+            _refuse(where, "MTP-1", f"max_query_tokens must be a positive int, got {T!r}")
+        if self.max_inflight_tokens < T:
+            _refuse(where, "MTP-1", f"max_inflight_tokens ({self.max_inflight_tokens}) must be "
+                    f">= max_query_tokens ({T}): every query token of a step is in flight")
 
     @property
     def max_selected_columns(self) -> int:
@@ -87,7 +138,12 @@ class SparseSpec:
 @dataclass(frozen=True)
 class LayerSpec:
     """A layer: its buffers, an optional sliding ``window`` in tokens, and sparse settings when
-    any buffer is sparse (CFG-5)."""
+    any buffer is sparse (CFG-5).
+
+    Raises ``ValueError`` naming the layer (and buffer) and the rule for an empty or non-str
+    ``name``, ``buffers`` that are empty, not ``BufferSpec`` or share a role, a ``window`` that
+    is neither a positive int nor None, ``sparse`` settings that are not a ``SparseSpec``. Whether
+    sparse buffers and sparse settings go together (CFG-5) is the config's check."""
 
     name: str
     buffers: Sequence[BufferSpec]
@@ -95,7 +151,30 @@ class LayerSpec:
     sparse: Optional[SparseSpec] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "buffers", tuple(self.buffers))
+        name = self.name
+        if not isinstance(name, str) or not name:
+            _refuse("layer", "CFG-1", f"a layer name must be a non-empty str, got {name!r}")
+        where = f"layer {name!r}"
+        try:
+            object.__setattr__(self, "buffers", tuple(self.buffers))
+        except TypeError:
+            _refuse(where, "CFG-1", f"buffers must be a sequence of BufferSpec, got "
+                    f"{type(self.buffers).__name__}")
+        if self.window is not None and (not _is_int(self.window) or self.window <= 0):
+            _refuse(where, "CFG-1", f"window must be a positive int or None, got {self.window!r}")
+        if not self.buffers:
+            _refuse(where, "CFG-1", "a layer needs at least one buffer")
+        roles = set()
+        for buf in self.buffers:
+            if not isinstance(buf, BufferSpec):
+                _refuse(where, "CFG-1", f"buffers must be BufferSpec, got {type(buf).__name__}")
+            if buf.role in roles:
+                _refuse(f"{where}, buffer {buf.role!r}", "CFG-1",
+                        "buffer roles must be unique within a layer")
+            roles.add(buf.role)
+        if self.sparse is not None and not isinstance(self.sparse, SparseSpec):
+            _refuse(where, "CFG-3", f"sparse settings must be a SparseSpec or None, got "
+                    f"{type(self.sparse).__name__}")
 
     @property
     def sparse_buffers(self) -> tuple[BufferSpec, ...]:
@@ -130,7 +209,9 @@ class CacheConfig:
     list); by default ``max_rows`` times the largest in-flight range,
     ``max_inflight_tokens + tokens_per_unit - 1``. Budgets are bytes:
     ``gpu_budget_bytes`` pays for dense pools, cells and device tables, ``host_budget_bytes`` for
-    sparse pools and pinned staging (STO-4).
+    sparse pools and pinned staging (STO-4). ``device`` is "cpu" or a CUDA device, checked to be
+    a torch device of a supported type but not opened: ``KVCacheManager`` raises RuntimeError
+    when this process cannot use it (``torch_kvcm2.missing_for``).
     """
 
     tokens_per_page: int
@@ -149,6 +230,8 @@ class CacheConfig:
             object.__setattr__(self, "device", torch.device(self.device))
         except (RuntimeError, TypeError):
             _fail("CFG-1", f"device {self.device!r} is not a torch device")
+        if self.device.type not in ("cpu", "cuda"):
+            _fail("CFG-1", f"device {str(self.device)!r} is not supported: cpu or cuda")
         self._validate_top()
         for layer in self.layers:
             self._validate_layer(layer)
@@ -198,41 +281,17 @@ class CacheConfig:
         for layer in self.layers:
             if not isinstance(layer, LayerSpec):
                 _fail("CFG-1", f"layers must be LayerSpec, got {type(layer).__name__}")
-            if not isinstance(layer.name, str) or not layer.name:
-                _fail("CFG-1", f"a layer name must be a non-empty str, got {layer.name!r}")
-        names = [layer.name for layer in self.layers]
-        for name in names:
-            if names.count(name) > 1:
-                _fail("CFG-1", "layer names must be unique", layer=name)
+        seen = set()
+        for layer in self.layers:
+            if layer.name in seen:
+                _fail("CFG-1", "layer names must be unique", layer=layer.name)
+            seen.add(layer.name)
 
     def _validate_layer(self, layer: LayerSpec):
+        """The rules that relate a layer to the rest of the config (each spec checked its own
+        fields when it was made)."""
         name = layer.name
-        if layer.window is not None and (not _is_int(layer.window) or layer.window <= 0):
-            _fail("CFG-1", f"window must be a positive int or None, got {layer.window!r}", name)
-        if not layer.buffers:
-            _fail("CFG-1", "a layer needs at least one buffer", name)
         for buf in layer.buffers:
-            if not isinstance(buf, BufferSpec):
-                _fail("CFG-1", f"buffers must be BufferSpec, got {type(buf).__name__}", name)
-            if not isinstance(buf.role, str) or not buf.role:
-                _fail("CFG-1", f"a buffer role must be a non-empty str, got {buf.role!r}", name)
-            if not isinstance(buf.sparse, bool):
-                _fail("CFG-1", f"sparse must be a bool, got {buf.sparse!r}", name, buf.role)
-        if layer.sparse is not None and not isinstance(layer.sparse, SparseSpec):
-            _fail("CFG-3", f"sparse settings must be a SparseSpec or None, got "
-                  f"{type(layer.sparse).__name__}", name)
-        roles = [b.role for b in layer.buffers]
-        for buf in layer.buffers:
-            if roles.count(buf.role) > 1:
-                _fail("CFG-1", "buffer roles must be unique within a layer", name, buf.role)
-            if not _is_int(buf.bytes_per_token) or buf.bytes_per_token < 0:
-                _fail("CFG-1", f"bytes_per_token must be a non-negative int, got "
-                      f"{buf.bytes_per_token!r}", name, buf.role)
-            if not _is_int(buf.chunks) or buf.chunks <= 0:
-                _fail("CFG-2", f"chunks must be a positive int, got {buf.chunks!r}", name, buf.role)
-            if buf.bytes_per_token % buf.chunks:
-                _fail("CFG-2", f"bytes_per_token ({buf.bytes_per_token}) must be divisible by chunks "
-                      f"({buf.chunks})", name, buf.role)
             if self.tokens_per_page * buf.bytes_per_token > INT32_MAX:
                 _fail("CFG-1", f"a page ({self.tokens_per_page} tokens x {buf.bytes_per_token} "
                       f"bytes) must be smaller than 2 GiB (int32 byte offsets)", name, buf.role)
@@ -246,17 +305,7 @@ class CacheConfig:
             self._validate_sparse(layer, layer.sparse, sparse_buffers[0].role)
 
     def _validate_sparse(self, layer: LayerSpec, sp: SparseSpec, role: str):
-        for attr in ("tokens_per_unit", "width", "slots", "max_inflight_tokens"):
-            value = getattr(sp, attr)
-            if not _is_int(value) or value <= 0:
-                _fail("CFG-3", f"{attr} must be a positive int, got {value!r}", layer.name, role)
         T = sp.max_query_tokens
-        if not _is_int(T) or T <= 0:
-            _fail("MTP-1", f"max_query_tokens must be a positive int, got {T!r}", layer.name, role)
-        if sp.max_inflight_tokens < T:
-            _fail("MTP-1", f"max_inflight_tokens ({sp.max_inflight_tokens}) must be >= "
-                  f"max_query_tokens ({T}): every query token of a step is in flight",
-                  layer.name, role)
         if self.tokens_per_page % sp.tokens_per_unit:
             _fail("CFG-3", f"tokens_per_unit ({sp.tokens_per_unit}) must divide tokens_per_page "
                   f"({self.tokens_per_page})", layer.name, role)
@@ -277,9 +326,6 @@ class CacheConfig:
         if self.max_rows * sp.slots > INT32_MAX:
             _fail("CFG-3", f"max_rows * slots ({self.max_rows} * {sp.slots}) must fit int32 "
                   f"(entries are int32)", layer.name, role)
-        if sp.selection_id is not None and not isinstance(sp.selection_id, str):
-            _fail("CFG-4", f"selection_id must be a str or None, got {sp.selection_id!r}",
-                  layer.name, role)
 
     def _group_layers(self) -> tuple[SelectionGroup, ...]:
         groups: dict[tuple, list[LayerSpec]] = {}

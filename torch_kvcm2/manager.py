@@ -8,12 +8,12 @@ from typing import Optional
 
 import torch
 
-from ._util import ceil_div, check_int, refuse_during_capture
+from ._util import ceil_div, check_int, cite, refuse_during_capture, require_device
 from .batch import Batch
 from .cache import KVCache
 from .config import CacheConfig
 from .host_region import DEFAULT_CHUNK_BYTES, check_options, default_threads, resolve_numa
-from .memory import BatchReserve, batch_memory_bytes
+from .memory import BatchReserve, batch_reserve_bytes
 from .prefix import token_array
 from .storage import HostOptions, Storage
 from .telemetry import HostCounters, snapshot
@@ -28,7 +28,9 @@ class KVCacheManager:
     The GPU and host budgets first reserve the memory of one batch of ``config.max_rows`` rows
     (``memory.batch_tensor_specs``: device tables, residency, cells; pinned staging); the pools
     get the rest (docs/DESIGN.md). Raises ``ValueError`` when a budget cannot hold one slot of
-    each of its pool groups.
+    each of its pool groups, and ``RuntimeError`` naming what is missing when the config's
+    device cannot be used in this process (``torch_kvcm2.missing_for``: a CPU-only torch, an
+    extension without CUDA kernels, no visible GPU), before anything is allocated.
 
     Host memory (docs/HOST_MEMORY.md): every pool in CPU memory is reserved as address space at
     start and committed ``host_chunk_bytes`` at a time as slots are first handed out (STO-6),
@@ -52,6 +54,7 @@ class KVCacheManager:
                  host_huge_pages: bool = True, host_group=None, _host_ops=None):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
+        require_device(config.device, "KVCacheManager()")
         refuse_during_capture(config.device, "KVCacheManager()")
         self._closed = True  # until the storage exists: close() is a no-op
         host_threads = default_threads() if host_threads is None else host_threads
@@ -72,16 +75,13 @@ class KVCacheManager:
                                    "make one HostGroup per manager")
         self.host_group = host_group
         self.storage = Storage(config, host_group)
-        # A batch's memory is linear in its rows plus a few bytes per selection group, so the
-        # reserve of max_rows one-row batches covers any split of max_rows rows over batches.
-        one_row = batch_memory_bytes(config, len(self.storage.groups), 1)
-        self._reserve = {medium: config.max_rows * n for medium, n in one_row.items()}
+        self._reserve = batch_reserve_bytes(config, len(self.storage.groups))
         for medium in ("gpu", "host"):
             budget = getattr(config, f"{medium}_budget_bytes")
             if self._reserve[medium] > budget:
-                raise ValueError(
+                raise ValueError(cite(
                     f"STO-4: the {medium} budget ({budget} bytes) is smaller than the memory of a "
-                    f"batch of {config.max_rows} rows ({self._reserve[medium]} bytes)")
+                    f"batch of {config.max_rows} rows ({self._reserve[medium]} bytes)"))
         self.storage.allocate(self._reserve, host)
         self.reserve = BatchReserve(self._reserve)
         self._counts = HostCounters(config)  # what metrics() reports (telemetry.py)

@@ -153,6 +153,26 @@ def batch_memory_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int)
     return memory
 
 
+def pool_group_count(config: CacheConfig) -> int:
+    """How many pool groups ``Storage`` makes of ``config``: one per distinct (window, sparse,
+    page bytes) of its non-zero buffers (STO-1; ``test_storage.py`` checks it against Storage)."""
+    return len({(layer.window, buf.sparse, buf.bytes_per_token)
+                for layer in config.layers for buf in layer.buffers if buf.bytes_per_token})
+
+
+def batch_reserve_bytes(config: CacheConfig, num_pool_groups: int = None) -> dict:
+    """The GPU and host bytes ``KVCacheManager(config)`` sets aside for its batches before the
+    pools get the rest of the budgets (STO-4): the memory of ``config.max_rows`` one-row
+    batches, which covers any split of ``max_rows`` rows over batches (a batch's memory is
+    linear in its rows plus a few bytes per selection group). A budget must exceed its medium's
+    reserve by the pages the run needs. From the config alone (``num_pool_groups`` defaults to
+    ``pool_group_count``): nothing is allocated."""
+    if num_pool_groups is None:
+        num_pool_groups = pool_group_count(config)
+    one_row = batch_memory_bytes(config, num_pool_groups, 1)
+    return {medium: config.max_rows * n for medium, n in one_row.items()}
+
+
 class BatchReserve:
     """The memory a manager sets aside for its batches (STO-4): batches ``take`` their memory
     at construction and ``give_back`` it on close."""

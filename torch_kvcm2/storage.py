@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ._util import cite
 from .config import CacheConfig, INT32_MAX
 from .host_region import (DEFAULT_CHUNK_BYTES, HUGE_PAGE, PAGE_SIZE, HostMemoryOps, HostRegion,
                           round_up)
@@ -412,11 +413,11 @@ class Storage:
         per_slot = sum(g.slot_bytes for g in groups)
         slots = max(available, 0) // per_slot
         if slots == 0:
-            raise ValueError(
+            raise ValueError(cite(
                 f"STO-4: the {medium} budget ({self.budget[medium]} bytes, {self.reserved[medium]} "
                 f"reserved for batch tables and staging) cannot hold one slot of each of its "
                 f"{len(groups)} pool groups ({per_slot} bytes)"
-            )
+            ))
         # Page and token indices of views are int32: cap the slot count so none can overflow.
         limit = INT32_MAX // (max(g.scale for g in groups) * self.config.tokens_per_page)
         return min(slots, limit)
