@@ -6,9 +6,11 @@ library calls, in order): requests arrive, are admitted by ``can_fit``, prefill 
 (host-direct writes declared before the flush), decode with a DSA-like indexer (one resolve per
 selection group with fetch, the new tokens written into cells, attention through the index
 table, flush), some speculatively; they share system prompts and continue finished
-conversations through the prefix cache, are preempted (suspended) when pages run out and
-resumed, abort, and finish (history verified, pages committed, cache closed). Every decode step
-checks what attention read; after the drain every pool slot, lease and batch byte is back.
+conversations through the prefix cache, are preempted when pages run out (suspended with their
+dense pages offloaded to the host tier, freeing their GPU slots) and resumed (the pages copied
+back into free GPU slots before the row's next step), abort, and finish (history verified, pages
+committed, cache closed). Every decode step checks what attention read; after the drain every
+pool slot of both tiers, lease and batch byte is back.
 
 Prints a one-line summary every ``--every`` steps and a final check line; exits 1 when a check
 fails (the message names the seed, the step and the knobs).
@@ -96,7 +98,8 @@ def report(engine) -> None:
     rates = " ".join(f"{g.name}={engine.batch.hit_rate(g.index)['hit_rate']:.2f}"
                      for g in engine.config.selection_groups)
     print(f"step {r.steps}: {r.tokens_per_second:.0f} tokens/s, concurrency {r.concurrency:.2f}, "
-          f"hit rate {rates}, preemptions {r.preemptions}, resumes {r.resumes}, aborts "
+          f"hit rate {rates}, preemptions {r.preemptions} ({r.offloads} offloaded), resumes "
+          f"{r.resumes}, aborts "
           f"{r.aborts}, prefix hits {r.prefix_hits}", flush=True)
 
 

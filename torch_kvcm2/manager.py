@@ -230,7 +230,8 @@ class KVCacheManager:
         ``queried_tokens``, ``hit_tokens``, ``evicted_slots``; ``admissions_refused``
         (``can_fit`` False), ``preemptions`` (suspend), ``resumes``, ``aborts`` (in-flight
         tokens dropped by close or a discarding remove), ``allocations_failed`` (a resize or
-        reserve top-up the pools could not supply); ``advance``: ``refused_rows``,
+        reserve top-up the pools could not supply, an offload or resume the host tier or the GPU
+        pools could not); ``advance``: ``refused_rows``,
         ``short_rows``. Gauges: ``pool_groups`` (per pool group ``index``, ``medium``,
         ``used_bytes``, ``cached_bytes``, ``total_bytes``, ``committed_bytes``), ``media``
         (the same summed per medium, plus ``batch_bytes`` of the batch reserve in use),
