@@ -20,14 +20,16 @@ P-CAP reads the GPU bytes per request off the batch's cell tensors at two contex
 Memory on the GPU machine (default run): P-STEP's 61 layers x 64 rows x 4096 slots x 656 B are
 10.5 GB of GPU cells and 64 rows x 2,560 tokens of history x 61 layers are 6.7 GB of pinned
 host pages; P-STEP and P-STEP-HS are built one after the other (peak ~10.6 GB GPU, ~6.7 GB
-pinned). Everything else is below 1 GB on either side.
+pinned). P-PREEMPT builds the same cells again, with 63 rows of 5,120 tokens and one of 32K:
+14.2 GB of pinned host pages, 2.9 GB of GPU dense pages and a 258 MB host tier. Everything
+else is below 1 GB on either side.
 
 This file is the driver (the flags, the order of the ids, the table and the JSON); the
 benchmarks live in one file per area, each importing harness.py (timing, ceilings, shared
 builders, output): bench_residency.py (P-RES, P-TORCH, P-INDEX), bench_mtp.py (P-RES-MTP),
 bench_fetch.py (P-FETCH-*, P-FLUSH, the scaling table), bench_step.py (P-STEP, P-STEP-HS,
 P-STEP-WALL), bench_host.py (P-HOST), bench_memory.py (P-CAP, P-START), bench_prefix.py
-(P-PFX) and bench_tp.py (P-TP).
+(P-PFX), bench_tp.py (P-TP) and bench_preempt.py (P-PREEMPT).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from bench_fetch import bench_fetch, bench_fetch_hs, bench_flush, bench_scaling 
 from bench_host import bench_host  # noqa: E402
 from bench_memory import bench_capacity, bench_start  # noqa: E402
 from bench_mtp import bench_mtp  # noqa: E402
+from bench_preempt import bench_preempt  # noqa: E402
 from bench_prefix import bench_prefix  # noqa: E402
 from bench_residency import bench_index, bench_resolve, bench_torch  # noqa: E402
 from bench_step import bench_step, bench_step_wall  # noqa: E402
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX",
-           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP"]
+           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP", "P-PREEMPT"]
     wanted = set(ids if args.only is None else args.only.split(","))
     if wanted - set(ids) - {"P-STEP-HS"}:
         parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - {'P-STEP-HS'})}")
@@ -94,6 +97,7 @@ def main(argv=None) -> int:
         "P-START": lambda: bench_start(device, q),
         "P-PFX": lambda: bench_prefix(timer, device, q),
         "P-TP": lambda: bench_tp(device, q),
+        "P-PREEMPT": lambda: bench_preempt(device, q, ceil),
     }
     results = []
     for rid in ids:

@@ -119,6 +119,10 @@ class HostTier:
                 for s, d, n in slot_runs(src_slots, dst_slots):
                     dst[d:d + n].copy_(src[s:s + n])
             return None
+        with torch.cuda.device(self.device):
+            return self._copy_on_stream(pairs)
+
+    def _copy_on_stream(self, pairs: list) -> torch.cuda.Event:
         self._after_current()
         with torch.cuda.stream(self.stream):
             for dst, src, src_slots, dst_slots in pairs:
