@@ -596,7 +596,7 @@ class SharingModel(Model):
             self.caches.remove(cache)
         elif action < 0.40 and members:
             cache = rng.choice(list(members.values()))
-            if cache.history_length >= 4:
+            if cache.history_length >= 4 and not cache.offloaded:  # TIER-1: resume first
                 self.commits += 1
                 ids = self.ids[cache.request_id]
                 cut = cache.history_length if rng.random() < 0.7 else rng.randint(0, cache.history_length)

@@ -344,6 +344,8 @@ def test_export_and_close_of_an_offloaded_cache(device):
     write_dense(cache, np.arange(26))
     expected = cache.export()
     assert cache.suspend(offload=True)
+    with pytest.raises(RuntimeError, match="in the host tier"):
+        cache.commit(list(range(24)))  # its dense pages have no GPU slot to offer
     record = cache.export()  # reads the dense pages from the host tier
     for layer, roles in expected.pages.items():
         for role, data in roles.items():

@@ -222,7 +222,8 @@ class KVCache:
                          needs)
             return False
         taken = [(group, slots if n else None) for group, slots, n in zip(groups, allocated, needs)]
-        if any(first > live[0] or keep < live[1] for (first, keep), live in zip(plans, self._live)):
+        if self._arrival is not None and any(first > live[0] or keep < live[1]
+                                             for (first, keep), live in zip(plans, self._live)):
             self._await_pages()  # pages are freed: a resume's copy into them must come first
         changed = (h, c) != (self._h, self._c)
         for (group, slots), (first, keep) in zip(taken, plans):
@@ -325,9 +326,13 @@ class KVCache:
         committed equal content first (``stats()["prefix"]`` counts entries). Raises TypeError / ValueError
         (wrong type or dtype, negative ids, pages beyond history, ids disagreeing with the
         ones a page was shared or committed under) and RuntimeError (closed cache, closed
-        manager, stream capture), each with nothing changed."""
+        manager, stream capture, dense pages in the host tier: resume first), each with
+        nothing changed."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.commit")
+        if self.offloaded:
+            raise RuntimeError("KVCache.commit: the cache's dense pages are in the host tier "
+                               "(suspended with offload); resume() it first")
         ids = token_array("token_ids", token_ids)
         self._sync()
         P = self._page_tokens
@@ -366,7 +371,7 @@ class KVCache:
         list of ints, a CPU integer tensor or a numpy integer array; stored as int64) and every
         buffer's pages of tokens ``[0, history)`` as CPU uint8 tensors in the page layout (a
         windowed layer's live pages only). Reads only; the cache may be seated, suspended or
-        detached. Raises RuntimeError while tokens are in flight (history < capacity: flush and
+        detached (dense pages in the host tier are read there, once their copy has ended). Raises RuntimeError while tokens are in flight (history < capacity: flush and
         advance history, or ``resize(capacity=history_length)``, first), for a closed cache or
         manager, and during stream capture; TypeError / ValueError for bad ``token_ids``."""
         return export_record(self, token_ids)
