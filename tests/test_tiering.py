@@ -26,7 +26,7 @@ from test_host_region import CountingOps
 from test_prefix import SharingModel, check_index
 from torch_kvcm2.config import BAD
 from torch_kvcm2.host_region import PAGE_SIZE
-from torch_kvcm2.tiers import slot_runs
+from torch_kvcm2.tiers import copy_segments, slot_runs
 
 STEPS = int(os.environ.get("KVCM2_SAFETY_STEPS", "1000")) // 3
 
@@ -129,6 +129,15 @@ def test_slot_runs_cover_the_pairs_in_runs_consecutive_on_both_sides():
     assert slot_runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 7, 8]) == [(4, 0, 3), (9, 3, 1), (10, 7, 1),
                                                                   (2, 8, 1)]
     assert slot_runs([3, 4], [1, 2]) == [(3, 1, 2)]
+
+
+def test_copy_segments_never_cross_a_registration():
+    # slots of 10 bytes; the tier starts at region offset 1000; registrations start at 1000,
+    # 1025 and 1060: the run of tier slots 1..6 (bytes 10..70) is cut at 25 and 60
+    assert copy_segments([5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6], 10, 1000, [1000, 1025, 1060]) == \
+        [(50, 10, 15), (65, 25, 35), (100, 60, 10)]
+    assert copy_segments([0, 1], [7, 8], 10, 1000, []) == [(0, 70, 20)]
+    assert copy_segments([0, 9], [0, 1], 10, 0, [10]) == [(0, 0, 10), (90, 10, 10)]
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)

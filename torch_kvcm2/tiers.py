@@ -7,7 +7,8 @@ references (shared prefix pages) stay where they are.
 
 On CUDA every copy runs on the manager's copy stream (one side ``torch.cuda.Stream``), between
 registered (pinned) host pages and the GPU pool, one ``copy_`` per run of consecutive slots on
-both sides, so the copy engine moves whole runs. Ordering, with no host wait:
+both sides, cut where a registration of the host region starts (``copy_segments``), so the copy
+engine moves whole runs of pinned memory. Ordering, with no host wait:
 
 * before a copy the copy stream waits for an event recorded on the current stream, so an
   offload reads what the compute stream wrote and a resume overwrites slots only after the
@@ -25,6 +26,7 @@ so releasing them needs no fence. On a CPU device the copies are plain synchrono
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Optional
 
 import numpy as np
@@ -43,6 +45,24 @@ def slot_runs(src: np.ndarray, dst: np.ndarray) -> list:
     starts = np.concatenate([[0], breaks])
     ends = np.concatenate([breaks, [len(src)]])
     return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist())]
+
+
+def copy_segments(gpu_slots, tier_slots, slot_bytes: int, base: int, starts: list) -> list:
+    """``(GPU pool byte offset, tier byte offset, bytes)`` of the copies that move slots
+    ``gpu_slots[i] <-> tier_slots[i]``: one per run of ``slot_runs``, cut wherever a
+    registration of the host region starts (``starts``: sorted region offsets; the tier's byte
+    0 is region offset ``base``), so no copy crosses two registrations."""
+    out = []
+    for g, t, n in slot_runs(gpu_slots, tier_slots):
+        lo, hi = t * slot_bytes, (t + n) * slot_bytes
+        edges = [lo]
+        i = bisect_right(starts, base + lo)
+        while i < len(starts) and starts[i] < base + hi:
+            edges.append(starts[i] - base)
+            i += 1
+        edges.append(hi)
+        out.extend((g * slot_bytes + a - lo, a, b - a) for a, b in zip(edges, edges[1:]))
+    return out
 
 
 class Offload:
@@ -111,26 +131,31 @@ class HostTier:
         ready.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(ready)
 
-    def _copy(self, pairs: list) -> Optional[torch.cuda.Event]:
-        """Run ``(dst data, src data, src slots, dst slots)`` copies (on the copy stream on CUDA,
-        after the current stream's work) and return the event recorded after them."""
+    def _copy(self, pairs: list, to_host: bool) -> Optional[torch.cuda.Event]:
+        """Copy ``(GPU pool group, host tier group, GPU slots, tier slots)`` pairs to the host
+        tier (``to_host``) or back: on CUDA on the copy stream, after the current stream's work,
+        returning the event recorded after them; on a CPU device synchronously (None)."""
         if not self.cuda:
-            for dst, src, src_slots, dst_slots in pairs:
-                for s, d, n in slot_runs(src_slots, dst_slots):
-                    dst[d:d + n].copy_(src[s:s + n])
+            self._copy_segments(pairs, to_host, [], False)
             return None
         with torch.cuda.device(self.device):
-            return self._copy_on_stream(pairs)
-
-    def _copy_on_stream(self, pairs: list) -> torch.cuda.Event:
-        self._after_current()
-        with torch.cuda.stream(self.stream):
-            for dst, src, src_slots, dst_slots in pairs:
-                for s, d, n in slot_runs(src_slots, dst_slots):
-                    dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+            self._after_current()
+            with torch.cuda.stream(self.stream):
+                self._copy_segments(pairs, to_host, self.storage.region.registration_starts(), True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
         return done
+
+    @staticmethod
+    def _copy_segments(pairs: list, to_host: bool, starts: list, non_blocking: bool) -> None:
+        for group, tier, gpu_slots, tier_slots in pairs:
+            gpu, host = group.data.view(-1), tier.data.view(-1)
+            for g, t, n in copy_segments(gpu_slots, tier_slots, group.slot_bytes,
+                                         tier.region_offset, starts):
+                if to_host:
+                    host[t:t + n].copy_(gpu[g:g + n], non_blocking=non_blocking)
+                else:
+                    gpu[g:g + n].copy_(host[t:t + n], non_blocking=non_blocking)
 
     def offload(self, pages: np.ndarray, live: list) -> Optional[Offload]:
         """Copy the movable dense pages of a cache (its page rows ``pages`` and live ranges
@@ -149,8 +174,8 @@ class HostTier:
             slots = pages[index, ordinals].astype(np.int64)
             tier = np.asarray(taken[index], dtype=np.int64)
             gpu_slots[index], tier_slots[index] = slots, tier.astype(np.int32)
-            pairs.append((storage.tiers[index].data, storage.groups[index].data, slots, tier))
-        event = self._copy(pairs)
+            pairs.append((storage.groups[index], storage.tiers[index], slots, tier))
+        event = self._copy(pairs, to_host=True)
         for index, slots in gpu_slots.items():
             group = storage.groups[index]
             group.release(slots)
@@ -174,10 +199,10 @@ class HostTier:
         pairs = []
         for index, ordinals in offload.ordinals.items():
             slots = np.asarray(taken[index], dtype=np.int64)
-            pairs.append((storage.groups[index].data, storage.tiers[index].data,
-                          offload.tier_slots[index].astype(np.int64), slots))
+            pairs.append((storage.groups[index], storage.tiers[index], slots,
+                          offload.tier_slots[index].astype(np.int64)))
             pages[index, ordinals] = slots
-        event = self._copy(pairs)
+        event = self._copy(pairs, to_host=False)
         for index, tier_slots in offload.tier_slots.items():
             storage.tiers[index].release(tier_slots)
         return event, list(offload.ordinals)
