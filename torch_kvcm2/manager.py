@@ -175,7 +175,10 @@ class KVCacheManager:
         per group used / shared / cached / free slots (PFX-4); ``stats()["host_region"]``:
         reserved, committed, registered and used bytes of the host region (None without pools
         in CPU memory); ``stats()["prefix"]``: committed entries, the tokens
-        ``create_cache(token_ids)`` was asked for and shared, and their ratio (``hit_rate``)."""
+        ``create_cache(token_ids)`` was asked for and shared, and their ratio (``hit_rate``).
+        Per dense group ``host_tier`` (TIER-1; None without a tier): slots, used / free slots
+        and bytes, committed bytes; ``stats()["host"]`` counts the tiers in its used, free and
+        committed bytes and gives ``host_tier_bytes`` and ``host_tier_used_bytes``."""
         self._check_open("KVCacheManager.stats")
         stats = self.storage.stats()
         for medium in ("gpu", "host"):
