@@ -22,10 +22,9 @@ import torch_kvcm2 as kv
 from configs import dsa_config, import_history
 from conftest import DEVICE_PARAMS
 from safety_model import MAX_ROWS, P as SAFETY_P
-from test_host_region import CountingOps
-from test_prefix import SharingModel, check_index
+from sharing_model import SharingModel, check_index
 from torch_kvcm2.config import BAD
-from torch_kvcm2.host_region import PAGE_SIZE
+from torch_kvcm2.host_region import PAGE_SIZE, HostMemoryOps
 from torch_kvcm2.tiers import copy_segments, slot_runs
 
 STEPS = int(os.environ.get("KVCM2_SAFETY_STEPS", "1000")) // 3
@@ -300,16 +299,17 @@ def test_offload_without_a_host_tier_and_bad_tier_sizes_are_refused():
     tiered.close()
 
 
-class ArmedOps(CountingOps):
-    """Populates fail from the ``fail_after``-th one after arming (host memory runs out)."""
+class ArmedOps(HostMemoryOps):
+    """Real system calls, counted; once armed, every populate from the ``fail_from``-th on fails
+    (the host memory runs out)."""
 
     def __init__(self):
-        super().__init__()
+        self.populates = 0
         self.fail_from = None
 
     def populate(self, address, nbytes):
-        if self.fail_from is not None and self.populates + 1 >= self.fail_from:
-            self.populates += 1
+        self.populates += 1
+        if self.fail_from is not None and self.populates >= self.fail_from:
             raise MemoryError("injected: out of host memory")
         super().populate(address, nbytes)
 

@@ -387,7 +387,8 @@ class Engine:
                 self.batch.remove(cache)
                 return
             if not cache.resize(capacity=cache.history_length + self.need(request)):
-                cache.suspend()
+                if not cache.suspend():  # back to the host tier; kept on the GPU when it is full
+                    check(cache.suspend(offload=False), "a suspend keeping the pages failed")
                 self.batch.remove(cache)
                 return
             self.suspended.pop(0)
