@@ -22,15 +22,17 @@ Prometheus scrape every 100, interleaved with runs without).
 Memory on the GPU machine (default run): P-STEP's 61 layers x 64 rows x 4096 slots x 656 B are
 10.5 GB of GPU cells and 64 rows x 2,560 tokens of history x 61 layers are 6.7 GB of pinned
 host pages; P-STEP and P-STEP-HS are built one after the other (peak ~10.6 GB GPU, ~6.7 GB
-pinned). Everything else is below 1 GB on either side.
+pinned). P-PREEMPT builds the same cells again, with 63 rows of 5,120 tokens and one of 32K:
+14.2 GB of pinned host pages, 2.9 GB of GPU dense pages and a 258 MB host tier. Everything
+else is below 1 GB on either side.
 
 This file is the driver (the flags, the order of the ids, the table and the JSON); the
 benchmarks live in one file per area, each importing harness.py (timing, ceilings, shared
 builders, output): bench_residency.py (P-RES, P-TORCH, P-INDEX), bench_mtp.py (P-RES-MTP),
 bench_fetch.py (P-FETCH-*, P-FLUSH, the scaling table), bench_step.py (P-STEP, P-STEP-HS,
 P-STEP-WALL), bench_host.py (P-HOST), bench_memory.py (P-CAP, P-START), bench_prefix.py
-(P-PFX), bench_tp.py (P-TP) and serve.py (P-SERVE: also a script of its own, with its table,
-JSON and plot).
+(P-PFX), bench_tp.py (P-TP), bench_preempt.py (P-PREEMPT) and serve.py (P-SERVE: also a
+script of its own, with its table, JSON and plot).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from bench_fetch import bench_fetch, bench_fetch_hs, bench_flush, bench_scaling 
 from bench_host import bench_host  # noqa: E402
 from bench_memory import bench_capacity, bench_start  # noqa: E402
 from bench_mtp import bench_mtp  # noqa: E402
+from bench_preempt import bench_preempt  # noqa: E402
 from bench_prefix import bench_prefix  # noqa: E402
 from bench_residency import bench_index, bench_resolve, bench_torch  # noqa: E402
 from bench_step import bench_step, bench_step_wall  # noqa: E402
@@ -69,7 +72,8 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX",
-           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP", "P-SERVE"]
+           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP", "P-PREEMPT",
+           "P-SERVE"]
     wanted = set(ids if args.only is None else args.only.split(","))
     riders = {"P-STEP-HS", "P-OBS"}  # measured by P-STEP and P-STEP-WALL
     if wanted - set(ids) - riders:
@@ -101,6 +105,7 @@ def main(argv=None) -> int:
         "P-START": lambda: bench_start(device, q),
         "P-PFX": lambda: bench_prefix(timer, device, q),
         "P-TP": lambda: bench_tp(device, q),
+        "P-PREEMPT": lambda: bench_preempt(device, q, ceil),
         "P-SERVE": lambda: bench_serve(device, q),
     }
     results = []

@@ -6,9 +6,11 @@ library calls, in order): requests arrive, are admitted by ``can_fit``, prefill 
 (host-direct writes declared before the flush), decode with a DSA-like indexer (one resolve per
 selection group with fetch, the new tokens written into cells, attention through the index
 table, flush), some speculatively; they share system prompts and continue finished
-conversations through the prefix cache, are preempted (suspended) when pages run out and
-resumed, abort, and finish (history verified, pages committed, cache closed). Every decode step
-checks what attention read; after the drain every pool slot, lease and batch byte is back.
+conversations through the prefix cache, are preempted when pages run out (suspended with their
+dense pages offloaded to the host tier, freeing their GPU slots) and resumed (the pages copied
+back into free GPU slots before the row's next step), abort, and finish (history verified, pages
+committed, cache closed). Every decode step checks what attention read; after the drain every
+pool slot of both tiers, lease and batch byte is back.
 
 Prints a one-line summary every ``--every`` steps (its cache figures -- hit rate, bytes fetched
 and flushed, preemptions -- from ``manager.metrics()``, as an operator's dashboard reads them)
@@ -103,9 +105,9 @@ def report(engine) -> None:
     fetched = sum(g["fetched_bytes"] for g in groups.values())
     print(f"step {r.steps}: {r.tokens_per_second:.0f} tokens/s, concurrency {r.concurrency:.2f}, "
           f"hit rate {rates}, fetched {fetched / 1e6:.1f} MB, flushed "
-          f"{m['flushed_bytes'] / 1e6:.1f} MB, preemptions {m['preemptions']}, resumes "
-          f"{m['resumes']}, aborts {m['aborts']}, prefix hit tokens {m['prefix']['hit_tokens']}",
-          flush=True)
+          f"{m['flushed_bytes'] / 1e6:.1f} MB, preemptions {m['preemptions']} ({r.offloads} "
+          f"offloaded), resumes {m['resumes']}, aborts {m['aborts']}, prefix hit tokens "
+          f"{m['prefix']['hit_tokens']}", flush=True)
 
 
 def main(argv=None) -> int:

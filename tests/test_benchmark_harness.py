@@ -13,7 +13,8 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ben
 
 IDS = ["P-RES", "P-RES-MTP", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FLUSH", "P-INDEX", "P-INDEX-L", "P-TORCH", "P-STEP",
        "P-STEP-HS", "P-CAP", "P-HOST", "P-HOST", "P-STEP-WALL", "P-STEP-WALL", "P-OBS", "P-START", "P-START-GROW",
-       "P-START-OLD", "P-PFX", "P-PFX", "P-PFX", "P-TP", "P-TP", "P-TP", "P-TP", "P-SERVE", "P-SERVE"]
+       "P-START-OLD", "P-PFX", "P-PFX", "P-PFX", "P-TP", "P-TP", "P-TP", "P-TP",
+       "P-PREEMPT", "P-PREEMPT", "P-PREEMPT", "P-SERVE", "P-SERVE"]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,10 @@ def test_quick_benchmark_run_checks_outputs_and_writes_json(bench, area, tmp_pat
         assert r["nbytes"] == e["fetch_bytes"] + e["flush_bytes"]
         assert e["cells_bytes"] == layers * rows * sizes["S"] * 656
         assert e["limit_us"] == pytest.approx(1.2 * e["ideal_us"] + groups * results["P-RES"]["median_us"])
+
+    preempt = [r for r in data["results"] if r["id"] == "P-PREEMPT"]
+    assert preempt[0]["nbytes"] == preempt[1]["nbytes"] == 16 * 3 * 64 * 132  # 1K tokens, 3 layers
+    assert preempt[0]["extra"]["host_waits"] == 0 and len(preempt[0]["extra"]["step_during_us"]) == 6
 
     cap = results["P-CAP"]["extra"]
     assert len(cap["contexts"]) == 2 and cap["contexts"][0]["context"] < cap["contexts"][1]["context"]

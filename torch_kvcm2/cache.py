@@ -11,6 +11,9 @@ resize costs what changes: the pages allocated or freed, never a loop over the p
 A seated cache talks to its batch's row table (``rows.RowTable``) through a private protocol,
 listed in that module's docstring; nothing else calls those methods. ``transfer.py`` builds an
 imported cache through ``_start_imported`` (TIER-2).
+
+A cache suspended with ``offload=True`` (TIER-1, ``tiers.py``) holds its private dense pages in
+the host tier (``_offload``): their page entries read BAD until ``resume`` brings them back.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import logging
 from typing import Optional
 
 import numpy as np
+import torch
 
 from . import lengths as rules
 from ._util import check_int, cite, refuse_during_capture
@@ -59,6 +63,8 @@ class KVCache:
         self._table = None  # the row table (rows.RowTable) of the batch it is seated in
         self._row: Optional[int] = None
         self.reused_tokens = 0  # tokens shared from committed pages at creation (PFX-2)
+        self._offload = None  # tiers.Offload: dense pages in the host tier while suspended
+        self._arrival = None  # CUDA event after resume's copies, until a reader waited for it
 
     def __repr__(self):
         return (f"KVCache(request_id={self.request_id}, capacity={self.capacity}, "
@@ -99,17 +105,36 @@ class KVCache:
 
     def pages(self, group: int) -> list[int]:
         """A copy of the page list of pool group ``group``: slot ids of pages ``0 ..
-        ceil(capacity/P) - 1`` (and of any reserve pages beyond), BAD for released pages."""
+        ceil(capacity/P) - 1`` (and of any reserve pages beyond), BAD for released pages and
+        for pages in the host tier (suspended with ``offload``). After a resume on CUDA the
+        current stream first waits for the pages' copy back (no host wait)."""
         self._check_open()
         self._check_group(group)
+        self._await_pages()
         return self._pages[group, :self._live[group][1]].tolist()
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether some of the cache's dense pages are in the host tier (``suspend(offload)``)."""
+        return self._offload is not None and self._offload.pages > 0
+
+    def offloaded_pages(self) -> list[int]:
+        """Per pool group, how many of the cache's pages are in the host tier (0 for sparse
+        groups and when not offloaded): the GPU slots ``resume()`` needs."""
+        self._check_open()
+        n = len(self._live)
+        return [0] * n if self._offload is None else self._offload.needs(n)
 
     def host_pages(self, layer: str, role: str) -> "np.ndarray":
         """The page indices of this request's pages of one buffer in its view
         ``manager.buffer_view(layer, role)`` (token ``t`` is ``view[idx[t // P], :, t % P]``),
         int64[pages], BAD for released pages. Works for any open cache: seated, suspended or
-        detached (the way to read or prefill a request's host pages outside a batch)."""
+        detached (the way to read or prefill a request's host pages outside a batch); the
+        dense pages of a cache suspended with ``offload`` are in the host tier and read BAD
+        here (``export`` reads them). After a resume on CUDA the current stream first waits
+        for the pages' copy back (no host wait), so reads queued on it afterwards see them."""
         self._check_open()
+        self._await_pages()
         place = self.manager.storage.place(layer, role)
         if place.group is None:
             raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
@@ -197,6 +222,9 @@ class KVCache:
                          needs)
             return False
         taken = [(group, slots if n else None) for group, slots, n in zip(groups, allocated, needs)]
+        if self._arrival is not None and any(first > live[0] or keep < live[1]
+                                             for (first, keep), live in zip(plans, self._live)):
+            self._await_pages()  # pages are freed: a resume's copy into them must come first
         changed = (h, c) != (self._h, self._c)
         for (group, slots), (first, keep) in zip(taken, plans):
             row, live = self._pages[group.index], self._live[group.index]
@@ -298,9 +326,13 @@ class KVCache:
         committed equal content first (``stats()["prefix"]`` counts entries). Raises TypeError / ValueError
         (wrong type or dtype, negative ids, pages beyond history, ids disagreeing with the
         ones a page was shared or committed under) and RuntimeError (closed cache, closed
-        manager, stream capture), each with nothing changed."""
+        manager, stream capture, dense pages in the host tier: resume first), each with
+        nothing changed."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.commit")
+        if self.offloaded:
+            raise RuntimeError("KVCache.commit: the cache's dense pages are in the host tier "
+                               "(suspended with offload); resume() it first")
         ids = token_array("token_ids", token_ids)
         self._sync()
         P = self._page_tokens
@@ -311,6 +343,7 @@ class KVCache:
                 f"{self._h} tokens ({self._h // P} whole pages); commit at most "
                 f"token_ids[:history_length]")
         storage = self.manager.storage
+        self._await_pages()  # sharers read these pages on the current stream
         storage.prefix.commit(ids, pages, self._pages, self._live)
         return pages * P
 
@@ -338,7 +371,7 @@ class KVCache:
         list of ints, a CPU integer tensor or a numpy integer array; stored as int64) and every
         buffer's pages of tokens ``[0, history)`` as CPU uint8 tensors in the page layout (a
         windowed layer's live pages only). Reads only; the cache may be seated, suspended or
-        detached. Raises RuntimeError while tokens are in flight (history < capacity: flush and
+        detached (dense pages in the host tier are read there, once their copy has ended). Raises RuntimeError while tokens are in flight (history < capacity: flush and
         advance history, or ``resize(capacity=history_length)``, first), for a closed cache or
         manager, and during stream capture; TypeError / ValueError for bad ``token_ids``."""
         return export_record(self, token_ids)
@@ -359,10 +392,21 @@ class KVCache:
         self._declared = history
         return True
 
-    # ---- REQ-4 ----
-    def suspend(self) -> None:
-        """Give up the cells (lease); the row publishes BAD / 0; pages stay. Refused while
-        tokens are in flight (history < capacity)."""
+    # ---- REQ-4, TIER-1 ----
+    def suspend(self, offload: Optional[bool] = None) -> bool:
+        """Give up the cells (lease); the row publishes BAD / 0. Refused (RuntimeError) while
+        tokens are in flight (history < capacity), when already suspended, and during stream
+        capture.
+
+        ``offload`` (TIER-1, default: whether the manager has a host tier, ``host_tier_bytes``):
+        copy every dense page no other cache references to the host tier of its pool group and
+        free its GPU slot, so the request holds no GPU pool bytes beyond shared prefix pages
+        (which stay, with this cache's reference). Sparse pages are host pages already and
+        stay. On CUDA the copy runs on the manager's copy stream after the current stream's
+        queued work, and the freed slots are fenced until it ends (``tiers.py``); nothing waits
+        on the host. Returns True once suspended; False, with nothing changed, when the host
+        tier cannot take the pages (full, or its memory cannot be committed). ``offload=True``
+        without a host tier raises ValueError. Without ``offload`` the pages stay (REQ-4)."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.suspend")
         if self.suspended:
@@ -371,37 +415,101 @@ class KVCache:
             raise RuntimeError(
                 f"KVCache.suspend: tokens are in flight (history {self._h} < capacity "
                 f"{self._c}); flush and advance history, or shrink capacity, first")
+        tier = self.manager.tier
+        if offload is None:
+            offload = tier.enabled
+        elif not isinstance(offload, bool):
+            raise TypeError(f"KVCache.suspend: offload must be a bool or None, got {offload!r}")
+        if offload:
+            if not tier.enabled:
+                raise ValueError("KVCache.suspend: offload=True needs a host tier; create the "
+                                 "manager with host_tier_bytes > 0")
+            self._await_pages()  # a resume's copy into these pages comes first
+            moved = tier.offload(self._pages, self._live)
+            if moved is None:
+                self.manager._counts.allocations_failed += 1
+                logger.debug("request %d: the host tier cannot take its dense pages",
+                             self.request_id)
+                return False
+            self._offload = moved if moved.pages else None
+            if moved.pages:
+                self._pages_moved = True
         self.state = SUSPENDED
         self.manager._counts.preemptions += 1
         if self._table is not None:
             self._table._release_lease(self._row)
+        return True
 
-    def resume(self) -> None:
-        """Take a fresh, empty lease (when seated in a batch)."""
+    def resume(self) -> bool:
+        """Take a fresh, empty lease (when seated in a batch). Pages in the host tier
+        (``suspend(offload=True)``) come back into free GPU slots of their pool groups (any
+        slots: the page entries change, and the row's next publish uploads them; per-step calls
+        are refused until then, BAT-4). On CUDA the copy runs on the copy stream and the
+        publish that first seats the row makes the current stream wait for it (as do
+        ``host_pages``, ``pages``, ``commit``, ``export``, a shrink and ``close``): no host
+        wait. Returns True once resumed; False, with nothing changed, when the GPU pools cannot
+        supply the slots (``KVCacheManager.can_fit(tokens, resuming=[cache])`` says so
+        beforehand). Raises RuntimeError when not suspended or during stream capture."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.resume")
         if not self.suspended:
             raise RuntimeError("KVCache.resume: the cache is not suspended")
+        if self._offload is not None:
+            done = self.manager.tier.restore(self._offload, self._pages)
+            if done is None:
+                self.manager._counts.allocations_failed += 1
+                logger.debug("request %d: %s GPU pages per pool group not available to resume",
+                             self.request_id, self._offload.needs(len(self._live)))
+                return False
+            self._arrival, moved = done
+            for group in moved:
+                self._lowest_keep[group] = min(self._lowest_keep[group], self._live[group][0])
+            self._pages_moved = True
+            self._offload = None
         if self._table is not None:
             self._table._grant_lease(self._row)
         self.state = ACTIVE
         self.manager._counts.resumes += 1
+        return True
 
     def close(self) -> None:
-        """The abort path: leave the batch discarding any in-flight tokens, and free every page.
-        Every later call raises RuntimeError."""
+        """The abort path: leave the batch discarding any in-flight tokens, and free every page
+        (host tier pages included). Every later call raises RuntimeError."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.close")
         if self._table is not None:
             self._table._leave(self)
         elif self._c > self._h:  # in-flight tokens dropped (a seated cache: _discard_in_flight)
             self.manager._counts.aborts += 1
+        self._await_pages()
+        if self._offload is not None:
+            self.manager.tier.discard(self._offload)
+            self._offload = None
         for group, row, live in zip(self.manager.storage.groups, self._pages, self._live):
-            group.release(row[live[0]:live[1]])
+            slots = row[live[0]:live[1]]
+            group.release(slots[slots >= 0])  # pages in the host tier have no GPU slot
             row[:] = BAD
             live[0] = live[1] = 0
         self._h = self._c = 0
         self.state = CLOSED
+
+    def _await_pages(self) -> None:
+        """After a resume on CUDA: the current stream waits for the copy of the pages back
+        (once; a stream wait, never a host wait)."""
+        if self._arrival is not None:
+            if not self._arrival.query():
+                torch.cuda.current_stream(self.manager.config.device).wait_event(self._arrival)
+            self._arrival = None
+
+    def _tier_pages(self, group: int) -> Optional[tuple]:
+        """(the host tier's pool ``uint8[num_slots, scale, page_bytes]``, int64 tier slot per
+        page ordinal of the live range's end, BAD for pages not there, the copy's event) of
+        pool group ``group`` while pages are offloaded; None otherwise."""
+        if self._offload is None or group not in self._offload.ordinals:
+            return None
+        tier = self.manager.storage.tiers[group]
+        return (tier.data, self._offload.tier_index(group, self._live[group][1]),
+                self._offload.event)
 
     # ---- the row table's side of the protocol (rows.py) ----
     def _page_row(self, group: int) -> np.ndarray:

@@ -4,7 +4,8 @@
 concurrency, or open loop at a rate per step), are admitted by ``KVCacheManager.can_fit``, are
 prefilled in chunks, decode (some speculatively, accepting 1..T query tokens per step), share
 system prompts and continue finished conversations through the prefix cache, get preempted when
-pages run out (the newest running request is suspended and resumed later), abort, and finish.
+pages run out (the newest running request is suspended, its dense pages offloaded to the host
+tier, and resumed later), abort, and finish.
 The model is a stand-in: the KV bytes of a token are a hash of (layer, position, token id), so
 what any request wrote can be recomputed from its token ids; its indexer is DSA-like: per row
 and selection group a top-K of history units that repeats from step to step (``locality``) and
@@ -173,6 +174,7 @@ class DayResult:
     admitted: int = 0
     finished: int = 0
     preemptions: int = 0
+    offloads: int = 0  #: preemptions that moved dense pages to the host tier (TIER-1)
     resumes: int = 0
     recomputes: int = 0
     aborts: int = 0
@@ -240,10 +242,18 @@ def build_config(w: Workload) -> CacheConfig:
         page = sum(g["page_bytes"] * g["scale"] for g in stats["pool_groups"]
                    if g["medium"] == medium)
         budgets[medium] = stats[medium]["reserved_bytes"] + w.pool_pages * page
+    budgets["host"] += host_tier_bytes(probe, w)
     return CacheConfig(tokens_per_page=w.tokens_per_page, layers=layers, max_rows=w.max_rows,
                        max_tokens_per_row=w.max_tokens_per_row,
                        gpu_budget_bytes=budgets["gpu"], host_budget_bytes=budgets["host"],
                        device=torch.device(w.device))
+
+
+def host_tier_bytes(config: CacheConfig, w: Workload) -> int:
+    """The host tier (TIER-1) of an engine day: room for as many dense pages as the GPU pools
+    hold (``pool_pages`` pages of every dense buffer), on top of the sparse host pools."""
+    dense = sum(b.bytes_per_token for layer in config.layers for b in layer.buffers if not b.sparse)
+    return w.pool_pages * w.tokens_per_page * dense
 
 
 class DeviceStep:
@@ -289,7 +299,8 @@ class Engine:
         w = self.w = workload
         self.rng = np.random.default_rng(w.seed)
         self.config = build_config(w)
-        self.manager = KVCacheManager(self.config)
+        self.manager = KVCacheManager(self.config,
+                                      host_tier_bytes=host_tier_bytes(self.config, w))
         self.batch = Batch(self.manager)
         self.device = self.config.device
         self.T = w.query_tokens
@@ -301,7 +312,7 @@ class Engine:
         self.leaders = [g.layers[0] for g in self.config.selection_groups]
         self.waiting: list = []  # not admitted yet, arrival order
         self.running: list = []  # seated with a lease, admission order
-        self.suspended: list = []  # preempted: pages kept, not seated, preemption order
+        self.suspended: list = []  # preempted: not seated, dense pages offloaded, preemption order
         self.finished: list = []  # finished conversations, for continuations
         self.system_prompts = [self.rng.integers(1 << 20, size=w.system_prompt_length)
                                for _ in range(w.system_prompts)]
@@ -369,12 +380,15 @@ class Engine:
         while self.suspended and self.free_row():
             request = self.suspended[0]
             cache = request.cache
-            if not self.manager.can_fit(self.need(request)):
+            if not self.manager.can_fit(self.need(request), resuming=[cache]):
                 return
             self.batch.add(cache)
-            cache.resume()  # a fresh, empty lease
+            if not cache.resume():  # a fresh, empty lease; the dense pages back on the GPU
+                self.batch.remove(cache)
+                return
             if not cache.resize(capacity=cache.history_length + self.need(request)):
-                cache.suspend()
+                if not cache.suspend():  # back to the host tier; kept on the GPU when it is full
+                    check(cache.suspend(offload=False), "a suspend keeping the pages failed")
                 self.batch.remove(cache)
                 return
             self.suspended.pop(0)
@@ -411,10 +425,15 @@ class Engine:
 
     def preempt(self, request: Request) -> None:
         """Suspend a running request between steps (its history is final: drop the capacity
-        beyond it first), give up its row; its pages stay for the resume."""
+        beyond it first), give up its row. Its private dense pages move to the host tier
+        (``suspend()`` offloads: the manager has one), freeing their GPU slots; when the tier is
+        full they stay on the GPU (``offload=False``). Sparse pages stay on host pages."""
         cache = request.cache
         check(cache.resize(capacity=cache.history_length), "a shrink to history failed")
-        cache.suspend()
+        if cache.suspend():
+            self.result.offloads += cache.offloaded
+        else:
+            check(cache.suspend(offload=False), "a suspend keeping the pages failed")
         self.batch.remove(cache)
         self.running.remove(request)
         self.suspended.append(request)
@@ -634,7 +653,8 @@ class Engine:
     def check_drained(self) -> None:
         """Every request finished: no member, every row published empty (BAD lease, zero
         lengths); per pool group no used or shared slot, cached slots exactly the committed
-        prefix entries (each entry holds one slot of every pool group), the rest free; after
+        prefix entries (each entry holds one slot of every pool group), the rest free, and no
+        slot of a host tier (TIER-1) used; after
         ``Batch.close`` the batch reserve of both media (device tables, cells, pinned staging)
         is back."""
         check(not self.running and not self.suspended and not self.waiting,
@@ -655,6 +675,10 @@ class Engine:
                   f"pool group {g['index']}: {g['cached_slots']} cached slots, {entries} entries")
             check(g["free_slots"] + g["cached_slots"] == g["slots"],
                   f"pool group {g['index']}: free + cached != slots")
+            tier = g["host_tier"]
+            check(tier is None or (tier["used_slots"] == 0 and tier["free_slots"] == tier["slots"]),
+                  f"pool group {g['index']}: {tier and tier['used_slots']} host tier slots used "
+                  f"after every request finished")
             cached.append(g["cached_slots"])
         self.result.cached_slots_at_end = cached
         self.batch.close()

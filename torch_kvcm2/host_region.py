@@ -450,6 +450,13 @@ class HostRegion:
     def registrations(self) -> int:
         return len(self._mapping.registered)
 
+    def registration_starts(self) -> list[int]:
+        """The offsets where a registered range starts, sorted (empty off CUDA). One copy-engine
+        transfer must not cross one: a host range spanning two registrations is not one pinned
+        range (the host tier's copies cut their runs there, ``tiers.copy_segments``)."""
+        with self._mapping.lock:
+            return sorted(self._mapping.registered)
+
     def stats(self) -> dict:
         return {"address": self.address, "reserved_bytes": self.nbytes,
                 "committed_bytes": self.committed_bytes, "registered_bytes": self.registered_bytes,

@@ -17,6 +17,7 @@ from .memory import BatchReserve, batch_reserve_bytes
 from .prefix import token_array
 from .storage import HostOptions, Storage
 from .telemetry import HostCounters, snapshot
+from .tiers import HostTier
 from .transfer import CacheRecord, import_record
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ class KVCacheManager:
     pages (faster first touch and registration, and GPU reads of host pages). ``close()`` releases it all (STO-9). ``_host_ops`` (tests
     only) replaces the region's system calls, to inject faults.
 
+    ``host_tier_bytes`` (TIER-1, docs/DESIGN.md): that much of the host budget becomes the host
+    tier of the dense pool groups (every tier the same number of slots, in the host region,
+    committed on demand like the sparse pools), where ``KVCache.suspend(offload=True)`` moves a
+    request's dense pages; the sparse pools get the rest. 0 (the default): no tier, and
+    ``suspend()`` keeps dense pages on the GPU. Raises ValueError for a tier that cannot hold
+    one slot of each dense pool group, that does not fit the host budget, for a config without
+    dense pool groups, or with a host group.
+
     ``host_group`` (docs/TP.md): a ``torch.distributed`` process group of ranks on this host, or
     a ``tp.HostGroup`` over one (to set its timeout and flush split). Then construction is
     collective: the sparse pool groups live in one shared-memory region every rank maps (TP-1),
@@ -51,7 +60,8 @@ class KVCacheManager:
 
     def __init__(self, config: CacheConfig, *, host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  host_threads: Optional[int] = None, numa="auto", prefill_host_bytes: int = 0,
-                 host_huge_pages: bool = True, host_group=None, _host_ops=None):
+                 host_huge_pages: bool = True, host_group=None, host_tier_bytes: int = 0,
+                 _host_ops=None):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         require_device(config.device, "KVCacheManager()")
@@ -63,7 +73,7 @@ class KVCacheManager:
         if not isinstance(host_huge_pages, bool):
             raise TypeError(f"host_huge_pages must be a bool, got {host_huge_pages!r}")
         host = HostOptions(host_chunk_bytes, host_threads, numa_node, numa_strict,
-                           prefill_host_bytes, _host_ops, host_huge_pages)
+                           prefill_host_bytes, _host_ops, host_huge_pages, host_tier_bytes)
         self.config = config
         if host_group is not None:
             from .tp import HostGroup
@@ -83,6 +93,7 @@ class KVCacheManager:
                     f"STO-4: the {medium} budget ({budget} bytes) is smaller than the memory of a "
                     f"batch of {config.max_rows} rows ({self._reserve[medium]} bytes)"))
         self.storage.allocate(self._reserve, host)
+        self.tier = HostTier(self.storage)  # TIER-1: the copies to and from the host tier
         self.reserve = BatchReserve(self._reserve)
         self._counts = HostCounters(config)  # what metrics() reports (telemetry.py)
         self._batches = weakref.WeakSet()  # open batches: their device counters
@@ -164,7 +175,10 @@ class KVCacheManager:
         per group used / shared / cached / free slots (PFX-4); ``stats()["host_region"]``:
         reserved, committed, registered and used bytes of the host region (None without pools
         in CPU memory); ``stats()["prefix"]``: committed entries, the tokens
-        ``create_cache(token_ids)`` was asked for and shared, and their ratio (``hit_rate``)."""
+        ``create_cache(token_ids)`` was asked for and shared, and their ratio (``hit_rate``).
+        Per dense group ``host_tier`` (TIER-1; None without a tier): slots, used / free slots
+        and bytes, committed bytes; ``stats()["host"]`` counts the tiers in its used, free and
+        committed bytes and gives ``host_tier_bytes`` and ``host_tier_used_bytes``."""
         self._check_open("KVCacheManager.stats")
         stats = self.storage.stats()
         for medium in ("gpu", "host"):
@@ -172,24 +186,34 @@ class KVCacheManager:
         return stats
 
     # ---- admission and lifetime (STO-8, STO-9) ----
-    def can_fit(self, tokens: int, count: int = 1) -> bool:
+    def can_fit(self, tokens: int, count: int = 1, *, resuming=()) -> bool:
         """Whether ``count`` new requests of ``tokens`` tokens each fit the pools now, changing
         nothing (STO-8). A request of ``tokens`` tokens needs ``ceil(tokens / P)`` pages in every
         pool group: its prefill allocates the whole prompt's pages before history advances, so a
         windowed group releases the pages behind its window only afterwards. Free slots include
         those in chunks not committed yet: a commit that then fails for lack of memory makes
         ``resize`` return False. Cached pages (committed, unreferenced: PFX-4) count as free,
-        since allocation evicts them when it needs their slots."""
+        since allocation evicts them when it needs their slots. ``resuming``: suspended caches
+        whose pages in the host tier (TIER-1) must come back to the GPU pools too
+        (``KVCache.offloaded_pages``): with ``tokens=0`` it says whether ``resume()`` can bring
+        them back; with ``tokens`` and ``count=1``, whether the first step after a resume can
+        also grow by ``tokens`` (``ceil(tokens / P)`` pages per pool group, at least what the
+        growth takes)."""
         self._check_open("KVCacheManager.can_fit")
         tokens, count = check_int("tokens", tokens), check_int("count", count)
         config = self.config
         if tokens > config.max_tokens_per_row:
             raise ValueError(f"can_fit: tokens ({tokens}) exceeds max_tokens_per_row "
                              f"({config.max_tokens_per_row})")
-        pages = ceil_div(tokens, config.tokens_per_page) * count
-        if any(pages > group.free_slots + group.cached_slots for group in self.storage.groups):
+        pages = [ceil_div(tokens, config.tokens_per_page) * count] * len(self.storage.groups)
+        for cache in resuming:
+            if not isinstance(cache, KVCache) or cache.manager is not self:
+                raise ValueError("can_fit: resuming must hold caches of this manager")
+            pages = [p + n for p, n in zip(pages, cache.offloaded_pages())]
+        if any(n > group.free_slots + group.cached_slots
+               for n, group in zip(pages, self.storage.groups)):
             self._counts.admissions_refused += 1
-            logger.debug("can_fit: %d request(s) of %d tokens refused (%d pages per pool group "
+            logger.debug("can_fit: %d request(s) of %d tokens refused (%s pages per pool group "
                          "needed)", count, tokens, pages)
             return False
         return True
@@ -209,7 +233,8 @@ class KVCacheManager:
         ``queried_tokens``, ``hit_tokens``, ``evicted_slots``; ``admissions_refused``
         (``can_fit`` False), ``preemptions`` (suspend), ``resumes``, ``aborts`` (in-flight
         tokens dropped by close or a discarding remove), ``allocations_failed`` (a resize or
-        reserve top-up the pools could not supply); ``advance``: ``refused_rows``,
+        reserve top-up the pools could not supply, an offload or resume the host tier or the GPU
+        pools could not); ``advance``: ``refused_rows``,
         ``short_rows``. Gauges: ``pool_groups`` (per pool group ``index``, ``medium``,
         ``used_bytes``, ``cached_bytes``, ``total_bytes``, ``committed_bytes``), ``media``
         (the same summed per medium, plus ``batch_bytes`` of the batch reserve in use),
@@ -259,6 +284,7 @@ class KVCacheManager:
             return
         refuse_during_capture(self.config.device, "KVCacheManager.close")
         self._closed = True
+        self.tier.close()  # copies to or from the host tier still running
         self.storage.close()
 
     def _check_open(self, what: str) -> None:

@@ -28,7 +28,9 @@ The protocol with ``KVCache`` (private on both sides; nothing else calls it). A 
 the table: ``_changed(row)``, ``_declared(row)``, ``_reserve_set(row)``, ``_grant_lease(row)``,
 ``_release_lease(row)``, ``_cell_lengths(row)``, ``_sync_cache(row, wait)`` and
 ``_leave(cache)`` (its close). The table reads a cache through ``_lengths_row``, ``_page_row``,
-``_live_range`` and ``_pages_unmoved``, and writes it through ``_seat``, ``_mark_published``,
+``_live_range``, ``_pages_unmoved`` and ``_await_pages`` (a resumed cache's copy back from the
+host tier, TIER-1: the current stream waits for it before the row's first step), and writes it
+through ``_seat``, ``_mark_published``,
 ``_retake_pages``, ``_record_flush``, ``_take_written``, ``_take_device_lengths``,
 ``_take_resize`` and ``_discard_in_flight``.
 """
@@ -297,6 +299,8 @@ class RowTable:
                 reserves.append(0)
             else:
                 owners.append(cache)
+                if cache._arrival is not None:  # resumed from the host tier: its pages first
+                    cache._await_pages()
                 h, c, written, declared, allocated, reserve = cache._lengths_row()
                 values.append((h, c, lease, written, declared, allocated))
                 reserves.append(reserve)

@@ -11,6 +11,13 @@ committed chunk by chunk as slots are first handed out (STO-6, docs/HOST_MEMORY.
 
 Slots are reference-counted (PFX-4, docs/PREFIX.md): a committed slot without references stays
 cached until an allocation that finds no free slot evicts it, least recently used first.
+
+Dense pool groups may have a host tier (TIER-1, ``tiers.py``): one more pool group per dense
+group, in the host region like the sparse ones and committed the same way, sized from
+``HostOptions.tier_bytes`` of the host budget; it holds the dense pages of requests suspended
+with ``offload=True``. Dense slots freed while a copy may still read them carry a *fence* (the
+copy's event): an allocation that hands such a slot out makes the stream that will write it
+wait for the event first (``PoolGroup.await_fences``).
 """
 from __future__ import annotations
 
@@ -39,7 +46,8 @@ class HostOptions:
     threads (None: the cores this process may use); ``numa_node``/``numa_strict``: placement
     (from ``numa``); ``prefill_bytes``: host-medium bytes committed at start; ``huge_pages``:
     back the region with transparent huge pages; ``ops``: the system-call object (tests inject
-    faults through it).
+    faults through it); ``tier_bytes``: bytes of the host budget for the host tier of the dense
+    pool groups (TIER-1; 0: no tier).
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -49,6 +57,7 @@ class HostOptions:
     prefill_bytes: int = 0
     ops: Optional[HostMemoryOps] = None
     huge_pages: bool = True
+    tier_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,10 +91,17 @@ class PoolGroup:
     use. A slot is *free* (in the free list), *used* (refs > 0) or *cached* (refs == 0 and
     committed: reclaimable, least recently used first, through ``_lru``, a heap of (stamp,
     slot) checked lazily). The arrays are zero-filled, so start-up touches none of their memory.
+
+    A host tier group (``tier_of``: the index of the dense group it serves, TIER-1) has that
+    group's index, window, page bytes and buffers, lives in the host region and is never seen
+    by ops, batches or the prefix index. Fences (CUDA): ``fence[s]`` names the event of a copy
+    that may still read slot ``s`` (0: none); ``await_fences`` orders a writer after it.
     """
 
-    def __init__(self, index: int, window: Optional[int], sparse: bool, page_bytes: int):
+    def __init__(self, index: int, window: Optional[int], sparse: bool, page_bytes: int,
+                 tier_of: Optional[int] = None):
         self.index = index
+        self.tier_of = tier_of
         self.window = window
         self.sparse = sparse
         self.page_bytes = page_bytes
@@ -102,6 +118,9 @@ class PoolGroup:
         self.cached_slots = 0
         self._lru: list[tuple[int, int]] = []
         self.prefix = None  # the PrefixIndex of the storage (set by it)
+        self.fence: Optional[np.ndarray] = None  # int32[num_slots], made at the first fence
+        self.fence_events: dict = {}  # fence id -> torch.cuda.Event
+        self._fence_ids = 0
 
     @property
     def scale(self) -> int:
@@ -113,7 +132,7 @@ class PoolGroup:
 
     @property
     def medium(self) -> str:
-        return "host" if self.sparse else "gpu"
+        return "host" if self.sparse or self.tier_of is not None else "gpu"
 
     @property
     def free_slots(self) -> int:
@@ -269,6 +288,37 @@ class PoolGroup:
         self.cached_slots -= len(unused)
         self._free_slots(unused.tolist())
 
+    def fence_slots(self, slots, event) -> None:
+        """Slots just released while a copy recorded by ``event`` (a ``torch.cuda.Event``) may
+        still read them: whoever is handed one later first waits for the event on its stream."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if not len(slots):
+            return
+        if self.fence is None:
+            self.fence = np.zeros(self.num_slots, dtype=np.int32)
+        self._fence_ids += 1
+        self.fence[slots] = self._fence_ids
+        self.fence_events[self._fence_ids] = event
+
+    def await_fences(self, slots, stream) -> None:
+        """``stream`` (the one that will write ``slots``, just handed out) waits for the copies
+        that may still read them: a stream wait, never a host wait; fences whose copy is done
+        are dropped. No-op without fences."""
+        if not self.fence_events or not len(slots):
+            return
+        slots = np.asarray(slots, dtype=np.int64)
+        ids = self.fence[slots]
+        for fence_id in np.unique(ids[ids != 0]).tolist():
+            event = self.fence_events[fence_id]
+            if not event.query():
+                stream.wait_event(event)
+        self.fence[slots] = 0
+        if len(self.fence_events) > 64:  # forget copies that are done
+            live = set(np.unique(self.fence[self.fence != 0]).tolist())
+            self.fence_events = {i: e for i, e in self.fence_events.items()
+                                 if i in live and not e.query()}
+            self.fence[~np.isin(self.fence, list(self.fence_events))] = 0
+
     def usage(self) -> tuple[int, int, int, int]:
         """(used, shared, cached, free) slots: referenced, referenced by more than one cache,
         committed without references, and free."""
@@ -309,6 +359,8 @@ class Storage:
                 )
         self.budget = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
         self.reserved = {"gpu": 0, "host": 0}
+        self.tiers: list[Optional[PoolGroup]] = [None] * len(self.groups)  # TIER-1, by group
+        self.tier_bytes = 0
         self.region: Optional[HostRegion] = None
         self.closed = False
         self.prefix = PrefixIndex(self.groups, P, config.max_pages_per_row)
@@ -326,14 +378,17 @@ class Storage:
         GPU pools on CUDA are allocated whole."""
         host = HostOptions() if host is None else host
         self.reserved = dict(reserved)
+        tier_slots = self._make_tiers(host.tier_bytes)
         slots = {m: self._slots_for(m) for m in ("gpu", "host")}
         device = self.config.device
         layout, end = [], 0
-        for group in self.groups:  # every medium validated: lay out, then allocate
-            if self.in_region(group) and slots[group.medium]:
-                layout.append((group, end))
+        for group in self.groups + [t for t in self.tiers if t is not None]:
+            # every medium validated: lay out, then allocate
+            n = tier_slots if group.tier_of is not None else slots[group.medium]
+            if (group.tier_of is not None or self.in_region(group)) and n:
+                layout.append((group, end, n))
                 # slices start on huge-page boundaries, so chunks are whole huge pages
-                end = round_up(end + slots[group.medium] * group.slot_bytes, HUGE_PAGE)
+                end = round_up(end + n * group.slot_bytes, HUGE_PAGE)
         host_pool_bytes = sum(slots["host"] * g.slot_bytes for g in self.groups if g.sparse)
         prefill = host.prefill_bytes
         if not isinstance(prefill, int) or isinstance(prefill, bool) or prefill < 0:
@@ -363,8 +418,8 @@ class Storage:
 
                 with torch.cuda.device(device):
                     view = uva_view(self.region.tensor, register=False)
-            for group, offset in layout:
-                group.place_in_region(slots[group.medium], self.region, offset, view)
+            for group, offset, n in layout:
+                group.place_in_region(n, self.region, offset, view)
             for group in self.groups:
                 if not self.in_region(group):
                     group.allocate_memory(slots[group.medium], device)
@@ -390,11 +445,39 @@ class Storage:
         for group, nbytes in grown:
             group.committed_bytes += nbytes
 
+    def _make_tiers(self, tier_bytes) -> int:
+        """Create the host tier of every dense pool group from ``tier_bytes`` of the host budget
+        (TIER-1): every tier gets the same number of slots, ``floor(tier_bytes / sum of their
+        slot bytes)``, returned. Raises ValueError (nothing allocated) for a bad value, a config
+        without dense pool groups, a host group (TP), or a tier that cannot hold one slot each."""
+        if not isinstance(tier_bytes, int) or isinstance(tier_bytes, bool) or tier_bytes < 0:
+            raise ValueError(f"host_tier_bytes must be a non-negative int, got {tier_bytes!r}")
+        if not tier_bytes:
+            return 0
+        dense = [g for g in self.groups if not g.sparse]
+        if not dense:
+            raise ValueError("host_tier_bytes: the config has no dense pool groups to tier")
+        if self.host_group is not None:
+            raise ValueError("host_tier_bytes: a host tier is not supported with a host group (TP)")
+        available = self.budget["host"] - self.reserved["host"]
+        per_slot = sum(g.slot_bytes for g in dense)
+        if tier_bytes > available or tier_bytes < per_slot:
+            raise ValueError(
+                f"TIER-1: host_tier_bytes ({tier_bytes}) must hold one slot of each of the "
+                f"{len(dense)} dense pool groups ({per_slot} bytes) and fit the host budget "
+                f"({self.budget['host']} bytes, {self.reserved['host']} reserved for staging)")
+        for g in dense:
+            tier = PoolGroup(g.index, g.window, False, g.page_bytes, tier_of=g.index)
+            tier.buffers = list(g.buffers)
+            self.tiers[g.index] = tier
+        self.tier_bytes = tier_bytes
+        return tier_bytes // per_slot
+
     def close(self) -> None:
         """Release the host region (registrations and memory) and drop every pool tensor
         (idempotent). Views taken before must not be used afterwards."""
         self.closed = True
-        for group in self.groups:
+        for group in self.groups + [t for t in self.tiers if t is not None]:
             group.data = group.device_data = None
         if self.host_group is not None:
             self.host_group.close()  # marks this rank as left before its mapping goes
@@ -410,12 +493,15 @@ class Storage:
         if not groups:
             return 0
         available = self.budget[medium] - self.reserved[medium]
+        if medium == "host":
+            available -= self.tier_bytes
         per_slot = sum(g.slot_bytes for g in groups)
         slots = max(available, 0) // per_slot
         if slots == 0:
+            tier = f", {self.tier_bytes} for the host tier" if medium == "host" and self.tier_bytes else ""
             raise ValueError(cite(
                 f"STO-4: the {medium} budget ({self.budget[medium]} bytes, {self.reserved[medium]} "
-                f"reserved for batch tables and staging) cannot hold one slot of each of its "
+                f"reserved for batch tables and staging{tier}) cannot hold one slot of each of its "
                 f"{len(groups)} pool groups ({per_slot} bytes)"
             ))
         # Page and token indices of views are int32: cap the slot count so none can overflow.
@@ -423,13 +509,15 @@ class Storage:
         return min(slots, limit)
 
     # ---- slots ----
-    def allocate_slots(self, needs) -> Optional[list[list[int]]]:
+    def allocate_slots(self, needs, writer=None) -> Optional[list[list[int]]]:
         """``needs[g]`` new slots of every pool group ``g`` (one reference each), or None with
         nothing changed (PFX-4, STO-5). Free slots are taken first, lowest first; only when a
         group runs out are its cached slots evicted, least recently used first, and only once
         every group's free slots (and the memory they commit) are in hand, so a failure never
         evicts anything. Evicting a full-attention page frees its cached slots in the other
-        groups too, which they then take before evicting more."""
+        groups too, which they then take before evicting more. A slot handed out under a fence
+        (a host tier's copy may still read it) makes ``writer`` (default: the current CUDA
+        stream) wait for that copy."""
         groups = self.groups
         if any(n > g.free_slots + g.cached_slots for g, n in zip(groups, needs)):
             return None
@@ -448,6 +536,26 @@ class Storage:
                     self.prefix.evict(group)
                 # slots freed by eviction are committed memory: this never fails
                 slots.extend(group.allocate(min(n - len(slots), group.free_slots)))
+        for group, slots in zip(groups, taken):
+            if group.fence_events and slots:
+                stream = writer if writer is not None else torch.cuda.current_stream(self.config.device)
+                group.await_fences(slots, stream)
+        return taken
+
+    def allocate_tier_slots(self, needs) -> Optional[list[list[int]]]:
+        """``needs[g]`` slots of the host tier of every dense pool group ``g`` (TIER-1), or None
+        with nothing taken: when a tier has too few free slots or committing its memory fails
+        (each tier's commit rolls back; the tiers allocated before are released)."""
+        taken: list[list[int]] = []
+        for index, n in enumerate(needs):
+            slots = [] if not n else (None if self.tiers[index] is None
+                                      else self.tiers[index].allocate(n))
+            if slots is None:
+                for tier, done in zip(self.tiers, taken):
+                    if done:
+                        tier.release(done)
+                return None
+            taken.append(slots)
         return taken
 
     # ---- views ----
@@ -502,7 +610,10 @@ class Storage:
         referenced by a cache, ``shared_slots`` by more than one, ``cached_slots`` are committed
         pages no cache references (reclaimable: allocation evicts them when no slot is free),
         ``free_slots`` hold nothing. ``stats()["prefix"]``: committed entries and the tokens
-        ``create_cache(token_ids)`` asked for and shared."""
+        ``create_cache(token_ids)`` asked for and shared. A dense group's ``host_tier`` (None
+        without one, TIER-1): its slots, used / free slots and bytes and committed bytes; the
+        host medium's used, free and committed bytes include the tiers', and
+        ``host_tier_bytes`` / ``host_tier_used_bytes`` give the tiers' budget and use."""
         groups = []
         media = {m: {"budget_bytes": self.budget[m], "reserved_bytes": self.reserved[m],
                      "used_bytes": 0, "shared_bytes": 0, "cached_bytes": 0, "free_bytes": 0,
@@ -519,16 +630,35 @@ class Storage:
                 "used_bytes": used * g.slot_bytes, "shared_bytes": shared * g.slot_bytes,
                 "cached_bytes": cached * g.slot_bytes, "free_bytes": free * g.slot_bytes,
                 "committed_bytes": committed, "in_host_region": g.region is not None,
+                "host_tier": self._tier_stats(self.tiers[g.index]),
             })
             for name, n in (("used", used), ("shared", shared), ("cached", cached), ("free", free)):
                 media[g.medium][f"{name}_bytes"] += n * g.slot_bytes
             media[g.medium]["committed_bytes"] += committed
+        tiers = [t for t in self.tiers if t is not None]
+        media["host"]["host_tier_bytes"] = self.tier_bytes
+        media["host"]["host_tier_used_bytes"] = 0
+        for t in tiers:
+            used = (t.num_slots - t.free_slots) * t.slot_bytes
+            media["host"]["used_bytes"] += used
+            media["host"]["host_tier_used_bytes"] += used
+            media["host"]["free_bytes"] += t.free_slots * t.slot_bytes
+            media["host"]["committed_bytes"] += min(t.committed_bytes, t.nbytes)
         region = None
         if self.region is not None:
             region = self.region.stats()
             # slots holding data: referenced or cached
             region["used_bytes"] = sum((g.num_slots - g.free_slots) * g.slot_bytes
-                                       for g in self.groups if g.region is not None)
+                                       for g in self.groups + tiers if g.region is not None)
             region["closed"] = self.region.closed
         return {"pool_groups": groups, **media, "host_region": region,
                 "prefix": self.prefix.stats()}
+
+    @staticmethod
+    def _tier_stats(tier: Optional[PoolGroup]) -> Optional[dict]:
+        if tier is None:
+            return None
+        used = tier.num_slots - tier.free_slots
+        return {"slots": tier.num_slots, "used_slots": used, "free_slots": tier.free_slots,
+                "used_bytes": used * tier.slot_bytes, "free_bytes": tier.free_slots * tier.slot_bytes,
+                "committed_bytes": min(tier.committed_bytes, tier.nbytes)}

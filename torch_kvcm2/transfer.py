@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ._util import refuse_during_capture
+from .config import BAD
 from .prefix import token_array
 
 FORMAT = "torch_kvcm2.CacheRecord"
@@ -145,18 +146,38 @@ def export_record(cache, token_ids=None) -> CacheRecord:
             f"resize(capacity={h}), first")
     P = config.tokens_per_page
     end = -(-h // P)
+    cache._await_pages()  # a resume's copy back from the host tier (TIER-1)
     _synchronize(config.device)
     pages, first_page = {}, {}
     for layer, buf in _buffers(config):
         idx = cache.host_pages(layer.name, buf.role)[:end]
-        live = np.flatnonzero(idx >= 0)
+        place = manager.storage.place(layer.name, buf.role)
+        tier = cache._tier_pages(place.group)  # a suspended cache's pages in the host tier
+        tier_idx = None
+        if tier is not None:
+            tier_data, tier_slots, event = tier
+            if event is not None:
+                event.synchronize()  # the copy to the host tier is done
+            tier_slots = tier_slots[:end]
+            tier_idx = np.where(tier_slots >= 0, tier_slots * tier_data.shape[1] + place.pos, BAD)
+        held = idx >= 0 if tier_idx is None else (idx >= 0) | (tier_idx >= 0)
+        live = np.flatnonzero(held)
         first = int(live[0]) if len(live) else end
         first_page.setdefault(layer.name, first)
-        if first != first_page[layer.name] or (idx[first:] < 0).any():
+        if first != first_page[layer.name] or not held[first:].all():
             raise AssertionError(f"export: layer {layer.name!r} buffers disagree on live pages")
         view = manager.buffer_view(layer.name, buf.role, device_side=False)
-        index = torch.from_numpy(idx[first:]).to(view.device)
-        data = view.index_select(0, index).cpu()
+        if tier_idx is None:
+            data = view.index_select(0, torch.from_numpy(idx[first:]).to(view.device)).cpu()
+        else:
+            data = torch.empty((end - first, *view.shape[1:]), dtype=torch.uint8)
+            on_gpu = np.flatnonzero(idx[first:] >= 0)
+            if len(on_gpu):
+                rows = torch.from_numpy(idx[first:][on_gpu]).to(view.device)
+                data[torch.from_numpy(on_gpu)] = view.index_select(0, rows).cpu()
+            in_tier = np.flatnonzero(tier_idx[first:] >= 0)
+            tier_view = tier_data.view(-1, *view.shape[1:])
+            data[torch.from_numpy(in_tier)] = tier_view[torch.from_numpy(tier_idx[first:][in_tier])]
         if h % P and len(data):
             data[-1, :, h % P:] = 0  # a recycled page's tail may hold another request's KV
         pages.setdefault(layer.name, {})[buf.role] = data

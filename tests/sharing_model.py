@@ -1,0 +1,171 @@
+"""The prefix-sharing model and its checks, shared by test_prefix and test_tiering: the
+data-safety model whose requests share committed prefixes (``SharingModel``), the reference-count
+and prefix-index checks run after every step (``check_references``, ``check_index``) and managers
+of exact slot counts (``sized``)."""
+import dataclasses
+
+import numpy as np
+import torch
+
+import torch_kvcm2 as kv
+from safety_model import MAX_ROWS, P as SAFETY_P, Model
+
+
+def check_references(manager, caches):
+    """Every slot's reference count is the number of open caches holding it; a free slot is
+    unreferenced and uncommitted; counts per group add up (no slot freed while referenced)."""
+    for group in manager.storage.groups:
+        expected = np.zeros(group.num_slots, dtype=np.int64)
+        for cache in caches:
+            if cache.closed:
+                continue
+            first, keep = cache._live[group.index]
+            row = cache._page_row(group.index)[first:keep]
+            assert (row >= 0).all()
+            np.add.at(expected, row, 1)
+        assert np.array_equal(group.refs, expected), group.index
+        free = np.ones(group.num_slots, dtype=bool)
+        free[:group._next] = False
+        free[group._free] = True
+        assert not (group.refs[free] != 0).any() and not (group.owner[free] != 0).any()
+        cached = (group.refs == 0) & (group.owner != 0)
+        assert int(cached.sum()) == group.cached_slots
+        assert int(free.sum()) == group.free_slots
+        assert not (cached & free).any()
+    check_index(manager)
+
+
+def check_index(manager):
+    """The prefix index is consistent: each live entry's key maps to it, its slots are owned by
+    it, its parent is live, its child count is the entries naming it, and an entry without
+    slots is kept only for its children."""
+    prefix = manager.storage.prefix
+    live = sorted(prefix._entry_of.values())
+    assert len(live) == len(set(live))
+    assert all(prefix._entry_of[prefix._keys[e]] == e for e in live)
+    children = {e: 0 for e in live}
+    for e in live:
+        parent = int(prefix._parent[e])
+        if parent >= 0:
+            assert parent in children, f"entry {e}: parent {parent} was removed"
+            children[parent] += 1
+    for e in live:
+        assert prefix._children[e] == children[e]
+        slots = prefix._slots[e]
+        assert (slots >= 0).any() or children[e], f"entry {e}: no slot and no child"
+        for group in manager.storage.groups:
+            if slots[group.index] >= 0:
+                assert group.owner[slots[group.index]] == e + 1
+    for group in manager.storage.groups:
+        owned = np.flatnonzero(group.owner)
+        entries = group.owner[owned] - 1
+        assert (prefix._slots[entries, group.index] == owned).all()
+
+
+
+def sized(config, slots, **kwargs):
+    """A manager of ``config`` whose pool groups hold ``slots[medium]`` slots each."""
+    probe = kv.KVCacheManager(config)
+    per = {m: sum(g.slot_bytes for g in probe.storage.groups if g.medium == m)
+           for m in ("gpu", "host")}
+    reserve = probe._reserve
+    probe.close()
+    config = dataclasses.replace(config, gpu_budget_bytes=reserve["gpu"] + slots["gpu"] * per["gpu"],
+                                 host_budget_bytes=reserve["host"] + slots["host"] * per["host"])
+    manager = kv.KVCacheManager(config, **kwargs)
+    assert all(g.num_slots == slots[g.medium] for g in manager.storage.groups)
+    return manager
+
+
+
+def content_bytes(key, positions, tokens, nbytes):
+    """Bytes of buffer ``key`` for tokens with ids ``tokens`` at ``positions``: a function of
+    the token id, so requests with other ids at a position write other bytes there (a wrongly
+    shared page reads back wrong)."""
+    t = positions.long().cpu()[:, None]
+    ids = torch.as_tensor(tokens).long()[:, None]
+    return ((ids * 131 + t * 17 + key * 29 + torch.arange(nbytes) * 7) % 256).to(torch.uint8)
+
+
+class SharingModel(Model):
+    """The data-safety model whose requests draw their token ids from a few prompts, diverge
+    at random points, commit at random steps and start from shared prefixes; bytes depend on
+    the token ids, so every read of a shared page checks that the sharing was right."""
+
+    def __init__(self, device, seed, slots):
+        super().__init__(device, seed)  # the config, buffers and rng of the data-safety model
+        self.batch.close()
+        self.manager.close()
+        self.manager = sized(self.config, {"gpu": slots, "host": slots})
+        self.config = self.manager.config
+        self.batch = kv.Batch(self.manager)
+        self.caches = []
+        self.everyone = []  # every cache ever made, for the reference counts
+        self.ids = {}  # request id -> token ids (numpy int64[max_tokens_per_row])
+        self.prompts = [np.array([self.rng.randrange(1000) for _ in range(96)]) for _ in range(3)]
+        self.checked_tokens = 0
+        self.shared_tokens = 0
+        self.commits = 0
+
+    def token_ids(self):
+        prompt = self.rng.choice(self.prompts)
+        cut = self.rng.choice([0, 4, 9, 16, 30, 48, 96])
+        tail = np.array([self.rng.randrange(1000) for _ in range(96 - cut)], dtype=np.int64)
+        return np.concatenate([prompt[:cut], tail]).astype(np.int64)
+
+    def tokens_of(self, row):
+        return self.ids[self.batch.members()[row].request_id]
+
+    def membership(self):
+        rng, batch = self.rng, self.batch
+        members = batch.members()
+        action = rng.random()
+        if action < 0.18 and len(members) < MAX_ROWS:
+            ids = self.token_ids()
+            length = rng.randint(0, 96)
+            cache = self.manager.create_cache(ids[:length] if rng.random() < 0.8 else None)
+            self.ids[cache.request_id] = ids
+            self.shared_tokens += cache.reused_tokens
+            self.caches.append(cache)
+            self.everyone.append(cache)
+            free = [r for r in range(MAX_ROWS) if r not in members]
+            batch.add(cache, row=rng.choice(free))
+        elif action < 0.26 and members:
+            cache = rng.choice(list(members.values()))
+            self.check_host(cache)
+            cache.close()
+            self.caches.remove(cache)
+        elif action < 0.40 and members:
+            cache = rng.choice(list(members.values()))
+            if cache.history_length >= 4 and not cache.offloaded:  # TIER-1: resume first
+                self.commits += 1
+                ids = self.ids[cache.request_id]
+                cut = cache.history_length if rng.random() < 0.7 else rng.randint(0, cache.history_length)
+                assert cache.commit(ids[:cut]) == cut // 4 * 4
+        elif action < 0.46 and members:
+            cache = rng.choice(list(members.values()))
+            if cache.suspended:
+                cache.resume()
+            elif cache.history_length == cache.capacity:
+                cache.suspend()
+
+    def check_host_direct(self, layer, role, idx):
+        storage = self.manager.storage
+        pool = storage.groups[storage.place(layer, role).group]
+        slots = (idx // SAFETY_P // pool.scale).numpy()
+        # PFX-3: the host-direct path never reaches a shared or committed page
+        assert (pool.refs[slots] == 1).all() and (pool.owner[slots] == 0).all()
+
+    def ids_at(self, rows, positions):
+        return [int(self.tokens_of(int(row))[int(pos)])
+                for row, pos in zip(rows.tolist(), positions.tolist())]
+
+    def history_ids(self, cache):
+        return self.ids[cache.request_id][:cache.history_length]
+
+    def content(self, key, positions, ids, nbytes):
+        return content_bytes(key, positions, ids, nbytes)
+
+    def step(self, number):
+        super().step(number)
+        check_references(self.manager, self.everyone)
