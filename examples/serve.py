@@ -105,7 +105,7 @@ def report(engine) -> None:
     fetched = sum(g["fetched_bytes"] for g in groups.values())
     print(f"step {r.steps}: {r.tokens_per_second:.0f} tokens/s, concurrency {r.concurrency:.2f}, "
           f"hit rate {rates}, fetched {fetched / 1e6:.1f} MB, flushed "
-          f"{m['flushed_bytes'] / 1e6:.1f} MB, preemptions {m['preemptions']} ({r.offloads} "
+          f"{m['flushed_bytes'] / 1e6:.1f} MB, preemptions {m['preemptions']} ({m['offloads']} "
           f"offloaded), resumes {m['resumes']}, aborts {m['aborts']}, prefix hit tokens "
           f"{m['prefix']['hit_tokens']}", flush=True)
 

@@ -76,6 +76,31 @@ def check(m, expected, seated=1, suspended=0):
     assert m["rows"] == {"seated": seated, "suspended": suspended}
 
 
+def test_offloads_count_suspends_that_moved_dense_pages():
+    """TIER-1: a suspend with the host tier moves the dense page (counted), one without does
+    not; the Prometheus name follows."""
+    base = make_manager()
+    config = base.config
+    base.close()
+    manager = kv.KVCacheManager(config, host_tier_bytes=4096)
+    caches = []
+    for offload in (True, False):
+        cache = manager.create_cache()
+        assert cache.resize(capacity=4)
+        cache.record_host_write(2)
+        assert cache.resize(history=2) and cache.resize(capacity=2)
+        assert cache.suspend(offload=offload)
+        caches.append(cache)
+    m = manager.metrics()
+    assert (m["preemptions"], m["offloads"]) == (2, 1)
+    assert [c.offloaded for c in caches] == [True, False]
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from torch_kvcm2.metrics import register
+    registry = prometheus_client.CollectorRegistry()
+    register(manager, registry)
+    assert "torch_kvcm2:num_offloads_total 1.0" in prometheus_client.generate_latest(registry).decode()
+
+
 def test_metrics_counts_a_known_run():
     manager = make_manager()
     batch, expected = scenario(manager)
@@ -202,6 +227,7 @@ torch_kvcm2:kv_flushed_bytes_total 32.0
 torch_kvcm2:kv_host_direct_bytes_total 96.0
 torch_kvcm2:admissions_refused_total 1.0
 torch_kvcm2:num_preemptions_total 1.0
+torch_kvcm2:num_offloads_total 0.0
 torch_kvcm2:num_resumes_total 1.0
 torch_kvcm2:num_aborts_total 1.0
 torch_kvcm2:allocations_failed_total 0.0

@@ -434,6 +434,7 @@ class KVCache:
             self._offload = moved if moved.pages else None
             if moved.pages:
                 self._pages_moved = True
+                self.manager._counts.offloads += 1
         self.state = SUSPENDED
         self.manager._counts.preemptions += 1
         if self._table is not None:

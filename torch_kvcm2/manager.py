@@ -231,7 +231,8 @@ class KVCacheManager:
         declared range, x the bytes per token of every sparse buffer this rank flushes);
         ``host_direct_bytes`` (declared host-direct writes); ``prefix``: ``queries``,
         ``queried_tokens``, ``hit_tokens``, ``evicted_slots``; ``admissions_refused``
-        (``can_fit`` False), ``preemptions`` (suspend), ``resumes``, ``aborts`` (in-flight
+        (``can_fit`` False), ``preemptions`` (suspend), ``offloads`` (suspends that moved dense
+        pages to the host tier, TIER-1), ``resumes``, ``aborts`` (in-flight
         tokens dropped by close or a discarding remove), ``allocations_failed`` (a resize or
         reserve top-up the pools could not supply, an offload or resume the host tier or the GPU
         pools could not); ``advance``: ``refused_rows``,

@@ -27,6 +27,8 @@ _COUNTERS = (
      "Bytes declared written straight to host pages (record_host_write)."),
     ("admissions_refused", ("admissions_refused",), "can_fit calls that answered False."),
     ("num_preemptions", ("preemptions",), "Requests suspended (KVCache.suspend)."),
+    ("num_offloads", ("offloads",),
+     "Suspends that moved dense pages to the host tier (KVCache.suspend(offload))."),
     ("num_resumes", ("resumes",), "Requests resumed (KVCache.resume)."),
     ("num_aborts", ("aborts",), "Requests whose in-flight tokens were dropped (close, discard)."),
     ("allocations_failed", ("allocations_failed",),

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 class HostCounters:
     """Counts of host events since the manager started (every field an int)."""
 
-    FIELDS = ("admissions_refused", "preemptions", "resumes", "aborts", "allocations_failed",
+    FIELDS = ("admissions_refused", "preemptions", "offloads", "resumes", "aborts",
+              "allocations_failed",
               "flushed_bytes", "host_direct_bytes")
 
     def __init__(self, config):
@@ -102,6 +103,7 @@ def snapshot(manager) -> dict:
                    "hit_tokens": prefix.matched_tokens, "evicted_slots": prefix.evicted_slots},
         "admissions_refused": counts.admissions_refused,
         "preemptions": counts.preemptions,
+        "offloads": counts.offloads,
         "resumes": counts.resumes,
         "aborts": counts.aborts,
         "allocations_failed": counts.allocations_failed,
