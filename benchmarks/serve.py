@@ -65,6 +65,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_kvcm2 as kv  # noqa: E402
+from torch_kvcm2.memory import batch_memory_bytes  # noqa: E402
+from torch_kvcm2.storage import Storage  # noqa: E402
 from harness import Result, pick_device, write_json  # noqa: E402
 
 WORD = 4  # bytes per int32 word of the stand-in model's KV
@@ -160,20 +162,16 @@ def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
     """(the most requests of ``context`` + ``output`` tokens the budgets hold, the medium that
     binds): a manager reserves its batch memory (the cells, on torch_kvcm2's side) for
     ``max_rows`` rows at construction, so the rows and the requests' pages share each budget.
-    Read off two probe managers (1 and 2 rows) and one request's pages per medium."""
-    reserved = []
-    for rows in (1, 2):
-        probe = kv.KVCacheManager(build_config(shape, side, device, context, rows, budgets=False))
-        stats = probe.stats()
-        reserved.append({m: stats[m]["reserved_bytes"] for m in ("gpu", "host")})
-        groups = stats["pool_groups"]
-        probe.close()
+    Read off the batch memory of 1 and 2 rows and one request's pages per medium."""
+    config = build_config(shape, side, device, context, 1)
+    groups = Storage(config).groups  # pool groups without memory: pages per medium
+    reserved = [batch_memory_bytes(config, len(groups), rows) for rows in (1, 2)]
     pages = -(-(context + shape.output) // shape.page)
     best, binding = None, None
     for medium, budget in (("gpu", shape.gpu_kv_gb), ("host", shape.host_gb)):
         per_row = reserved[1][medium] - reserved[0][medium]
         fixed = reserved[0][medium] - per_row
-        request = sum(pages * g["page_bytes"] * g["scale"] for g in groups if g["medium"] == medium)
+        request = sum(pages * g.slot_bytes for g in groups if g.medium == medium)
         if per_row + request == 0:
             continue
         rows = int((budget * 1e9 * shape.scale - fixed) // (per_row + request))
@@ -184,8 +182,7 @@ def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
     return min(best, shape.max_concurrency), binding
 
 
-def build_config(shape: Shape, side: str, device: str, context: int, rows: int,
-                 budgets: bool = True) -> kv.CacheConfig:
+def build_config(shape: Shape, side: str, device: str, context: int, rows: int) -> kv.CacheConfig:
     """Per layer a latent (sparse on torch_kvcm2's side, a dense GPU buffer on the baseline's)
     and a dense indexer key; budgets as the module docstring says."""
     layers, spec = [], None
@@ -200,11 +197,10 @@ def build_config(shape: Shape, side: str, device: str, context: int, rows: int,
         else:
             layers.append(kv.LayerSpec(f"l{i}", [kv.BufferSpec("kv", shape.latent_bytes),
                                                  kv.BufferSpec("ik", shape.key_bytes)]))
-    big = 1 << 50  # a probe's budgets: room for any reserve
     return kv.CacheConfig(tokens_per_page=shape.page, layers=layers, max_rows=rows,
                           max_tokens_per_row=context + shape.output + 4 * shape.page,
-                          gpu_budget_bytes=int(shape.gpu_kv_gb * 1e9 * shape.scale) if budgets else big,
-                          host_budget_bytes=int(shape.host_gb * 1e9 * shape.scale) if budgets else big,
+                          gpu_budget_bytes=int(shape.gpu_kv_gb * 1e9 * shape.scale),
+                          host_budget_bytes=int(shape.host_gb * 1e9 * shape.scale),
                           device=torch.device(device))
 
 
@@ -587,6 +583,9 @@ def run_context(shape: Shape, device: str, context: int, progress) -> list:
                     raise AssertionError(f"{name}: {rows} requests planned to fit and did not "
                                          f"({side.binding})")
                 results.append(level)
+                progress(f"  {level.tokens_per_s:.0f} tokens/s, TPOT p50 {level.tpot_p50:.2f} ms "
+                         f"p99 {level.tpot_p99:.2f} ms, hit rate {level.hit_rate:.3f}, parts ms "
+                         + " ".join(f"{k} {v:.2f}" for k, v in level.parts_ms.items()))
             level.maximum = True
             level.binding = side.planned_binding
             if side.max_rows >= shape.max_concurrency:
