@@ -306,13 +306,15 @@ def mtp_config(device, T=2, K=3, S=12, I=3, U=1, P=4, rows=4, width_b=2):
 
 def test_mtp1_config_validation_names_layer_and_rule():
     """MTP-1: max_query_tokens is a positive int, I >= T and S >= T*K + ceil(I/U) + 1; errors
-    name the layer, the buffer and the rule; layers of one group agree on T (CFG-4)."""
+    name the rule and where: the sparse settings for their own fields (refused when they are
+    made), the layer and the buffer for the slots the config needs; layers of one group agree
+    on T (CFG-4)."""
     assert mtp_config("cpu").layer("a").sparse.max_selected_columns == 6
     assert kv.SparseSpec(1, 4, 8, 2).max_query_tokens == 1  # the default
-    with pytest.raises(ValueError, match=r"layer 'a', buffer 'kv': MTP-1: max_query_tokens must "
+    with pytest.raises(ValueError, match=r"^sparse settings.*: MTP-1: max_query_tokens must "
                                          r"be a positive int"):
         mtp_config("cpu", T=0)
-    with pytest.raises(ValueError, match=r"layer 'a', buffer 'kv': MTP-1: max_inflight_tokens "
+    with pytest.raises(ValueError, match=r"^sparse settings.*: MTP-1: max_inflight_tokens "
                                          r"\(3\) must be >= max_query_tokens \(4\)"):
         mtp_config("cpu", T=4, S=20)
     with pytest.raises(ValueError, match=r"layer 'a', buffer 'kv': MTP-1: slots \(8\) must be >= "
