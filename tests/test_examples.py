@@ -320,7 +320,7 @@ def test_serve_runs_the_engine_and_its_checks_pass():
     # preemption count (the engine's own) is at least the last periodic line's
     periodic = [line for line in lines if line.startswith("step ")]
     assert all(" fetched " in line and " flushed " in line for line in periodic), output(result)
-    last = int(periodic[-1].split("preemptions ")[1].split(",")[0])
+    last = int(periodic[-1].split("preemptions ")[1].split(" ")[0])
     final = int(lines[-2].split(" preempted")[0].rsplit(" ", 1)[1])
     assert last <= final, output(result)
     assert lines[-1].startswith("checks passed: ") and "nothing leaked" in lines[-1], output(result)
