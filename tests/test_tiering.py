@@ -604,6 +604,11 @@ def test_random_runs_with_the_host_tier_lose_no_kv(device, seed, slots, tier_slo
 def test_cuda_copies_run_on_the_copy_stream_without_host_waits_and_in_order():
     manager = tiered_manager("cuda")
     batch = kv.Batch(manager)
+    # a first offload and resume commits (and registers with CUDA) the tier's host memory and
+    # creates the copy stream: host work that may take longer than the sleeps below
+    warm = import_history(manager.create_cache(), 40)
+    assert warm.suspend(offload=True) and warm.resume()
+    warm.close()
     cache = import_history(manager.create_cache(), 40)
     row = batch.add(cache)
     batch.publish()
