@@ -98,12 +98,6 @@ class Shape:
     max_concurrency: int = 512
 
     @property
-    def steps_total(self) -> int:
-        """Decode tokens each request has room for (its pages at admission: what it holds at
-        its last token, as an engine that admits by ``can_fit(prompt + output)`` counts)."""
-        return self.output
-
-    @property
     def scale(self) -> float:
         return self.layers / self.model_layers
 
@@ -253,14 +247,14 @@ class Side:
         (nothing half-done) when the pools refuse one."""
         sh = self.shape
         while len(self.caches) < count:
-            need = self.context + sh.steps_total
+            need = self.context + sh.output
             if not self.manager.can_fit(need):
                 self.binding = self.refusing_medium(need)
                 return False
             cache = self.manager.create_cache()
             # pages for the prompt and, as the reserve that advance moves through on the
             # device, for every output token: what the request holds at its last token
-            cache.set_reserve(sh.steps_total)
+            cache.set_reserve(sh.output)
             if not cache.resize(capacity=self.context + 1):
                 cache.close()
                 self.binding = self.refusing_medium(need)
@@ -325,7 +319,7 @@ class Side:
         for cache in members:
             h = cache.history_length
             # what is left of the output's room, so a request holds context + output in all
-            cache.set_reserve(self.context + sh.steps_total - h - 1)
+            cache.set_reserve(self.context + sh.output - h - 1)
             assert cache.resize(capacity=h + 1)  # the next token's room
             batch.add(cache)
         batch.publish()
@@ -372,7 +366,7 @@ class Side:
         assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran short"
         for cache in members:
             h = cache.history_length
-            cache.set_reserve(self.context + sh.steps_total - h)  # held: context + output
+            cache.set_reserve(self.context + sh.output - h)  # held: context + output
             assert cache.resize(capacity=h)  # nothing in flight between levels
             batch.remove(cache)
         return level
