@@ -647,7 +647,7 @@ def test_batch_memory_is_what_the_batch_allocates():
     batch = kv.Batch(manager, max_rows=3)
     pools = {g.device_data.untyped_storage().data_ptr() for g in manager.storage.groups}
     tensors = batch.state_tensors() + [batch._table.mirror.delta, batch._sync.snapshot,
-                                       batch._sync.counter_snapshot, batch._sync.counter_source]
+                                       batch._sync.counter_snapshot, batch._sync.counter_stage]
     tensors += [staging.tensor for staging in batch._table.mirror.ring]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
                 if t.untyped_storage().data_ptr() not in pools}

@@ -81,8 +81,8 @@ class Batch:
         mirror = TableMirror(config, len(manager.storage.groups), max_rows, allocated)
         self._step = step = DeviceStep(self, allocated, mirror)
         self._table = table = RowTable(self, mirror, step.clear_leases)
-        self._sync = table.sync = LengthsSync(table, allocated["snapshot"], step.counter_parts, step.counter_stage,
-                                              allocated["counter_snapshot"])
+        self._sync = table.sync = LengthsSync(table, allocated["snapshot"], step.counter_parts,
+                                              step.counter_stage, allocated["counter_snapshot"])
         self._sync.flush_token_bytes = step.flush_token_bytes
         manager._batches.add(self)
         # a batch collected unclosed still adds its last read-back counters to the manager's

@@ -85,7 +85,7 @@ class LengthsSync:
         self.host = snapshot.numpy()
         # the device counters (int64 tensors, gathered into the stage in memory.counter_words'
         # order) and their ring
-        self.counter_parts, self.counter_source = counter_parts, counter_stage
+        self.counter_parts, self.counter_stage = counter_parts, counter_stage
         self.counter_buffers = counter_snapshot.unbind(0)
         self.counter_snapshot = counter_snapshot
         self.host_counters = counter_snapshot.numpy()
@@ -124,8 +124,8 @@ class LengthsSync:
             if torch.cuda.is_current_stream_capturing():
                 return
             self.buffers[k].copy_(self.source, non_blocking=True)
-            torch.cat(self.counter_parts, out=self.counter_source)
-            self.counter_buffers[k].copy_(self.counter_source, non_blocking=True)
+            torch.cat(self.counter_parts, out=self.counter_stage)
+            self.counter_buffers[k].copy_(self.counter_stage, non_blocking=True)
             self.events[k].record(torch.cuda.current_stream(self.source.device))
         else:
             self.buffers[k].copy_(self.source)
