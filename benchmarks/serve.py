@@ -208,6 +208,8 @@ class Level:
     hit_rate: float = 1.0
     fetched_bytes_per_step: float = 0.0
     checked_tokens: int = 0
+    maximum: bool = False  # the side's largest concurrency
+    binding: str = ""  # at the maximum: what binds it
 
     @property
     def tokens_per_s(self) -> float:
@@ -298,13 +300,7 @@ class Side:
         sh = self.shape
         if not self.admit(rows):
             return None
-        try:
-            batch = kv.Batch(self.manager, max_rows=rows)
-        except (RuntimeError, ValueError) as error:  # the batch's reserve does not fit
-            if "budget" not in str(error) and "reserve" not in str(error):
-                raise
-            self.binding = "GPU budget (the batch's cells)" if self.side == "kvcm2" else "GPU budget"
-            return None
+        batch = kv.Batch(self.manager, max_rows=rows)  # within the reserve plan_rows sized
         try:
             level = self.decode(batch, rows)
         except BaseException:
@@ -611,7 +607,7 @@ def summarize(levels: list, shape: Shape) -> dict:
             "best_tokens_per_s": {**best, "ratio": best["kvcm2"] / best["dense"]},
             "low_concurrency_ratio": small,
             "tpot_p99_over_p50": tpot,
-            "binding": {s: getattr(by[s][-1], "binding", "") for s in by},
+            "binding": {s: by[s][-1].binding for s in by},
         }
     return out
 
@@ -626,7 +622,7 @@ def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
     print("|---------|-------|-------|----------|-------------|--------|----------|--------------|--------------------------------------------|-------|")
     for lv in levels:
         parts = "/".join(f"{lv.parts_ms.get(p, 0):.2f}" for p in ("weights", "indexer", "cache", "attention"))
-        bound = getattr(lv, "binding", "") if getattr(lv, "maximum", False) else ""
+        bound = lv.binding if lv.maximum else ""
         hit = f"{lv.hit_rate:8.3f}" if lv.side == "kvcm2" else f"{'-':>8}"
         print(f"| {lv.context:7} | {lv.side:5} | {lv.rows:5} | {lv.tokens_per_s:8.0f} | "
               f"{lv.tpot_p50:11.3f} | {lv.tpot_p99:6.3f} | {hit} | "
