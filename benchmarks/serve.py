@@ -15,13 +15,17 @@ The stand-in model, per layer and decode step (each part a flag, defaults below)
   expected number touched, ``E (1 - (1 - 8/256)^(B x gpus))``: the fixed cost batching
   amortises;
 * the indexer: each row's query scores every dense indexer key of its context (``--key-bytes``
-  per token per layer, read from its GPU pages) and takes the top K (``--top-k``). The query's
+  per token per layer, read from its GPU pages once; a key's score is the low 20 bits of its
+  int32 words' sum) and takes the top K (``--top-k``, ``torch.topk`` on int32). The query's
   preference is the locality model's (``--locality`` of the top K kept from the step before;
   the rest walk through older history, as P-STEP-WALL): its selection is added to the scores as
   a bias, so the top-K the step uses is the top-K the indexer computed, and it equals the
   locality model's selection (checked);
-* attention: the K selected ``--latent-bytes`` rows per layer, gathered through the index table
-  from the cells (torch_kvcm2) or through the page table from the dense pool (baseline), summed.
+* attention: the K selected ``--latent-bytes`` rows per layer, gathered as int32 words through
+  the index table from the cells (torch_kvcm2) or through the page table from the dense pool
+  (baseline), summed. Gathers and scores move int32 words, not bytes: a byte gather ran the
+  indexer and attention at 150-300 GB/s on the H200, an order below the FP8 kernels they stand
+  for, and made the per-row parts, not the weights, bound both sides from a few requests on.
 
 torch_kvcm2's step adds, per selection group (``--layers-per-indexer`` layers share one;
 DeepSeek-V3.2 has one indexer per layer), ``resolve`` with the fetch of the misses from host
@@ -29,7 +33,8 @@ pages, the new token's latent written into its cell, ``flush`` of it to host pag
 ``advance``; the baseline writes the new token into its pool and advances. Both run their whole
 device step as one CUDA graph per concurrency (eagerly on the CPU), with the host's ``publish``
 before and ``record_advance`` after each replay and a synchronisation per step (an engine reads
-each step's sampled tokens): TPOT is that wall time per step.
+each step's sampled tokens): TPOT is that wall time per step; "host ms" is the part of it in
+``publish`` and ``record_advance``.
 
 Budgets, the same for both sides: the KV GPU budget one H200 of an 8xH200 node has left after
 DeepSeek-V3.2's weights (FP8, ~690 GB over 8 GPUs = 86 GB; 10 GB of activations and workspace:
@@ -39,7 +44,10 @@ the weights scale by layers/61, so concurrency is the full model's and the per-s
 the run's layers' share (tokens/s is then the scaled model's; the ratios carry over). The GPU
 machine has 128 GiB of host memory: the H200 run uses 4 layers (a 15.7 GB host budget).
 
-Concurrency is swept 1, 2, 4, ... and then each side's maximum: requests of ``context`` tokens
+Per context, concurrency is swept 1, 2, 4, ... and then each side's maximum at ``--layers``;
+then 1 and 2 requests again with ``--low-layers`` (default all 61: at 1-2 requests the host's
+per-step work is a fixed cost that a 4-layer run would weigh 15x too heavily against the GPU's;
+the low-concurrency figure is taken from these). Each level: requests of ``context`` tokens
 (prompt; ``--output`` tokens of decode each) admitted by ``KVCacheManager.can_fit`` into a batch
 of that many rows, until the pools (or the batch's cells) refuse: the binding resource is the
 medium that refused. Prefill is not timed: every request's history is written straight to its
@@ -59,7 +67,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -70,7 +78,8 @@ from torch_kvcm2.storage import Storage  # noqa: E402
 from harness import Result, pick_device, write_json  # noqa: E402
 
 WORD = 4  # bytes per int32 word of the stand-in model's KV
-BIAS = 1 << 40  # the query's preference, above any key score (scores < 2^37)
+SCORE_MASK = (1 << 20) - 1  # a key's score: the low 20 bits of its words' int32 sum
+BIAS = 1 << 21  # the query's preference, above any key score
 
 
 @dataclass
@@ -119,8 +128,8 @@ class Shape:
         return int((self.dense_weight_mb + self.expert_mb * touched) * 1e6)
 
 
-QUICK = Shape(layers=2, model_layers=2, latent_bytes=64, key_bytes=16, top_k=32, slots=48, page=16,
-              output=256, steps=4, warmup=2, gpu_kv_gb=0.0006, host_gb=0.0015, dense_weight_mb=0.05,
+QUICK = Shape(layers=2, model_layers=3, latent_bytes=64, key_bytes=16, top_k=32, slots=48, page=16,
+              output=256, steps=4, warmup=2, gpu_kv_gb=0.0009, host_gb=0.00225, dense_weight_mb=0.05,
               expert_mb=0.01, experts_per_gpu=4, hidden=64, max_concurrency=64)
 
 
@@ -142,14 +151,15 @@ def token_rows(view: torch.Tensor, pages: torch.Tensor, pos: torch.Tensor) -> tu
 
 
 def read_tokens(view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-    """int32[..., words] of the tokens at (page, tok) of a paged view."""
-    got = view[page, :, tok]  # [..., chunks, b]
-    return got.flatten(-2).contiguous().view(torch.int32)
+    """int32[..., words] of the tokens at (page, tok) of a paged view, gathered as int32 words
+    (a quarter of the elements a byte gather moves: the stand-in reads near a real kernel's
+    rate)."""
+    return view.view(torch.int32)[page, :, tok].flatten(-2)  # [..., chunks * b/4]
 
 
 def write_tokens(view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor, words: torch.Tensor) -> None:
-    chunks, b = view.shape[1], view.shape[3]
-    view[page, :, tok] = words.view(torch.uint8).view(*words.shape[:-1], chunks, b)
+    chunks = view.shape[1]
+    view.view(torch.int32)[page, :, tok] = words.view(*words.shape[:-1], chunks, -1)
 
 
 def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
@@ -203,7 +213,9 @@ class Level:
     side: str
     context: int
     rows: int
+    layers: int
     step_ms: list = field(default_factory=list)
+    host_ms: list = field(default_factory=list)  # per step: publish + record_advance
     parts_ms: dict = field(default_factory=dict)
     hit_rate: float = 1.0
     fetched_bytes_per_step: float = 0.0
@@ -218,6 +230,10 @@ class Level:
     @property
     def tpot_p50(self) -> float:
         return statistics.median(self.step_ms)
+
+    @property
+    def host_p50(self) -> float:
+        return statistics.median(self.host_ms)
 
     @property
     def tpot_p99(self) -> float:
@@ -320,7 +336,7 @@ class Side:
             batch.add(cache)
         batch.publish()
         step = DecodeStep(self, batch, members)
-        level = Level(self.side, self.context, rows)
+        level = Level(self.side, self.context, rows, sh.layers)
         cuda = self.device == "cuda"
         graph = None
         for _ in range(sh.warmup):
@@ -341,13 +357,18 @@ class Side:
         for _ in range(sh.steps):
             start = time.perf_counter()
             batch.publish()
+            published = time.perf_counter()
+            host = published - start
             if graph is not None:
                 graph.replay()
+                replayed = time.perf_counter()
                 batch.record_advance()
+                host += time.perf_counter() - replayed
                 torch.cuda.synchronize()  # an engine reads each step's sampled tokens
             else:
                 step()
             level.step_ms.append((time.perf_counter() - start) * 1e3)
+            level.host_ms.append(host * 1e3)
         batch.catch_up()
         level.parts_ms = step.parts(batch)  # eager, timed by part; advances the rows too
         batch.catch_up()
@@ -374,6 +395,7 @@ class Side:
         return tuple(sum(g[key] for g in groups) for key in ("hits", "misses", "fetched_bytes"))
 
     def close(self, check: bool = True) -> None:
+        self.weights = []  # freed before the next side allocates its own
         for cache in self.caches:
             cache.close()
         self.caches.clear()
@@ -431,7 +453,7 @@ class DecodeStep:
         self.x = torch.ones(sh.hidden, rows, dtype=torch.bfloat16, device=dev)
         wrows = sh.weight_bytes(rows) // 2 // sh.hidden
         self.wviews = [w[:wrows] for w in side.weights]
-        self.out = torch.zeros(sh.layers, rows, dtype=torch.int64, device=dev)
+        self.out = torch.zeros(sh.layers, rows, dtype=torch.int32, device=dev)
         self.gathered = {}  # layer -> int32[R, K, words] of the last step (checked layers)
         self.selection = {}  # layer -> int64[R, K] positions of the last step
         self.checked = (side.names[0], side.names[-1])
@@ -447,17 +469,17 @@ class DecodeStep:
         history = batch.history[:self.rows]
         pos = history.long()  # the new token's position, per row
         chosen = self.sets.index_select(0, self.counter.remainder(sh.period).view(1))[0]
-        bias = torch.zeros(self.rows, self.npages * sh.page, dtype=torch.int64, device=pos.device)
+        bias = torch.zeros(self.rows, self.npages * sh.page, dtype=torch.int32, device=pos.device)
         bias.scatter_(1, chosen, BIAS)
-        live = self.positions[None, :] < pos[:, None]  # history only
+        dead = self.positions[None, :] >= pos[:, None]  # not history
         for li, name in enumerate(self.side.names):
             mark("weights")
             torch.mm(self.wviews[li], self.x)
             mark("indexer")
             # every key of the slots in use read once (this level's requests own them all)
-            scores = self.keys[name].view(torch.int32).sum(dim=(1, 3))  # [slots, P]
-            rows_scores = scores[self.key_slots[name]].flatten(1)  # [R, npages*P]
-            rows_scores = torch.where(live, rows_scores + bias, -1)
+            scores = self.keys[name].view(torch.int32).sum(dim=(1, 3), dtype=torch.int32) & SCORE_MASK
+            rows_scores = scores[self.key_slots[name]].flatten(1)  # [R, npages*P], a new tensor
+            rows_scores.add_(bias).masked_fill_(dead, -1)
             selected = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices
             mark("cache")
             words_kv = sh.latent_bytes // WORD
@@ -483,7 +505,7 @@ class DecodeStep:
                 mark("attention")
                 page, tok = token_rows(view, self.pages[name, "kv"], selected)
                 got = read_tokens(view, page, tok)
-            self.out[li] = got.long().sum(dim=(1, 2))
+            self.out[li] = got.sum(dim=(1, 2), dtype=torch.int32)
             if name in self.checked:
                 self.gathered[name] = got
                 self.selection[name] = selected
@@ -587,18 +609,35 @@ def run_context(shape: Shape, device: str, context: int, progress) -> list:
     return results
 
 
+def sweep(shape: Shape, device: str, contexts: list, low_layers: int, progress) -> list:
+    """Every context's levels: the sweep at ``shape.layers`` and, when ``low_layers`` differs,
+    concurrency 1 and 2 again with that many layers (the full model: its budgets, weights and
+    per-step host costs as they are, not scaled)."""
+    levels = []
+    for context in contexts:
+        levels += run_context(shape, device, context, progress)
+        if low_layers and low_layers != shape.layers:
+            levels += run_context(replace(shape, layers=low_layers, max_concurrency=2), device,
+                                  context, progress)
+    return levels
+
+
 def summarize(levels: list, shape: Shape) -> dict:
-    """The four P-SERVE figures per context."""
+    """The four P-SERVE figures per context: concurrency, throughput and TPOT from the sweep at
+    ``shape.layers``; the low-concurrency ratio from the most layers run at 1-2 requests."""
     out = {}
     for context in sorted({lv.context for lv in levels}):
-        by = {s: [lv for lv in levels if lv.context == context and lv.side == s] for s in ("dense", "kvcm2")}
+        here = [lv for lv in levels if lv.context == context]
+        low_layers = max(lv.layers for lv in here)
+        lows = {s: [lv for lv in here if lv.side == s and lv.layers == low_layers] for s in ("dense", "kvcm2")}
+        by = {s: [lv for lv in here if lv.side == s and lv.layers == shape.layers] for s in ("dense", "kvcm2")}
         dense_max = max(lv.rows for lv in by["dense"])
         ours_max = max(lv.rows for lv in by["kvcm2"])
         best = {s: max(lv.tokens_per_s for lv in by[s]) for s in by}
         small = {}
         for rows in (1, 2):
-            d = [lv for lv in by["dense"] if lv.rows == rows]
-            o = [lv for lv in by["kvcm2"] if lv.rows == rows]
+            d = [lv for lv in lows["dense"] if lv.rows == rows]
+            o = [lv for lv in lows["kvcm2"] if lv.rows == rows]
             if d and o:
                 small[rows] = o[0].tokens_per_s / d[0].tokens_per_s
         tpot = max(lv.tpot_p99 / lv.tpot_p50 for lv in by["kvcm2"])
@@ -606,6 +645,7 @@ def summarize(levels: list, shape: Shape) -> dict:
             "max_concurrency": {"dense": dense_max, "kvcm2": ours_max, "ratio": ours_max / dense_max},
             "best_tokens_per_s": {**best, "ratio": best["kvcm2"] / best["dense"]},
             "low_concurrency_ratio": small,
+            "low_concurrency_layers": low_layers,
             "tpot_p99_over_p50": tpot,
             "binding": {s: by[s][-1].binding for s in by},
         }
@@ -618,21 +658,21 @@ def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
           f"latent {shape.latent_bytes} B + key {shape.key_bytes} B per token per layer, locality "
           f"{shape.locality}, budgets GPU {shape.gpu_kv_gb * shape.scale:.2f} GB / host "
           f"{shape.host_gb * shape.scale:.2f} GB (x{shape.scale:.3f} of {shape.gpu_kv_gb} / {shape.host_gb})")
-    print("| context | side  | conc. | tokens/s | TPOT p50 ms | p99 ms | hit rate | PCIe MB/step | parts ms (weights/indexer/cache/attention) | bound |")
-    print("|---------|-------|-------|----------|-------------|--------|----------|--------------|--------------------------------------------|-------|")
+    print("| context | layers | side  | conc. | tokens/s | TPOT p50 ms | p99 ms | host ms | hit rate | PCIe MB/step | eager parts ms (weights/indexer/cache/attention) | bound |")
+    print("|---------|--------|-------|-------|----------|-------------|--------|---------|----------|--------------|--------------------------------------------------|-------|")
     for lv in levels:
         parts = "/".join(f"{lv.parts_ms.get(p, 0):.2f}" for p in ("weights", "indexer", "cache", "attention"))
         bound = lv.binding if lv.maximum else ""
         hit = f"{lv.hit_rate:8.3f}" if lv.side == "kvcm2" else f"{'-':>8}"
-        print(f"| {lv.context:7} | {lv.side:5} | {lv.rows:5} | {lv.tokens_per_s:8.0f} | "
-              f"{lv.tpot_p50:11.3f} | {lv.tpot_p99:6.3f} | {hit} | "
-              f"{lv.fetched_bytes_per_step / 1e6:12.2f} | {parts:42} | {bound} |")
+        print(f"| {lv.context:7} | {lv.layers:6} | {lv.side:5} | {lv.rows:5} | {lv.tokens_per_s:8.0f} | "
+              f"{lv.tpot_p50:11.3f} | {lv.tpot_p99:6.3f} | {lv.host_p50:7.3f} | {hit} | "
+              f"{lv.fetched_bytes_per_step / 1e6:12.2f} | {parts:48} | {bound} |")
     for context, s in summary.items():
         mc, bt = s["max_concurrency"], s["best_tokens_per_s"]
         low = ", ".join(f"c={c}: {r:.2f}x" for c, r in s["low_concurrency_ratio"].items())
         print(f"# {context} tokens: max concurrency {mc['kvcm2']} vs {mc['dense']} ({mc['ratio']:.2f}x; "
               f"target >= 3x); best tokens/s {bt['kvcm2']:.0f} vs {bt['dense']:.0f} ({bt['ratio']:.2f}x; "
-              f">= 3x); at low concurrency {low} (>= 0.97x); TPOT p99/p50 {s['tpot_p99_over_p50']:.2f} "
+              f">= 3x); at low concurrency ({s['low_concurrency_layers']} layers) {low} (>= 0.97x); TPOT p99/p50 {s['tpot_p99_over_p50']:.2f} "
               f"(<= 1.2); bound: kvcm2 by {s['binding']['kvcm2']}, dense by {s['binding']['dense']}")
 
 
@@ -664,11 +704,10 @@ def plot(levels: list, path: str, title: str) -> bool:
 
 def bench_serve(device: str, quick: bool) -> list:
     """benchmarks/run.py's P-SERVE rows: one per context, the sweep run as ``main`` runs it
-    (the H200 default: 4 layers, 32K and 128K tokens), its four target figures in the note."""
+    (the H200 default: 4 layers, 32K and 128K tokens, 1-2 requests also with all 61), its four
+    target figures in the note."""
     shape, contexts = (QUICK, [256, 512]) if quick else (Shape(layers=4), [32768, 131072])
-    levels = []
-    for context in contexts:
-        levels += run_context(shape, device, context, lambda what: None)
+    levels = sweep(shape, device, contexts, shape.model_layers, lambda what: None)
     out = []
     for context, s in summarize(levels, shape).items():
         mc, bt = s["max_concurrency"], s["best_tokens_per_s"]
@@ -683,7 +722,7 @@ def bench_serve(device: str, quick: bool) -> list:
             extra={**s, "note": f"{context} tokens: max concurrency {mc['kvcm2']} vs {mc['dense']} "
                                 f"({mc['ratio']:.2f}x), best tokens/s {bt['kvcm2']:.0f} vs "
                                 f"{bt['dense']:.0f} ({bt['ratio']:.2f}x), at 1-2 requests "
-                                f"{low:.2f}x, TPOT p99/p50 {s['tpot_p99_over_p50']:.2f}"}))
+                                f"({s['low_concurrency_layers']} layers) {low:.2f}x, TPOT p99/p50 {s['tpot_p99_over_p50']:.2f}"}))
     return out
 
 
@@ -695,6 +734,8 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="32768,131072", help="prompt tokens, comma-separated")
     p.add_argument("--layers", type=int, default=4, help="layers run (budgets scale by layers/61)")
     p.add_argument("--model-layers", type=int, default=d.model_layers)
+    p.add_argument("--low-layers", type=int, default=None,
+                   help="layers of the runs at 1-2 requests (default --model-layers; 0: none)")
     p.add_argument("--latent-bytes", type=int, default=d.latent_bytes, help="sparse latent per token per layer")
     p.add_argument("--key-bytes", type=int, default=d.key_bytes, help="indexer key per token per layer")
     p.add_argument("--top-k", type=int, default=d.top_k)
@@ -723,6 +764,8 @@ def parse_args(argv=None):
     for name in ("layers", "top_k", "slots", "output", "steps", "layers_per_indexer"):
         if getattr(shape, name) < 1:
             p.error(f"argument --{name.replace('_', '-')}: must be >= 1")
+    if args.low_layers is not None and args.low_layers < 0:
+        p.error("argument --low-layers: must be >= 0")
     if not 0 < shape.locality < 1:
         p.error("argument --locality: must be in (0, 1)")
     if shape.slots < shape.top_k + 1:
@@ -733,27 +776,28 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args, shape, contexts = parse_args(argv)
     device, _ = pick_device(args.quick)
-    if device == "cpu" and not args.quick:
+    quick = args.quick
+    if device == "cpu" and not quick:
         print("no CUDA kernels or GPU: running --quick", file=sys.stderr)
-        shape, contexts = QUICK, [256, 512]
+        shape, contexts, quick = QUICK, [256, 512], True
     started = time.perf_counter()
 
     def progress(what: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
 
-    levels = []
-    for context in contexts:
-        levels += run_context(shape, device, context, progress)
+    low_layers = shape.model_layers if args.low_layers is None or quick else args.low_layers
+    levels = sweep(shape, device, contexts, low_layers, progress)
     summary = summarize(levels, shape)
     title = ("CPU smoke run: numbers are not claims" if device == "cpu"
              else f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
     print_table(levels, summary, shape, title)
     if args.plot:
-        plot(levels, args.plot, f"P-SERVE: {title}")
+        plot([lv for lv in levels if lv.layers == shape.layers], args.plot, f"P-SERVE: {title}")
     if args.json:
         write_json(args.json, {"device": title, "shape": shape.__dict__, "summary": summary,
                                "levels": [{**lv.__dict__, "tokens_per_s": lv.tokens_per_s,
-                                           "tpot_p50": lv.tpot_p50, "tpot_p99": lv.tpot_p99}
+                                           "tpot_p50": lv.tpot_p50, "tpot_p99": lv.tpot_p99,
+                                           "host_p50": lv.host_p50}
                                           for lv in levels]})
     return 0
 

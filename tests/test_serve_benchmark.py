@@ -24,14 +24,18 @@ def test_quick_serve_runs_both_sides_checked_with_table_json_and_plot(serve, tmp
     levels = data["levels"]
     for context in (256, 512):
         for side in ("dense", "kvcm2"):
-            rows = [lv["rows"] for lv in levels if lv["context"] == context and lv["side"] == side]
+            here = [lv for lv in levels if lv["context"] == context and lv["side"] == side]
+            rows = [lv["rows"] for lv in here if lv["layers"] == 2]
             assert rows[0] == 1 and rows == sorted(rows) and len(rows) >= 3, (context, side, rows)
+            # 1-2 requests again with the whole (3-layer) model
+            assert [lv["rows"] for lv in here if lv["layers"] == 3] == [1, 2]
         summary = data["summary"][str(context)]
+        assert summary["low_concurrency_layers"] == 3 and set(summary["low_concurrency_ratio"]) == {"1", "2"}
         mc = summary["max_concurrency"]
         # the quick budgets: torch_kvcm2 holds more requests than the dense baseline
         assert mc["kvcm2"] > mc["dense"] >= 1
         assert summary["binding"]["dense"].startswith("GPU memory")
-    assert all(lv["checked_tokens"] > 0 and lv["tokens_per_s"] > 0 for lv in levels)
+    assert all(lv["checked_tokens"] > 0 and lv["tokens_per_s"] > 0 and lv["host_p50"] > 0 for lv in levels)
     ours = [lv for lv in levels if lv["side"] == "kvcm2"]
     assert all(0.85 < lv["hit_rate"] < 0.95 for lv in ours)  # locality 0.9 of the top-K
     printed = capsys.readouterr().out

@@ -62,15 +62,24 @@ def live(cache, layer, role, positions):
     return positions[cache.host_pages(layer, role)[positions // P] >= 0]
 
 
+def to_device(tensor, device):
+    """``tensor`` on ``device`` without a host wait: on CUDA through pinned memory (a copy from
+    pageable memory first waits for the stream's queued work, which the host-wait test must not)."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def write_dense(cache, positions, salt=0):
-    """Stand-in bytes into every dense buffer's live pages at ``positions`` (current stream)."""
+    """Stand-in bytes into every dense buffer's live pages at ``positions`` (current stream; no
+    host wait)."""
     manager = cache.manager
     for key, layer, role, nbytes in dense_buffers(manager.config):
         positions = live(cache, layer, role, positions)
         view = manager.buffer_view(layer, role)
         pages, offsets = token_index(cache, layer, role, positions)
         data = token_bytes(key, positions, nbytes, salt).view(len(pages), view.shape[1], -1)
-        view[pages.to(view.device), :, offsets.to(view.device)] = data.to(view.device)
+        view[to_device(pages, view.device), :, to_device(offsets, view.device)] = to_device(data, view.device)
 
 
 def read_dense(cache, layer, role, positions):
