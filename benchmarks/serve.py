@@ -23,9 +23,9 @@ The stand-in model, per layer and decode step (each part a flag, defaults below)
   locality model's selection (checked);
 * attention: the K selected ``--latent-bytes`` rows per layer, gathered as int32 words through
   the index table from the cells (torch_kvcm2) or through the page table from the dense pool
-  (baseline), summed. Gathers and scores move int32 words, not bytes: a byte gather ran the
-  indexer and attention at 150-300 GB/s on the H200, an order below the FP8 kernels they stand
-  for, and made the per-row parts, not the weights, bound both sides from a few requests on.
+  (baseline), summed. Gathers and scores move int32 words: a byte gather ran attention at 146
+  GB/s on the H200, an order below the FP8 kernel it stands for (docs/DESIGN.md, "The serving
+  benchmark").
 
 torch_kvcm2's step adds, per selection group (``--layers-per-indexer`` layers share one;
 DeepSeek-V3.2 has one indexer per layer), ``resolve`` with the fetch of the misses from host
@@ -357,8 +357,7 @@ class Side:
         for _ in range(sh.steps):
             start = time.perf_counter()
             batch.publish()
-            published = time.perf_counter()
-            host = published - start
+            host = time.perf_counter() - start
             if graph is not None:
                 graph.replay()
                 replayed = time.perf_counter()
