@@ -15,16 +15,21 @@ from harness import (MLA_ROW, PAGE, Result, bound_launches, check_selection, eag
                      snapshot, sparse_config, step_sizes)
 
 
-def run_step(timer, device, quick, groups, seed) -> dict:
-    """A full decode step of cache ops with the given selection-group sizes: per group one
-    resolve and one fetch of all its layers (``Batch.fetch(*layers)``, one launch), then one
-    write_indices per group and one flush, captured as one graph and replayed from the steady
-    state (the previous selection resident and fetched, one token in flight per row). Also times
-    the same step with one fetch launch per layer, and without any fetch (what the step spends
-    outside fetch). Checks every group's counters and index table, and on sampled layers (cells
-    zeroed before a last replay) every selected unit's bytes and the flushed token."""
+def run_step(timer, device, quick, groups, seed, rows=None, modes=("layer", "none", "group"),
+             checked=("group",)) -> dict:
+    """A full decode step of cache ops with the given selection-group sizes (``rows`` rows, or
+    P-STEP's): per group one resolve and one fetch of all its layers (``Batch.fetch(*layers)``,
+    one launch; mode "group"), then one write_indices per group and one flush, captured as one
+    graph and replayed from the steady state (the previous selection resident and fetched, one
+    token in flight per row). The other modes time the same step with one fetch launch per layer
+    ("layer"), without any fetch ("none": what the step spends outside fetch), and with every
+    group resolved and fetched in one call ("all": ``Batch.resolve_groups``, one resolve launch
+    and one fetch launch for all groups). For each mode in ``checked`` (cells zeroed before a
+    last replay): every group's counters and index table, and on sampled layers every selected
+    unit's bytes and the flushed token. Returns ``us`` (the first checked mode) and
+    ``<mode>_us`` per mode."""
     sz = step_sizes(quick)
-    R, K, S, H = sz["rows"], sz["K"], sz["S"], sz["history"]
+    R, K, S, H = rows or sz["rows"], sz["K"], sz["S"], sz["history"]
     L, G, B = sum(groups), len(groups), MLA_ROW
     config = sparse_config(device, rows=R, width=K, slots=S, unit=1, page=PAGE, bytes_per_token=B,
                            layers=L, inflight=16, tokens_per_row=H + 64, groups=groups)
@@ -57,9 +62,13 @@ def run_step(timer, device, quick, groups, seed) -> dict:
     def reset():
         restore(states, saved)
 
-    def step(fetch: str):  # "group": one launch per group, "layer": one per layer, "none"
+    def step(fetch: str):  # "group", "layer", "none", "all": the modes above
         def body():
+            if fetch == "all":
+                batch.resolve_groups(sels1, fetch=True)
             for gi, layers in enumerate(group_layers):
+                if fetch == "all":
+                    break
                 batch.resolve(gi, sels1[gi])
                 if fetch == "layer":
                     for layer in layers:
@@ -74,41 +83,48 @@ def run_step(timer, device, quick, groups, seed) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    per_layer_us = timer.graph(step("layer"), 1, reset) if G < L else None
-    no_fetch_us = timer.graph(step("none"), 1, reset)
-    us, replay = timer.graph(step("group"), 1, reset, keep=True)
+    times, replays = {}, {}
+    for mode in modes:
+        if mode == "layer" and G == L:
+            times[mode] = None  # one layer per group: the same as "group"
+        elif mode in checked:
+            times[mode], replays[mode] = timer.graph(step(mode), 1, reset, keep=True)
+        else:
+            times[mode] = timer.graph(step(mode), 1, reset)
     # a last replay with the sampled layers' cells zeroed, a pattern in their in-flight cell and
     # zeros in the host bytes of that token
     sample = sorted({group_layers[0][0], group_layers[G // 2][-1], group_layers[-1][-1]},
                     key=lambda name: int(name[1:]))
     page_table = batch.page_tables[0]
     host_slot = page_table[:, H // PAGE].long()
-    patterns = {}
-    for layer in sample:
-        gi, li = config.group_of(layer).index, int(layer[1:])
-        cells = batch.cells(layer, "kv")
-        cells.zero_()
-        write = states[gi].write_table[:, 0].long()
-        assert bool((write >= 0).all()), "no cell for the in-flight token"
-        pattern = ((torch.arange(R, device=device) * 3 + li * 7 + 1) % 256).to(torch.uint8)
-        patterns[layer] = pattern[:, None].expand(R, B)
-        cells[:, 0][write // PAGE, write % PAGE] = patterns[layer]
-        manager.storage.slot_pages(layer, "kv")[:, 0][host_slot, H % PAGE] = 0
-    replay()
-    del replay
-    for gi, st in enumerate(states):
-        got = (st.counters - saved[gi][2]).tolist()
-        assert got == [R * (K - new), R * new, 0], f"group {gi}: hits, misses, invalid = {got}"
-        assert bool((st.index_table >= 0).all()), f"group {gi}: a selected unit has no entry"
-    for layer in sample:
-        gi = config.group_of(layer).index
-        host = manager.storage.slot_pages(layer, "kv")
-        check_selection(batch.cells(layer, "kv"), host, page_table, sels1[gi], states[gi].index_table,
-                        fresh[gi])
-        assert torch.equal(host[:, 0][host_slot, H % PAGE], patterns[layer]), f"{layer}: flush wrote wrong bytes"
+    for mode in checked:
+        patterns = {}
+        for layer in sample:
+            gi, li = config.group_of(layer).index, int(layer[1:])
+            cells = batch.cells(layer, "kv")
+            cells.zero_()
+            write = states[gi].write_table[:, 0].long()
+            assert bool((write >= 0).all()), "no cell for the in-flight token"
+            pattern = ((torch.arange(R, device=device) * 3 + li * 7 + 1) % 256).to(torch.uint8)
+            patterns[layer] = pattern[:, None].expand(R, B)
+            cells[:, 0][write // PAGE, write % PAGE] = patterns[layer]
+            manager.storage.slot_pages(layer, "kv")[:, 0][host_slot, H % PAGE] = 0
+        replays.pop(mode)()
+        for gi, st in enumerate(states):
+            got = (st.counters - saved[gi][2]).tolist()
+            assert got == [R * (K - new), R * new, 0], \
+                f"{mode}: group {gi}: hits, misses, invalid = {got}"
+            assert bool((st.index_table >= 0).all()), f"{mode}: group {gi}: a selected unit has no entry"
+        for layer in sample:
+            gi = config.group_of(layer).index
+            host = manager.storage.slot_pages(layer, "kv")
+            check_selection(batch.cells(layer, "kv"), host, page_table, sels1[gi],
+                            states[gi].index_table, fresh[gi])
+            assert torch.equal(host[:, 0][host_slot, H % PAGE], patterns[layer]), \
+                f"{mode}: {layer}: flush wrote wrong bytes"
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
     cells_bytes = sum(batch.cells(layer, "kv").numel() for ls in group_layers for layer in ls)
-    return {"us": us, "per_layer_fetch_us": per_layer_us, "no_fetch_us": no_fetch_us,
+    return {"us": times[checked[0]], **{f"{mode}_us": t for mode, t in times.items()},
             "rows": R, "K": K, "S": S, "history": H,
             "layers": L, "groups": G, "new": new,
             "fetch_bytes": R * new * B * L, "flush_bytes": R * B * L, "cells_bytes": cells_bytes,
@@ -137,12 +153,12 @@ def bench_step(timer, device, quick, ceil, pres_us) -> list:
                 f"{pres_us:.1f} = {limit:.0f} us; measured {s['us']:.0f} us; GPU cells "
                 f"{s['cells_bytes'] / 1e9:.2f} GB (peak allocated {s['gpu_peak_bytes'] / 1e9:.2f} GB), "
                 f"pinned host pages {s['host_bytes'] / 1e9:.2f} GB; bytes checked on {s['sample']}")
-        fetch_us = s["us"] - s["no_fetch_us"]
+        fetch_us = s["us"] - s["none_us"]
         rate = f" = {s['fetch_bytes'] / fetch_us / 1e3:.1f} GB/s" if fetch_us > 0 else ""
-        note += f"; without the fetches {s['no_fetch_us']:.0f} us, so fetch takes {fetch_us:.0f} us{rate}"
-        if s["per_layer_fetch_us"] is not None:
+        note += f"; without the fetches {s['none_us']:.0f} us, so fetch takes {fetch_us:.0f} us{rate}"
+        if s["layer_us"] is not None:
             note += (f"; one fetch per group (as timed); with one fetch launch per layer instead "
-                     f"{s['per_layer_fetch_us']:.0f} us")
+                     f"{s['layer_us']:.0f} us")
         if rid == "P-STEP-HS":
             note += f"; P-STEP (grouped) is {s['us'] / grouped['us']:.2f}x faster"
             target, passed = "reference for P-STEP", None
@@ -151,6 +167,49 @@ def bench_step(timer, device, quick, ceil, pres_us) -> list:
         out.append(Result(rid, shape, s["us"], nbytes, "CE H2D", ceil["h2d"], target, passed,
                           extra={k: v for k, v in s.items() if k != "sample"} |
                           {"ideal_us": ideal, "limit_us": limit, "pres_us": pres_us, "note": note}))
+    return out
+
+
+#: P-STEP's step with one resolve and one fetch launch per group, graph-replayed, on the H200
+#: (2026-12-02): µs per step by rows, P-STEP-1's baseline.
+STEP_1_BASELINE = {1: 247, 8: 500, 32: 1446, 64: 2741, 128: 5550}
+
+
+def bench_step_1(timer, device, quick, ceil, pres_us) -> list:
+    """P-STEP-1: P-STEP's step (61 layers in 16 groups, 2% misses, graph-replayed) at 1, 8, 32,
+    64 and 128 rows with every group resolved and fetched in one call (``resolve_groups``: one
+    resolve and one fetch launch), against the same step with one resolve and one fetch per
+    group measured in the same run; both checked (counters, index tables, sampled cells and the
+    flushed token). Targets: <= 100 µs at 1 row; <= 1.5 x (bytes ÷ copy engine) + 2 x P-RES
+    from 8 to 128 rows. Then P-STEP-WALL's eager step at 1 and 8 rows, per group and all groups
+    in one call, against its GPU time (target <= 1.1x)."""
+    groups = step_sizes(quick)["groups"]
+    out = []
+    for R in (1, 2) if quick else (1, 8, 32, 64, 128):
+        s = run_step(timer, device, quick, groups, seed=7, rows=R, modes=("group", "all"),
+                     checked=("all", "group"))
+        release(device)
+        nbytes = s["fetch_bytes"] + s["flush_bytes"]
+        ideal = s["fetch_bytes"] / (ceil["h2d"] * 1e3) + s["flush_bytes"] / (ceil["d2h"] * 1e3)
+        limit = 100.0 if R == 1 else 1.5 * ideal + 2 * pres_us
+        shape = f"{s['layers']}L/{s['groups']}G x {R}r K={s['K']} S={s['S']} 2%: all groups"
+        base = STEP_1_BASELINE.get(R)
+        note = (f"{R} rows: all groups in one call {s['all_us']:.0f} us, one resolve + fetch per "
+                f"group {s['group_us']:.0f} us in the same run ({s['group_us'] / s['all_us']:.2f}x"
+                f"{f'; 2026-12-02 baseline {base} us' if base and device == 'cuda' else ''}); "
+                f"bytes {nbytes / 1e6:.2f} MB (fetch {s['fetch_bytes'] / 1e6:.2f} + flush "
+                f"{s['flush_bytes'] / 1e6:.2f}), at CE bandwidth {ideal:.0f} us; "
+                + ("target 100 us" if R == 1 else
+                   f"target 1.5 x {ideal:.0f} + 2 x P-RES {pres_us:.1f} = {limit:.0f} us"))
+        out.append(Result("P-STEP-1", shape, s["all_us"], nbytes, "CE H2D", ceil["h2d"],
+                          f"<= {limit:.0f} us", None if device == "cpu" else s["all_us"] <= limit,
+                          extra={k: v for k, v in s.items() if k != "sample"} |
+                          {"ideal_us": ideal, "limit_us": limit, "baseline_us": base,
+                           "note": note}))
+    for R in (1,) if quick else (1, 8):
+        for all_groups in (False, True):
+            out += bench_step_wall(timer, device, quick, rows=R, all_groups=all_groups)
+            release(device)
     return out
 
 
@@ -170,7 +229,7 @@ def wall_sizes(quick: bool) -> dict:
     return sz | {"new": new, "period": period, "history": history}
 
 
-def bench_step_wall(timer, device, quick) -> list:
+def bench_step_wall(timer, device, quick, rows=None, all_groups=False) -> list:
     """P-STEP-WALL: P-STEP's step as a user runs it (publish; per group resolve with the fetch of
     its layers in the same call; write_indices; flush; advance by one token per row), host work
     included: eagerly, and as one captured graph per step replayed with the host's
@@ -185,8 +244,12 @@ def bench_step_wall(timer, device, quick) -> list:
     timed steps' misses, summed, are checked against the stream's count per step. Each step
     selects from ``period`` precomputed selections (about 540 MB of device memory at
     P-STEP's shape) and, on CUDA, replays that selection's graph. On the CPU there is no graph and no GPU: the
-    rows compare the eager step with its ops alone."""
-    sz = wall_sizes(quick)
+    rows compare the eager step with its ops alone.
+
+    With ``rows`` (P-STEP-1's small batches) the batch has that many rows, only P-STEP's stream
+    runs and P-OBS is not measured; ``all_groups`` resolves every group in one call."""
+    sz = wall_sizes(quick) | ({"rows": rows} if rows else {})
+    default = rows is None and not all_groups
     R, K, S, H = sz["rows"], sz["K"], sz["S"], sz["history"]
     new, period = sz["new"], sz["period"]
     groups = sz["groups"]
@@ -205,7 +268,7 @@ def bench_step_wall(timer, device, quick) -> list:
     del order, core, walk
     ones = torch.ones(R, dtype=torch.int32, device=device)
 
-    bodies = [eager_step(batch, sets[i], ones) for i in range(period)]
+    bodies = [eager_step(batch, sets[i], ones, all_groups) for i in range(period)]
     steps = 8 if quick else 24
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     step = [0]  # every step the batch has made: the streams index their selections by it
@@ -314,8 +377,8 @@ def bench_step_wall(timer, device, quick) -> list:
         assert got == want, f"{got} misses in the timed steps, expected {want}"
         return eager_us, graph_us, gpu_us, observed
 
-    fresh = measure(lambda i: i % period, R * new * G, obs=True)
-    resident = measure(lambda i: i % 4, 0)
+    fresh = measure(lambda i: i % period, R * new * G, obs=default)
+    resident = measure(lambda i: i % 4, 0) if default else None
     batch.catch_up()
     del graphs
     assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran out of pages"
@@ -324,9 +387,12 @@ def bench_step_wall(timer, device, quick) -> list:
     for g, st in enumerate(batch.groups):
         assert bool((st.index_table >= 0).all()), f"group {g}: a selected unit has no entry"
     out = []
-    for name, (eager_us, graph_us, gpu_us, _), claim in (
-            (f"{100 * new / K:.0f}% misses", fresh, True), ("all resident", resident, False)):
-        shape = f"{L}L/{G}G x {R}r K={K} S={S} {name}"
+    streams = [(f"{100 * new / K:.0f}% misses", fresh, True)]
+    if resident is not None:
+        streams.append(("all resident", resident, False))
+    how = ", all groups in one call" if all_groups else ""
+    for name, (eager_us, graph_us, gpu_us, _), claim in streams:
+        shape = f"{L}L/{G}G x {R}r K={K} S={S} {name}{how}"
         note = (f"{name}: wall time per step, median of 5 runs of {steps} steps: eager "
                 f"{eager_us:.0f} us"
                 + (f", graph replay + record_advance + publish {graph_us:.0f} us" if graph_us else "")
@@ -347,6 +413,8 @@ def bench_step_wall(timer, device, quick) -> list:
                               passed=graph_us <= 1.02 * gpu_us if claim else None,
                               extra={"gpu_us": gpu_us, "ratio": graph_us / gpu_us}))
         out[-1].extra["note"] = note
+    if not default:
+        return out
     plain_us, watched_us = fresh[3]
     metrics = manager.metrics()
     hits = sum(g["hits"] for g in metrics["selection_groups"].values())

@@ -342,17 +342,22 @@ def reserved_step_batch(device, sz: dict, reserve: int):
     return manager, batch, caches
 
 
-def eager_step(batch, selection, accepted):
+def eager_step(batch, selection, accepted, all_groups: bool = False):
     """The device part of a decode step as a user writes it (P-STEP-WALL's body): per selection
-    group ``resolve`` with the fetch of its layers in the same call (``selection[g]``), every
-    group's ``write_indices``, ``flush`` of the in-flight token and ``advance`` by
-    ``accepted``. The host's ``publish`` comes before it (or ``record_advance`` after a
-    replay). Returns the step as a function of no arguments."""
+    group ``resolve`` with the fetch of its layers in the same call (``selection[g]``; with
+    ``all_groups`` every group in one ``resolve_groups`` call), every group's
+    ``write_indices``, ``flush`` of the in-flight token and ``advance`` by ``accepted``. The
+    host's ``publish`` comes before it (or ``record_advance`` after a replay). Returns the step
+    as a function of no arguments."""
     groups = range(len(batch.groups))
+    selections = [selection[g] for g in groups]
 
     def body():
-        for g in groups:
-            batch.resolve(g, selection[g], fetch=True)  # and every layer's fetch
+        if all_groups:
+            batch.resolve_groups(selections, fetch=True)
+        else:
+            for g in groups:
+                batch.resolve(g, selections[g], fetch=True)  # and every layer's fetch
         for g in groups:
             batch.write_indices(g)
         batch.flush(batch.history + accepted)

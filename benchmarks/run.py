@@ -15,6 +15,9 @@ torch's copy and an elementwise kernel on the same bytes); P-TORCH times a strai
 torch-op resolve + fetch against the library's on P-RES's workload (eagerly: it synchronises);
 P-STEP times a whole decode step of cache ops (61 sparse layers in 16 selection groups) as one
 graph replay, next to the same step with 61 private groups (P-STEP-HS, the HiSparse shape);
+P-STEP-1 times that step at 1 to 128 rows with every group resolved and fetched in one call,
+against one resolve and fetch per group in the same run, and P-STEP-WALL's eager step at 1 and
+8 rows both ways;
 P-CAP reads the GPU bytes per request off the batch's cell tensors at two context lengths;
 P-STEP-WALL's run also gives P-OBS (its captured step with ``metrics()`` every step and a
 Prometheus scrape every 100, interleaved with runs without).
@@ -22,7 +25,8 @@ Prometheus scrape every 100, interleaved with runs without).
 Memory on the GPU machine (default run): P-STEP's 61 layers x 64 rows x 4096 slots x 656 B are
 10.5 GB of GPU cells and 64 rows x 2,560 tokens of history x 61 layers are 6.7 GB of pinned
 host pages; P-STEP and P-STEP-HS are built one after the other (peak ~10.6 GB GPU, ~6.7 GB
-pinned). P-PREEMPT builds the same cells again, with 63 rows of 5,120 tokens and one of 32K:
+pinned). P-STEP-1's largest batch, 128 rows, doubles both (21 GB of cells, 13.4 GB pinned),
+one batch at a time. P-PREEMPT builds the same cells again, with 63 rows of 5,120 tokens and one of 32K:
 14.2 GB of pinned host pages, 2.9 GB of GPU dense pages and a 258 MB host tier. Everything
 else is below 1 GB on either side.
 
@@ -48,7 +52,7 @@ from bench_mtp import bench_mtp  # noqa: E402
 from bench_preempt import bench_preempt  # noqa: E402
 from bench_prefix import bench_prefix  # noqa: E402
 from bench_residency import bench_index, bench_resolve, bench_torch  # noqa: E402
-from bench_step import bench_step, bench_step_wall  # noqa: E402
+from bench_step import bench_step, bench_step_1, bench_step_wall  # noqa: E402
 from bench_tp import bench_tp  # noqa: E402
 from serve import bench_serve  # noqa: E402
 from harness import (Timer, ceilings, machine_title, pick_device, print_scaling,  # noqa: E402
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
     timer = Timer(device, 3 if args.quick else args.repeats)
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX",
-           "P-TORCH", "P-STEP", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP", "P-PREEMPT",
+           "P-TORCH", "P-STEP", "P-STEP-1", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP", "P-PREEMPT",
            "P-SERVE"]
     wanted = set(ids if args.only is None else args.only.split(","))
     riders = {"P-STEP-HS", "P-OBS"}  # measured by P-STEP and P-STEP-WALL
@@ -80,6 +84,8 @@ def main(argv=None) -> int:
         parser.error(f"--only: unknown ids {sorted(wanted - set(ids) - riders)}")
     if wanted & {"P-STEP", "P-STEP-HS"}:
         wanted |= {"P-RES", "P-STEP"}
+    if "P-STEP-1" in wanted:
+        wanted.add("P-RES")
     if "P-OBS" in wanted:
         wanted.add("P-STEP-WALL")
     q = args.quick
@@ -99,6 +105,7 @@ def main(argv=None) -> int:
                                         rid="P-INDEX-L")],
         "P-TORCH": lambda: [bench_torch(timer, device, q)],
         "P-STEP": lambda: bench_step(timer, device, q, ceil, pres_us=results[0].median_us),
+        "P-STEP-1": lambda: bench_step_1(timer, device, q, ceil, pres_us=results[0].median_us),
         "P-CAP": lambda: [bench_capacity(device, q)],
         "P-HOST": lambda: bench_host(device, q),
         "P-STEP-WALL": lambda: bench_step_wall(timer, device, q),

@@ -3,7 +3,8 @@
 Two selection groups ("g0": layers a0, a1 with 1-token units; "g1": layer b0 with 2-token
 units), a sparse latent buffer of 16 bytes per token viewed as 4 int32 words. The step runs the
 documented order: resolve, write_indices, per layer fetch, write the new token into the cells,
-an integer "attention" that reads every selected unit's tokens from the cells; then flush. All
+an integer "attention" that reads every selected unit's tokens from the cells; then flush
+(``step_groups``: the same with every group resolved and fetched in one call). All
 of it is tensor code with fixed shapes, so it can be traced with fullgraph=True and captured.
 ``run`` drives it over steps with a membership change; ``assert_same_state`` compares two
 batches' state tensors (eager and compiled or captured twins); ``op_samples`` gives one realistic
@@ -51,6 +52,21 @@ def attend(cells: torch.Tensor, index: torch.Tensor, U: int) -> torch.Tensor:
         words = tokens[entry * U + j].long().sum(-1)
         total = total + torch.where(valid, words, torch.zeros_like(words)).sum(-1)
     return total
+
+
+def step_groups(batch, selected, new_tokens):
+    """``step`` with every group resolved and fetched in one call (``Batch.resolve_groups``):
+    the same outputs and state, bit for bit."""
+    outputs = []
+    indices = batch.resolve_groups(selected, fetch=True)
+    for group in batch.config.selection_groups:
+        table, _ = batch.write_indices(group.index)
+        for layer in group.layers:
+            cells = batch.cells(layer, "kv")
+            write_tokens(cells, table[:, 0], new_tokens[layer])
+            outputs.append(attend(cells, indices[group.index], group.sparse.tokens_per_unit))
+    batch.flush()
+    return outputs
 
 
 def step(batch, selected, new_tokens):
@@ -183,6 +199,8 @@ def op_samples(device):
                          state.write_table, state.inflight_start, fetch_args[0], selected[0],
                          batch.history, batch.capacity, batch.lease, *fetch_args[1:],
                          sp.tokens_per_unit, 4, sp.max_inflight_tokens, 0),
+        "resolve_groups": (*batch._step.groups_args[True][0], selected,
+                           *batch._step.groups_args[True][1]),
         "locate_inflight": (state.inflight_slots, state.resident, batch.history, batch.capacity,
                             batch.lease, sp.tokens_per_unit, sp.max_inflight_tokens),
         "write_indices": (state.write_table, state.inflight_start, state.resident,

@@ -12,7 +12,7 @@ import pytest
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 
 IDS = ["P-RES", "P-RES-MTP", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FLUSH", "P-INDEX", "P-INDEX-L", "P-TORCH", "P-STEP",
-       "P-STEP-HS", "P-CAP", "P-HOST", "P-HOST", "P-STEP-WALL", "P-STEP-WALL", "P-OBS", "P-START", "P-START-GROW",
+       "P-STEP-HS", "P-STEP-1", "P-STEP-1", "P-STEP-WALL", "P-STEP-WALL", "P-CAP", "P-HOST", "P-HOST", "P-STEP-WALL", "P-STEP-WALL", "P-OBS", "P-START", "P-START-GROW",
        "P-START-OLD", "P-PFX", "P-PFX", "P-PFX", "P-TP", "P-TP", "P-TP", "P-TP",
        "P-PREEMPT", "P-PREEMPT", "P-PREEMPT", "P-SERVE", "P-SERVE"]
 
@@ -64,6 +64,14 @@ def test_quick_benchmark_run_checks_outputs_and_writes_json(bench, area, tmp_pat
         assert r["nbytes"] == e["fetch_bytes"] + e["flush_bytes"]
         assert e["cells_bytes"] == layers * rows * sizes["S"] * 656
         assert e["limit_us"] == pytest.approx(1.2 * e["ideal_us"] + groups * results["P-RES"]["median_us"])
+
+    step_1 = [r for r in data["results"] if r["id"] == "P-STEP-1"]
+    for rows, r in zip((1, 2), step_1):  # every group in one call, per group in the same run
+        e = r["extra"]
+        assert e["rows"] == rows and e["all_us"] == r["median_us"] and e["group_us"] > 0
+        assert e["fetch_bytes"] == rows * e["new"] * 656 * sum(sizes["groups"])
+    walls = [r["shape"] for r in data["results"] if r["id"] == "P-STEP-WALL"]
+    assert sum("x 1r" in w for w in walls) == 2 and sum("all groups in one call" in w for w in walls) == 1
 
     preempt = [r for r in data["results"] if r["id"] == "P-PREEMPT"]
     assert preempt[0]["nbytes"] == preempt[1]["nbytes"] == 16 * 3 * 64 * 132  # 1K tokens, 3 layers

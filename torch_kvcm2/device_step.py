@@ -27,6 +27,7 @@ INT32 = torch.int32
 _ops = torch.ops.torch_kvcm2
 # the overloads themselves: a call through the op packet first picks the overload
 _RESOLVE_STEP, _FLUSH = _ops.resolve_step.default, _ops.flush.default
+_RESOLVE_GROUPS = _ops.resolve_groups.default
 _WATERMARK, _ADVANCE = _ops.flush_watermark.default, _ops.advance.default
 
 
@@ -88,6 +89,9 @@ class DeviceStep:
         self.resolve_args = [(self._resolve_args(s, s.index_table, ()),
                               self._resolve_args(s, s.index_table, self.fetch_plan(s.spec.layers)))
                              for s in self.groups]
+        # every group at once (resolve_groups), without and with the fetch of all its layers
+        self.groups_args = [self._groups_args(self.groups, [s.index_table for s in self.groups],
+                                              fetch) for fetch in (False, True)]
         self.watermark_args = ((self.written, self.declared),
                                (self.history, self.capacity, self.lease, self.shape_pairs))
 
@@ -225,6 +229,55 @@ class DeviceStep:
                 (self.history, self.capacity, self.lease, list(pools), list(positions),
                  list(tables), sp.tokens_per_unit, self.config.tokens_per_page,
                  sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch))
+
+    def _groups_args(self, states: list, tables: list, fetch: bool) -> tuple:
+        """``resolve_groups``' arguments around the selections for ``states`` (group states in
+        group order) writing ``tables``: (before them, after them); ``fetch`` every layer of
+        each group."""
+        before = [[] for _ in range(11)]
+        pools, positions, page_tables, params = [], [], [], []
+        for state, table in zip(states, tables):
+            sp = state.spec.sparse
+            cells = []
+            if fetch:
+                _, cells, group_pools, group_positions, group_tables = \
+                    self.fetch_plan(state.spec.layers)
+                pools += group_pools
+                positions += group_positions
+                page_tables += group_tables
+            for i, t in enumerate((state.resident, state.recency, table, state.miss_list,
+                                   state.miss_count, state.counters, state.inflight_slots,
+                                   state.write_table, state.inflight_start)):
+                before[i].append(t)
+            before[9] += cells
+            scratch = -1
+            if state.resolve_scratch is not None:
+                scratch = len(before[10])
+                before[10].append(state.resolve_scratch)
+            params += [sp.tokens_per_unit, sp.max_inflight_tokens, state.spec.window or 0,
+                       scratch, len(cells)]
+        return (tuple(before), (self.history, self.capacity, self.lease, pools, positions,
+                                page_tables, self.config.tokens_per_page, params))
+
+    def resolve_groups_bound(self, selected: list, fetch: bool) -> None:
+        """The eager resolve of every group at once, each selection of the bound shape."""
+        before, after = self.groups_args[fetch]
+        _RESOLVE_GROUPS(*before, selected, *after)
+        epoch = self.mirror.epoch
+        for index in range(len(self.groups)):
+            self.writes_epoch[index] = epoch
+
+    def resolve_groups(self, states: list, selected: list, tables: list, fetch: bool) -> None:
+        """Any resolve of several groups at once: ``states`` in group order, each with its
+        selection and output table."""
+        for state in states:
+            if self.fetch_events:
+                self.wait_fetches(state)
+        before, after = self._groups_args(states, tables, fetch)
+        ops.resolve_groups(*before, selected, *after)
+        if not torch.compiler.is_compiling():  # traced: no host state (write_indices knows)
+            for state in states:
+                self.writes_epoch[state.spec.index] = self.mirror.epoch
 
     def resolve_bound(self, index: int, selected: torch.Tensor, fetch: bool) -> torch.Tensor:
         """The eager resolve of a selection of the bound shape (``arguments.fits``)."""

@@ -38,7 +38,9 @@ __all__ = [
     "max_inflight_units",
     "rank_signal",
     "rank_wait",
+    "GROUP_FIELDS",
     "resolve",
+    "resolve_groups",
     "resolve_step",
     "uva_view",
     "write_indices",
@@ -54,6 +56,9 @@ NUM_COUNTERS = 3  # hits, misses, invalid
 #: A selection group's miss count, int32[4]: [0] the last resolve's entries; [2:4] the CUDA
 #: resolve's reservation word, zero between resolves (allocate it zeroed); [1] padding.
 MISS_COUNT_WORDS = 4
+#: ``resolve_groups``' group_params per group: (tokens_per_unit, max_inflight_tokens, window,
+#: index into scratch or -1, buffers to fetch).
+GROUP_FIELDS = 5
 
 
 def convert_page_indices(
@@ -197,6 +202,45 @@ def resolve_step(
         write_table, write_start, list(cells), selected, history, capacity, lease,
         list(host_pools), list(positions), list(page_tables), tokens_per_unit, tokens_per_page,
         max_inflight_tokens, window, scratch,
+    )
+
+
+def resolve_groups(
+    resident: Sequence[Tensor],
+    recency: Sequence[Tensor],
+    index_table: Sequence[Tensor],
+    miss_list: Sequence[Tensor],
+    miss_count: Sequence[Tensor],
+    counters: Sequence[Tensor],
+    inflight_slots: Sequence[Tensor],
+    write_table: Sequence[Tensor],
+    write_start: Sequence[Tensor],
+    cells: Sequence[Tensor],
+    scratch: Sequence[Tensor],
+    selected: Sequence[Tensor],
+    history: Tensor,
+    capacity: Tensor,
+    lease: Tensor,
+    host_pools: Sequence[Tensor],
+    positions: Sequence[int],
+    page_tables: Sequence[Tensor],
+    tokens_per_page: int,
+    group_params: Sequence[int],
+) -> None:
+    """OP-STEP for several selection groups in one call: group ``g``'s part is ``resolve_step``
+    with ``resident[g]``, ..., ``write_start[g]``, ``selected[g]``, and from ``group_params[5g:5g+5]``
+    = (tokens_per_unit, max_inflight_tokens, window, s, n): ``scratch[s]`` (none when s is -1) and
+    the next ``n`` entries of ``cells``, ``host_pools``, ``positions`` and ``page_tables`` (the
+    groups' runs in group order; n = 0: no fetch). The groups must share no tensor they mutate.
+    Bit for bit the results of ``resolve_step`` per group; every argument is checked before any
+    part runs. On CUDA every group's resolve is one launch and every group's fetch one more, so
+    a step's groups run side by side instead of one after another (P-STEP-1).
+    """
+    _ops.resolve_groups(
+        list(resident), list(recency), list(index_table), list(miss_list), list(miss_count),
+        list(counters), list(inflight_slots), list(write_table), list(write_start), list(cells),
+        list(scratch), list(selected), history, capacity, lease, list(host_pools),
+        list(positions), list(page_tables), tokens_per_page, list(group_params),
     )
 
 
@@ -599,6 +643,46 @@ def _fake_write_indices(out, inflight_start, resident, inflight_slots, history, 
     """check_write_indices, all of it."""
     _check_write_indices(out, inflight_start, resident, inflight_slots, history, capacity, lease,
                          tokens_per_unit, max_inflight_tokens)
+
+
+@torch.library.register_fake("torch_kvcm2::resolve_groups")
+def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
+      write_table, write_start, cells, scratch, selected, history, capacity, lease, host_pools,
+      positions, page_tables, tokens_per_page, group_params):
+    """check_resolve_groups (csrc/resolve_groups.cpp): the lists' lengths, the group fields,
+    and resolve_step's checks per group. Left out: what resolve's and fetch's fakes leave out,
+    and that no two groups share memory they mutate (data pointers)."""
+    op = "resolve_groups"
+    n = len(resident)
+    for lst in (recency, index_table, miss_list, miss_count, counters, inflight_slots,
+                write_table, write_start, selected):
+        _check(len(lst) == n, lambda: f"{op}: every per-group list must have one entry per group "
+               f"({n} resident tables), got one of {len(lst)}")
+    _check(len(group_params) == n * GROUP_FIELDS,
+           lambda: f"{op}: group_params must have {GROUP_FIELDS} entries per group "
+           f"({n * GROUP_FIELDS}), got {len(group_params)}")
+    _check(len(cells) == len(host_pools) == len(positions) == len(page_tables),
+           lambda: f"{op}: cells, host_pools, positions and page_tables must have one entry per "
+           f"buffer, got {len(cells)}, {len(host_pools)}, {len(positions)}, {len(page_tables)}")
+    first = 0
+    for g in range(n):
+        U, I, window, s, nb = group_params[g * GROUP_FIELDS:(g + 1) * GROUP_FIELDS]
+        _check(-1 <= s < len(scratch), lambda: f"{op}: group {g}: scratch index {s} outside "
+               f"[-1, {len(scratch)})")
+        _check(nb >= 0 and first + nb <= len(cells), lambda: f"{op}: group {g}: {nb} buffers from "
+               f"buffer {first} exceed the {len(cells)} given")
+        _check_resolve(resident[g], recency[g], index_table[g], miss_list[g], miss_count[g],
+                       counters[g], inflight_slots[g], selected[g], history, capacity, lease, U,
+                       tokens_per_page, I, window)
+        _check_resolve_write(write_table[g], write_start[g], selected[g], resident[g],
+                             inflight_slots[g], history, capacity, lease, U, I)
+        if nb:
+            run = slice(first, first + nb)
+            _check_fetch(cells[run], host_pools[run], positions[run], page_tables[run],
+                         miss_list[g], miss_count[g], resident[g].shape[1], U)
+        first += nb
+    _check(first == len(cells), lambda: f"{op}: the groups fetch {first} buffers but "
+           f"{len(cells)} are given")
 
 
 @torch.library.register_fake("torch_kvcm2::resolve_step")

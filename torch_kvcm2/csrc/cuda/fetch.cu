@@ -23,10 +23,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "../checks.h"
 #include "../rules.h"
 #include "launch.cuh"
+#include "steps.cuh"
 
 namespace torch_kvcm2 {
 namespace {
@@ -73,6 +76,15 @@ struct FetchParams {
   int32_t stage_bytes;  // fetch_tma_kernel: bytes per shared-memory stage
   int32_t warp_misses;  // fetch_warp_kernel (development builds): misses a warp copies together
 };
+
+// The launch parts of launch_fetch_groups: CTA (x, y) runs part y (a group's buffers, up to
+// kMaxFetchBuffers of them). Parameters of up to 32 KB need CUDA 12.1 and a Volta or newer
+// device.
+constexpr int kMaxFetchGroups = 32;
+struct FetchGroupParams {
+  FetchParams part[kMaxFetchGroups];
+};
+static_assert(sizeof(FetchGroupParams) <= 32000, "fetch: group parameters over 32 KB");
 
 __device__ __forceinline__ uint4 load_vec(const uint8_t* src, int vec) {
   uint4 v = make_uint4(0, 0, 0, 0);
@@ -149,7 +161,7 @@ __device__ __forceinline__ void split_item(const FetchParams& p, int64_t v, int6
 // page-table entries, then host loads, then stores), so the dependent loads of its items overlap
 // instead of forming ILP chains.
 template <int ILP>
-__global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_constant__ FetchParams p) {
+__device__ __forceinline__ void fetch_sweep(const FetchParams& p) {
   pdl_enter();
   // The count (written by resolve earlier on this stream) is loaded together with the first
   // miss entries rather than before them: entries are read up to the list's size, and only
@@ -193,6 +205,19 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_const
     for (int i = 0; i < ILP; ++i)
       if (dst[i] != nullptr) store_vec(dst[i], val[i], vec[i]);
   }
+}
+
+template <int ILP>
+__global__ __launch_bounds__(kFetchThreads) void fetch_kernel(const __grid_constant__ FetchParams p) {
+  fetch_sweep<ILP>(p);
+}
+
+// The launch parts of several groups at once (launch_fetch_groups): CTAs (x, y) are launch part
+// y's grid, each as fetch_kernel's CTA x of that part alone (the parts write disjoint cells).
+template <int ILP>
+__global__ __launch_bounds__(kFetchThreads) void fetch_groups_kernel(
+    const __grid_constant__ FetchGroupParams ps) {
+  fetch_sweep<ILP>(ps.part[blockIdx.y]);
 }
 
 #ifdef KVCM2_DEV
@@ -298,7 +323,7 @@ constexpr int kWarpIlp = 4;
 constexpr int kWarpsPerCta = kWarpThreads / 32;
 
 template <bool SORT, bool LINES>
-__global__ __launch_bounds__(kWarpThreads) void fetch_warp_kernel(const __grid_constant__ FetchParams p) {
+__device__ __forceinline__ void fetch_warp(const FetchParams& p) {
   __shared__ int4 s_entry[SORT ? kWarpChunk : 1];
   __shared__ unsigned long long s_key[SORT ? kWarpChunk : 1];  // host address << 8 | chunk index
   pdl_enter();
@@ -395,153 +420,49 @@ __global__ __launch_bounds__(kWarpThreads) void fetch_warp_kernel(const __grid_c
   }
 }
 
+template <bool SORT, bool LINES>
+__global__ __launch_bounds__(kWarpThreads) void fetch_warp_kernel(const __grid_constant__ FetchParams p) {
+  fetch_warp<SORT, LINES>(p);
+}
+
+__global__ __launch_bounds__(kWarpThreads) void fetch_warp_groups_kernel(
+    const __grid_constant__ FetchGroupParams ps) {
+  fetch_warp<false, false>(ps.part[blockIdx.y]);
+}
+
 // ------------------------------------------------------------------------------------------------
 // host wrapper
 
 using FetchKernel = void (*)(FetchParams);
 
-#ifdef KVCM2_DEV
-// fetch_kernel with `ilp` loads in flight per thread (Tuning::fetch_ilp).
-FetchKernel fetch_kernel_for(int ilp) {
-  switch (ilp) {
-    case 1: return fetch_kernel<1>;
-    case 4: return fetch_kernel<4>;
-    case 8: return fetch_kernel<8>;
-    default: return fetch_kernel<kFetchIlp>;
-  }
-}
-#endif
-
-void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
-                at::IntArrayRef positions, const at::TensorList& page_tables,
-                const at::Tensor& miss_list, const at::Tensor& miss_count, int64_t slots,
-                int64_t tokens_per_unit) {
-  check_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count, slots,
-              tokens_per_unit);
-  const c10::cuda::CUDAGuard guard(miss_list.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (miss_list.size(0) == 0) return;
-  const int device = miss_list.get_device();
-  const DeviceInfo& info = device_info(device);
+// The launch parts of one group's fetch: its buffers in sets of up to kMaxFetchBuffers, each
+// with the group's miss list.
+void plan_fetch(const FetchGroupArgs& a, std::vector<FetchParams>& parts) {
   FetchParams p;
   std::memset(&p, 0, sizeof p);  // every field not set below is 0
-  p.miss_list = miss_list.data_ptr<int32_t>();
-  p.miss_count = miss_count.data_ptr<int32_t>();
-  p.list_rows = miss_list.size(0);
+  p.miss_list = a.miss_list->data_ptr<int32_t>();
+  p.miss_count = a.miss_count->data_ptr<int32_t>();
+  p.list_rows = a.miss_list->size(0);
   p.list_aligned = reinterpret_cast<uintptr_t>(p.miss_list) % 16 == 0;
-  p.slots = slots;
-  // The fixed grid of a kernel: every CTA of `threads` threads that fits on each SM (or the
-  // development knob's number, at most).
-  auto grid_of = [&](FetchKernel kernel, int threads) {
-    const int fit = std::max(1, blocks_per_sm(kernel_id(kernel), device, threads, 0));
-    const int per_sm = tuning().fetch_blocks_per_sm > 0
-                           ? std::min(tuning().fetch_blocks_per_sm, fit) : fit;
-    return dim3(static_cast<unsigned>(info.sms * per_sm));
-  };
-  // One warp per missed unit (the production kernel; development builds may choose a variant).
-  auto launch_warp = [&]() {
-    FetchKernel kernel = fetch_warp_kernel<false, false>;
-#ifdef KVCM2_DEV
-    const bool lines = tuning().fetch_lines;
-    if (lines) {  // 16-byte buffers: parts are the vectors of the lines a piece can touch
-      int64_t per_miss = 0;
-      for (int b = 0; b < p.nb; ++b) {
-        FetchBuffer& B = p.buf[b];
-        if (B.vec == 16) B.vpp = static_cast<int32_t>((B.piece + 112 + 127) / 128 * 8);
-        B.begin = static_cast<int32_t>(per_miss);
-        per_miss += B.page_bytes / B.chunk_bytes * B.vpp;
-      }
-      TORCH_CHECK(per_miss <= INT32_MAX, "fetch: too many bytes per unit");
-      p.per_miss = static_cast<int32_t>(per_miss);
-    }
-    kernel = tuning().fetch_warp == 2
-                 ? (lines ? fetch_warp_kernel<true, true> : fetch_warp_kernel<true, false>)
-                 : (lines ? fetch_warp_kernel<false, true> : fetch_warp_kernel<false, false>);
-#endif
-    p.warp_misses = tuning().fetch_warp_misses;
-    launch_kernel(kernel, grid_of(kernel, kWarpThreads), dim3(kWarpThreads), 0, stream, p);
-  };
-#ifdef KVCM2_DEV
-  // Bulk copies for launches whose every piece has at least tma_min_piece bytes (INT64_MAX:
-  // never), through stages of up to tuning().fetch_tma_stage bytes.
-  const int tma = tuning().fetch_tma;
-  const int64_t tma_min_piece =
-      (info.cc_major < 9 || tma == 0) ? INT64_MAX : tma == 1 ? 0 : kTmaMinPiece;
-  const int smem_budget = std::min(info.smem_optin, kTmaSmemBudget);
-  // Bulk copies when every buffer of the launch is 16-byte aligned throughout and its pieces are
-  // large enough (its parts become stages: the widest piece, at most the stage size; one CTA
-  // per SM with as many threads as two stages each fit).
-  auto launch_tma = [&]() -> bool {
-    int64_t widest = 0;
-    for (int b = 0; b < p.nb; ++b) {
-      if (p.buf[b].vec != 16 || p.buf[b].piece < tma_min_piece) return false;
-      widest = std::max(widest, p.buf[b].piece);
-    }
-    const int64_t SB = std::min<int64_t>(tuning().fetch_tma_stage, widest);
-    int threads = static_cast<int>(std::min<int64_t>(kTmaMaxThreads, smem_budget / (2 * SB + 16)));
-    if (threads >= 32) threads = threads / 32 * 32;
-    int64_t per_miss = 0;
-    for (int b = 0; b < p.nb; ++b) {
-      FetchBuffer& B = p.buf[b];
-      const int64_t chunks = B.page_bytes / B.chunk_bytes;
-      B.vec = static_cast<int32_t>(SB);
-      B.vpp = static_cast<int32_t>((B.piece + SB - 1) / SB);
-      B.begin = static_cast<int32_t>(per_miss);
-      per_miss += chunks * B.vpp;
-    }
-    p.per_miss = static_cast<int32_t>(per_miss);  // < the 16-byte vector count, an int32
-    p.stage_bytes = static_cast<int32_t>(SB);
-    const size_t smem = static_cast<size_t>(threads) * (2 * SB + 16);
-    allow_dynamic_smem(kernel_id(fetch_tma_kernel), device, smem);
-    launch_kernel(fetch_tma_kernel, dim3(static_cast<unsigned>(info.sms)), dim3(threads), smem,
-                  stream, p);
-    return true;
-  };
-  const FetchKernel vector_kernel = fetch_kernel_for(tuning().fetch_ilp);
-#else
-  const FetchKernel vector_kernel = fetch_kernel<kFetchIlp>;
-#endif
-  // The vector-item sweep for launches of small pieces only (kWarpMinPiece).
-  auto small_pieces = [&]() {
-    for (int b = 0; b < p.nb; ++b)
-      if (p.buf[b].piece >= kWarpMinPiece) return false;
-    return true;
-  };
-  auto launch = [&]() {
-    if (p.nb == 0) return;
-#ifdef KVCM2_DEV
-    if (launch_tma()) {
-      p.nb = 0;
-      p.per_miss = 0;
-      return;
-    }
-#endif
-    const int warp = tuning().fetch_warp;
-    if (warp == 0 || (warp < 0 && small_pieces())) {
-      launch_kernel(vector_kernel, grid_of(vector_kernel, kFetchThreads), dim3(kFetchThreads), 0,
-                    stream, p);
-    } else {
-      launch_warp();
-    }
-    p.nb = 0;
-    p.per_miss = 0;
-  };
-  for (size_t b = 0; b < cells.size(); ++b) {
-    const at::Tensor& cell = cells[b];
-    const HostPages host = host_pages_of(host_pools[b], positions[b]);
+  p.slots = a.slots;
+  p.warp_misses = tuning().fetch_warp_misses;
+  if (p.list_rows == 0) return;
+  for (size_t b = 0; b < a.cells.size(); ++b) {
+    const at::Tensor& cell = a.cells[b];
+    const HostPages host = host_pages_of(a.host_pools[b], a.positions[b]);
     const int64_t chunks = cell.size(1), P = cell.size(2);
     const int64_t chunk_bytes = P * cell.size(3);
     const int64_t page_bytes = chunks * chunk_bytes;
     if (page_bytes == 0) continue;  // zero-size buffer (CFG-6)
-    const int64_t piece = tokens_per_unit * cell.size(3);
-    const int64_t E = P / tokens_per_unit;  // fits int32 (check_fetch)
+    const int64_t piece = a.tokens_per_unit * cell.size(3);
+    const int64_t E = P / a.tokens_per_unit;  // fits int32 (check_fetch)
     FetchBuffer& B = p.buf[p.nb];
     B.cells = cell.data_ptr<uint8_t>();
     B.host = host.data;
-    B.table = page_tables[b].data_ptr<int32_t>();
+    B.table = a.page_tables[b].data_ptr<int32_t>();
     B.num_entries = cell.size(0) * E;
-    B.table_rows = page_tables[b].size(0);
-    B.table_pages = page_tables[b].size(1);
+    B.table_rows = a.page_tables[b].size(0);
+    B.table_pages = a.page_tables[b].size(1);
     B.host_slots = host.slots;
     B.host_stride = host.slot_stride;
     B.page_bytes = page_bytes;
@@ -557,12 +478,174 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
     B.vpp = static_cast<int32_t>(vpp);
     B.begin = p.per_miss;
     p.per_miss = static_cast<int32_t>(per_miss);
-    if (++p.nb == kMaxFetchBuffers) launch();
+    if (++p.nb == kMaxFetchBuffers) {
+      parts.push_back(p);
+      p.nb = 0;
+      p.per_miss = 0;
+    }
   }
-  launch();
+  if (p.nb > 0) parts.push_back(p);
+}
+
+// The vector-item sweep for launch parts of small pieces only (kWarpMinPiece), else one warp
+// per miss; the development knob may choose either for every part.
+bool sweeps(const FetchParams& p) {
+  const int warp = tuning().fetch_warp;
+  if (warp >= 0) return warp == 0;
+  for (int b = 0; b < p.nb; ++b)
+    if (p.buf[b].piece >= kWarpMinPiece) return false;
+  return true;
+}
+
+// The fixed grid of a kernel: every CTA of `threads` threads that fits on each SM (or the
+// development knob's number, at most).
+int grid_of(const void* kernel, int device, int threads) {
+  const int fit = std::max(1, blocks_per_sm(kernel, device, threads, 0));
+  const int per_sm = tuning().fetch_blocks_per_sm > 0 ? std::min(tuning().fetch_blocks_per_sm, fit)
+                                                      : fit;
+  return device_info(device).sms * per_sm;
+}
+
+#ifdef KVCM2_DEV
+// Bulk copies for launch parts whose every piece has at least tma_min_piece bytes (INT64_MAX:
+// never) and 16-byte aligned buffers, through stages of up to tuning().fetch_tma_stage bytes
+// (the widest piece, at most); one CTA per SM with as many threads as two stages each fit.
+// False: not this part.
+bool launch_tma(FetchParams p, int device, cudaStream_t stream) {
+  const DeviceInfo& info = device_info(device);
+  const int tma = tuning().fetch_tma;
+  const int64_t tma_min_piece =
+      (info.cc_major < 9 || tma == 0) ? INT64_MAX : tma == 1 ? 0 : kTmaMinPiece;
+  const int smem_budget = std::min(info.smem_optin, kTmaSmemBudget);
+  int64_t widest = 0;
+  for (int b = 0; b < p.nb; ++b) {
+    if (p.buf[b].vec != 16 || p.buf[b].piece < tma_min_piece) return false;
+    widest = std::max(widest, p.buf[b].piece);
+  }
+  const int64_t SB = std::min<int64_t>(tuning().fetch_tma_stage, widest);
+  int threads = static_cast<int>(std::min<int64_t>(kTmaMaxThreads, smem_budget / (2 * SB + 16)));
+  if (threads >= 32) threads = threads / 32 * 32;
+  int64_t per_miss = 0;
+  for (int b = 0; b < p.nb; ++b) {
+    FetchBuffer& B = p.buf[b];
+    const int64_t chunks = B.page_bytes / B.chunk_bytes;
+    B.vec = static_cast<int32_t>(SB);
+    B.vpp = static_cast<int32_t>((B.piece + SB - 1) / SB);
+    B.begin = static_cast<int32_t>(per_miss);
+    per_miss += chunks * B.vpp;
+  }
+  p.per_miss = static_cast<int32_t>(per_miss);  // < the 16-byte vector count, an int32
+  p.stage_bytes = static_cast<int32_t>(SB);
+  const size_t smem = static_cast<size_t>(threads) * (2 * SB + 16);
+  allow_dynamic_smem(kernel_id(fetch_tma_kernel), device, smem);
+  launch_kernel(fetch_tma_kernel, dim3(static_cast<unsigned>(info.sms)), dim3(threads), smem,
+                stream, p);
+  return true;
+}
+
+// fetch_kernel with `ilp` loads in flight per thread (Tuning::fetch_ilp).
+FetchKernel fetch_kernel_for(int ilp) {
+  switch (ilp) {
+    case 1: return fetch_kernel<1>;
+    case 4: return fetch_kernel<4>;
+    case 8: return fetch_kernel<8>;
+    default: return fetch_kernel<kFetchIlp>;
+  }
+}
+#endif
+
+// One launch part alone: the per-group op's launch (and, in development builds, any part the
+// group kernels do not cover).
+void launch_part(FetchParams p, int device, cudaStream_t stream) {
+#ifdef KVCM2_DEV
+  if (launch_tma(p, device, stream)) return;
+  const FetchKernel vector_kernel = fetch_kernel_for(tuning().fetch_ilp);
+#else
+  const FetchKernel vector_kernel = fetch_kernel<kFetchIlp>;
+#endif
+  if (sweeps(p)) {
+    launch_kernel(vector_kernel, dim3(grid_of(kernel_id(vector_kernel), device, kFetchThreads)),
+                  dim3(kFetchThreads), 0, stream, p);
+    return;
+  }
+  FetchKernel kernel = fetch_warp_kernel<false, false>;
+#ifdef KVCM2_DEV
+  const bool lines = tuning().fetch_lines;
+  if (lines) {  // 16-byte buffers: parts are the vectors of the lines a piece can touch
+    int64_t per_miss = 0;
+    for (int b = 0; b < p.nb; ++b) {
+      FetchBuffer& B = p.buf[b];
+      if (B.vec == 16) B.vpp = static_cast<int32_t>((B.piece + 112 + 127) / 128 * 8);
+      B.begin = static_cast<int32_t>(per_miss);
+      per_miss += B.page_bytes / B.chunk_bytes * B.vpp;
+    }
+    TORCH_CHECK(per_miss <= INT32_MAX, "fetch: too many bytes per unit");
+    p.per_miss = static_cast<int32_t>(per_miss);
+  }
+  kernel = tuning().fetch_warp == 2
+               ? (lines ? fetch_warp_kernel<true, true> : fetch_warp_kernel<true, false>)
+               : (lines ? fetch_warp_kernel<false, true> : fetch_warp_kernel<false, false>);
+#endif
+  launch_kernel(kernel, dim3(grid_of(kernel_id(kernel), device, kWarpThreads)),
+                dim3(kWarpThreads), 0, stream, p);
+}
+
+void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
+                at::IntArrayRef positions, const at::TensorList& page_tables,
+                const at::Tensor& miss_list, const at::Tensor& miss_count, int64_t slots,
+                int64_t tokens_per_unit) {
+  check_fetch(cells, host_pools, positions, page_tables, miss_list, miss_count, slots,
+              tokens_per_unit);
+  const c10::cuda::CUDAGuard guard(miss_list.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  std::vector<FetchParams> parts;
+  plan_fetch({cells, host_pools, page_tables, positions, &miss_list, &miss_count, slots,
+              tokens_per_unit},
+             parts);
+  for (const FetchParams& p : parts) launch_part(p, miss_list.get_device(), stream);
 }
 
 }  // namespace
+
+void launch_fetch_groups(const std::vector<FetchGroupArgs>& groups, cudaStream_t stream) {
+  std::vector<FetchParams> parts;
+  for (const FetchGroupArgs& a : groups) plan_fetch(a, parts);
+  if (parts.empty()) return;
+  const int device = c10::cuda::current_device();
+#ifdef KVCM2_DEV
+  // The development variants (bulk copies, other loop widths, sorted or whole-line warps) run
+  // part by part, as the per-group op does.
+  if (tuning().fetch_tma != 0 || tuning().fetch_ilp != kFetchIlp || tuning().fetch_lines ||
+      tuning().fetch_warp == 2) {
+    for (const FetchParams& p : parts) launch_part(p, device, stream);
+    return;
+  }
+#endif
+  // One launch per kernel and per kMaxFetchGroups parts. The kernel's fixed grid is shared by
+  // the parts of a launch (each at least a few CTAs), so a step of many small groups keeps the
+  // whole device's loads in flight at once, and one of few large groups what a part alone had.
+  for (const bool sweep : {true, false}) {
+    const void* kernel = sweep ? kernel_id(fetch_groups_kernel<kFetchIlp>)
+                               : kernel_id(fetch_warp_groups_kernel);
+    const int threads = sweep ? kFetchThreads : kWarpThreads;
+    const int grid = grid_of(sweep ? kernel_id(fetch_kernel<kFetchIlp>)
+                                   : kernel_id(fetch_warp_kernel<false, false>),
+                             device, threads);
+    std::vector<const FetchParams*> mine;
+    for (const FetchParams& p : parts)
+      if (sweeps(p) == sweep) mine.push_back(&p);
+    for (size_t first = 0; first < mine.size(); first += kMaxFetchGroups) {
+      const int n = static_cast<int>(std::min<size_t>(kMaxFetchGroups, mine.size() - first));
+      FetchGroupParams ps;
+      for (int y = 0; y < n; ++y) ps.part[y] = *mine[first + y];
+      const dim3 dims(static_cast<unsigned>(std::max(4, grid / n)), static_cast<unsigned>(n));
+      if (sweep)
+        launch_kernel(fetch_groups_kernel<kFetchIlp>, dims, dim3(threads), 0, stream, ps);
+      else
+        launch_kernel(fetch_warp_groups_kernel, dims, dim3(threads), 0, stream, ps);
+    }
+  }
+}
 
 TORCH_LIBRARY_IMPL(torch_kvcm2, CUDA, m) { m.impl("fetch", &fetch_cuda); }
 

@@ -840,15 +840,16 @@ __device__ __forceinline__ void resolve_row(const ResolveParams& p, const Arrays
 // kWrites: the launch also writes OP-WRITE's outputs (p.write_table); a separate instantiation,
 // so that a resolve without them compiles with no trace of them (6,600 SASS instructions against
 // 6,608 before they existed, the parameter block aside).
+// One row's CTA (row r of the launch's group p): the body of both kernels below.
 template <bool kGlobalTable, bool kWrites>
-__global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
+__device__ __forceinline__ void resolve_cta(const ResolveParams& p, int r) {
   extern __shared__ __align__(16) unsigned char smem[];
   KVCM2_PROF_BEGIN();
   unsigned char* const table =
-      kGlobalTable ? p.table_scratch + static_cast<size_t>(blockIdx.x) * p.L.table_bytes : smem;
+      kGlobalTable ? p.table_scratch + static_cast<size_t>(r) * p.L.table_bytes : smem;
   const Arrays A(smem, table, p.L);
   Row row;
-  row.r = blockIdx.x;
+  row.r = r;
   row.S = p.S, row.K = p.K, row.bits = p.hash_bits;
   preamble<kGlobalTable>(p, A, row);
   KVCM2_PROF(1);
@@ -871,11 +872,37 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
     resolve_row<false, kWrites>(p, A, row);
 }
 
+template <bool kGlobalTable, bool kWrites>
+__global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
+  resolve_cta<kGlobalTable, kWrites>(p, blockIdx.x);
+}
+
+// Every selection group of a step in one launch (OP-STEP for all groups): CTA (x, y) is row x of
+// group y, each exactly as resolve_kernel's CTA x of that group alone (the groups share no state,
+// so the order between them is free). The parameters stay in the constant bank (__grid_constant__:
+// no copy); every access indexes them by blockIdx.y, uniform across the CTA.
+template <bool kGlobalTable, bool kWrites>
+__global__ __launch_bounds__(kResolveThreads, 1) void resolve_groups_kernel(
+    const __grid_constant__ ResolveGroupParams ps) {
+  const ResolveParams& p = ps.group[blockIdx.y];
+  if (static_cast<int32_t>(blockIdx.x) >= p.rows) {  // a group of fewer rows than the grid
+    pdl_enter();
+    return;
+  }
+  resolve_cta<kGlobalTable, kWrites>(p, blockIdx.x);
+}
+
 }  // namespace
 
 ResolveKernel resolve_kernel_of(bool global_table, bool writes) {
   if (global_table) return writes ? resolve_kernel<true, true> : resolve_kernel<true, false>;
   return writes ? resolve_kernel<false, true> : resolve_kernel<false, false>;
+}
+
+ResolveGroupsKernel resolve_groups_kernel_of(bool global_table, bool writes) {
+  if (global_table)
+    return writes ? resolve_groups_kernel<true, true> : resolve_groups_kernel<true, false>;
+  return writes ? resolve_groups_kernel<false, true> : resolve_groups_kernel<false, false>;
 }
 
 }  // namespace torch_kvcm2

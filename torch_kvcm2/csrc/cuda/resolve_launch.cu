@@ -1,6 +1,7 @@
 // Host wrapper of OP-RESOLVE's CUDA kernel (resolve.cu): the argument checks, the shared-memory
 // layout of a row (the hash size, a global table region for rows too wide for shared memory),
-// the choice of the kernel's instantiation and its launch, one CTA per row.
+// the choice of the kernel's instantiation and its launch, one CTA per row; and the launch of
+// several groups' plans at once (resolve_groups_kernel, grid rows x groups: steps.cuh).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -15,6 +16,7 @@
 #include "../rules.h"
 #include "launch.cuh"
 #include "resolve.cuh"
+#include "steps.cuh"
 
 namespace torch_kvcm2 {
 namespace {
@@ -25,7 +27,9 @@ int ceil_log2(int64_t n) {
   return bits;
 }
 
-void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
+}  // namespace
+
+ResolvePlan plan_resolve(const at::Tensor& resident, const at::Tensor& recency,
                   const at::Tensor& index_table, const at::Tensor& miss_list,
                   const at::Tensor& miss_count, const at::Tensor& counters,
                   const at::Tensor& inflight_slots, const at::Tensor& selected,
@@ -34,14 +38,8 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                   int64_t window, const std::optional<at::Tensor>& scratch,
                   const std::optional<at::Tensor>& write_table,
                   const std::optional<at::Tensor>& write_start) {
-  check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
-                selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
-                max_inflight_tokens, window);
-  const bool writes = check_resolve_write(write_table, write_start, selected, resident,
-                                          inflight_slots, history, capacity, lease,
-                                          tokens_per_unit, max_inflight_tokens);
-  const c10::cuda::CUDAGuard guard(resident.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool writes = write_table.has_value() && write_table->defined();
+  ResolvePlan plan;
   // K: a row's columns over all its query tokens ([rows, T', K] is [rows, T'*K] in memory); the
   // kernel resolves them as one selection, which is MTP-3's union (duplicates across tokens are
   // duplicates within the row: one hash entry, first column kept).
@@ -50,10 +48,10 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   int32_t* const count = miss_count.data_ptr<int32_t>();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(count) % 8 == 0,
               "resolve: miss_count must be 8-byte aligned (its reservation word is 64-bit)");
-  if (rows == 0) {  // no CTA publishes a count
-    C10_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(int32_t), stream));
-    return;
-  }
+  plan.rows = rows;
+  plan.count = count;
+  plan.writes = writes;
+  if (rows == 0) return plan;  // no CTA: the launch zeroes the count
   const int64_t MI = max_inflight_units(max_inflight_tokens, tokens_per_unit);
   TORCH_CHECK(rows * (K + MI) <= INT32_MAX, "resolve: too many miss-list entries for int32");
   // Scan counts are 16-bit lanes (Tally); shared memory bounds both far lower anyway.
@@ -89,16 +87,16 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
     table_scratch = static_cast<unsigned char*>(t.data_ptr());
     static_bytes = static_smem(kernel_id(kernel_of(true)), device);
   }
-  const ResolveKernel kernel = kernel_of(table_scratch != nullptr);
+  plan.global_table = table_scratch != nullptr;
+  const ResolveKernel kernel = kernel_of(plan.global_table);
   TORCH_CHECK(layout.bytes + static_bytes <= smem_optin, "resolve: S=", S,
               ", selected columns per row (query tokens x K)=", K, ", max in-flight units=", MI,
               " need ", layout.bytes + static_bytes,
               " bytes of shared memory per row; the device allows ", smem_optin,
               table_scratch == nullptr ? " (pass a scratch tensor for wide rows: docs/MTP.md)"
                                        : " (docs/MTP.md)");
-  const size_t smem = static_cast<size_t>(layout.bytes);
-  allow_dynamic_smem(kernel_id(kernel), device, smem);
-  ResolveParams p;
+  plan.smem = static_cast<size_t>(layout.bytes);
+  ResolveParams& p = plan.p;
   std::memset(&p, 0, sizeof p);  // every field not set below is 0
   p.resident = resident.data_ptr<int32_t>();
   p.recency = recency.data_ptr<int32_t>();
@@ -132,8 +130,75 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
   p.L = ResolveLayout<uint32_t>(static_cast<uint32_t>(S), static_cast<uint32_t>(K),
                                 uint32_t{1} << bits, static_cast<uint32_t>(MI),
                                 table_scratch != nullptr);
-  launch_kernel(kernel, dim3(static_cast<unsigned>(rows)), dim3(kResolveThreads), smem,
-                stream, p);
+  return plan;
+}
+
+void launch_resolve(const ResolvePlan& plan, cudaStream_t stream) {
+  if (plan.rows == 0) {  // no CTA publishes a count
+    C10_CUDA_CHECK(cudaMemsetAsync(plan.count, 0, sizeof(int32_t), stream));
+    return;
+  }
+  const ResolveKernel kernel = resolve_kernel_of(plan.global_table, plan.writes);
+  allow_dynamic_smem(kernel_id(kernel), c10::cuda::current_device(), plan.smem);
+  launch_kernel(kernel, dim3(static_cast<unsigned>(plan.rows)), dim3(kResolveThreads), plan.smem,
+                stream, plan.p);
+}
+
+void launch_resolve_groups(const std::vector<ResolvePlan>& plans, cudaStream_t stream) {
+  const int device = c10::cuda::current_device();
+  for (const ResolvePlan& plan : plans)  // no CTA publishes these counts
+    if (plan.rows == 0) C10_CUDA_CHECK(cudaMemsetAsync(plan.count, 0, sizeof(int32_t), stream));
+  // One launch per kernel instantiation among the plans (all alike in a batch's step) and per
+  // kMaxResolveGroups groups.
+  for (const bool global : {false, true}) {
+    for (const bool writes : {false, true}) {
+      ResolveGroupParams ps;
+      int n = 0;
+      int64_t rows = 0;
+      size_t smem = 0;
+      const ResolveGroupsKernel kernel = resolve_groups_kernel_of(global, writes);
+      auto launch = [&]() {
+        if (n == 0) return;
+        allow_dynamic_smem(kernel_id(kernel), device, smem);
+        launch_kernel(kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(n)),
+                      dim3(kResolveThreads), smem, stream, ps);
+        n = 0, rows = 0, smem = 0;
+      };
+      for (const ResolvePlan& plan : plans) {
+        if (plan.rows == 0 || plan.global_table != global || plan.writes != writes) continue;
+        ps.group[n++] = plan.p;
+        rows = std::max(rows, plan.rows);
+        smem = std::max(smem, plan.smem);
+        if (n == kMaxResolveGroups) launch();
+      }
+      launch();
+    }
+  }
+}
+
+namespace {
+
+
+void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
+                  const at::Tensor& index_table, const at::Tensor& miss_list,
+                  const at::Tensor& miss_count, const at::Tensor& counters,
+                  const at::Tensor& inflight_slots, const at::Tensor& selected,
+                  const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
+                  int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
+                  int64_t window, const std::optional<at::Tensor>& scratch,
+                  const std::optional<at::Tensor>& write_table,
+                  const std::optional<at::Tensor>& write_start) {
+  check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
+                selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
+                max_inflight_tokens, window);
+  check_resolve_write(write_table, write_start, selected, resident, inflight_slots, history,
+                      capacity, lease, tokens_per_unit, max_inflight_tokens);
+  const c10::cuda::CUDAGuard guard(resident.device());
+  launch_resolve(plan_resolve(resident, recency, index_table, miss_list, miss_count, counters,
+                              inflight_slots, selected, history, capacity, lease,
+                              tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
+                              scratch, write_table, write_start),
+                 c10::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace

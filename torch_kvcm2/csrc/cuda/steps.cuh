@@ -1,0 +1,56 @@
+// The host side of a step's launches split into plan and launch, so that one op call can launch
+// every selection group's resolve in one kernel and every group's fetch in one more
+// (resolve_groups: resolve_groups.cu). The per-group ops plan and launch one group the same way.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "resolve.cuh"
+
+namespace torch_kvcm2 {
+
+// One group's resolve launch: its parameters, kernel instantiation and shared memory.
+struct ResolvePlan {
+  ResolveParams p;
+  bool global_table = false;
+  bool writes = false;
+  size_t smem = 0;
+  int64_t rows = 0;
+  int32_t* count = nullptr;  // zeroed by the launch when there are no rows
+};
+
+// resolve's arguments, checked by the caller (check_resolve, check_resolve_write), with the
+// current device set to theirs.
+ResolvePlan plan_resolve(const at::Tensor& resident, const at::Tensor& recency,
+                         const at::Tensor& index_table, const at::Tensor& miss_list,
+                         const at::Tensor& miss_count, const at::Tensor& counters,
+                         const at::Tensor& inflight_slots, const at::Tensor& selected,
+                         const at::Tensor& history, const at::Tensor& capacity,
+                         const at::Tensor& lease, int64_t tokens_per_unit,
+                         int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window,
+                         const std::optional<at::Tensor>& scratch,
+                         const std::optional<at::Tensor>& write_table,
+                         const std::optional<at::Tensor>& write_start);
+void launch_resolve(const ResolvePlan& plan, cudaStream_t stream);
+// Every plan in one launch of resolve_groups_kernel (more when they differ in instantiation or
+// outnumber kMaxResolveGroups).
+void launch_resolve_groups(const std::vector<ResolvePlan>& plans, cudaStream_t stream);
+
+// One group's fetch: fetch's arguments (checked by the caller: check_fetch).
+struct FetchGroupArgs {
+  at::TensorList cells, host_pools, page_tables;
+  at::IntArrayRef positions;
+  const at::Tensor* miss_list;
+  const at::Tensor* miss_count;
+  int64_t slots, tokens_per_unit;
+};
+// Every group's fetch in one launch per kernel (the vector sweep, one warp per miss) and per
+// kMaxFetchGroups launch parts, each part a group's buffers in sets of up to 8.
+void launch_fetch_groups(const std::vector<FetchGroupArgs>& groups, cudaStream_t stream);
+
+}  // namespace torch_kvcm2

@@ -1,0 +1,145 @@
+// OP-STEP for several selection groups in one call (resolve_groups): each group's part equals
+// resolve_step's for that group, bit for bit. The groups share no mutated state, so the order
+// between them is free: the CPU wrapper runs every group's resolve, then every group's fetch,
+// through the dispatcher like resolve_step; the CUDA wrapper (cuda/resolve_groups.cu) launches
+// every group's resolve as one kernel and every fetch as one more. What it saves: the host's
+// calls and launches per group, and on the GPU the latency of a resolve and a fetch per group
+// one after the other, which is most of a small batch's step (benchmarks/NOTES.md, P-STEP-1).
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <unordered_set>
+
+#include "checks.h"
+#include "groups.h"
+
+namespace torch_kvcm2 {
+
+std::vector<StepGroup> check_resolve_groups(
+    const at::TensorList& resident, const at::TensorList& recency,
+    const at::TensorList& index_table, const at::TensorList& miss_list,
+    const at::TensorList& miss_count, const at::TensorList& counters,
+    const at::TensorList& inflight_slots, const at::TensorList& write_table,
+    const at::TensorList& write_start, const at::TensorList& cells,
+    const at::TensorList& scratch, const at::TensorList& selected, const at::Tensor& history,
+    const at::Tensor& capacity, const at::Tensor& lease, const at::TensorList& host_pools,
+    at::IntArrayRef positions, const at::TensorList& page_tables, int64_t tokens_per_page,
+    at::IntArrayRef group_params) {
+  const char* op = "resolve_groups";
+  const size_t n = resident.size();
+  for (const at::TensorList* list : {&recency, &index_table, &miss_list, &miss_count, &counters,
+                                     &inflight_slots, &write_table, &write_start, &selected}) {
+    TORCH_CHECK(list->size() == n, op, ": every per-group list must have one entry per group (",
+                n, " resident tables), got one of ", list->size());
+  }
+  TORCH_CHECK(group_params.size() == n * static_cast<size_t>(kGroupFields), op,
+              ": group_params must have ", kGroupFields, " entries per group (", n * kGroupFields,
+              "), got ", group_params.size());
+  TORCH_CHECK(cells.size() == host_pools.size() && cells.size() == positions.size() &&
+                  cells.size() == page_tables.size(),
+              op, ": cells, host_pools, positions and page_tables must have one entry per "
+              "buffer, got ", cells.size(), ", ", host_pools.size(), ", ", positions.size(), ", ",
+              page_tables.size());
+  std::vector<StepGroup> groups;
+  groups.reserve(n);
+  size_t buffer = 0;
+  std::unordered_set<const void*> mutated;  // no two groups mutate one tensor's memory
+  auto claim = [&](const at::Tensor& t, size_t g, const char* name) {
+    if (t.numel() == 0) return;
+    TORCH_CHECK(mutated.insert(t.data_ptr()).second, op, ": group ", g, "'s ", name,
+                " shares its memory with a tensor another group mutates");
+  };
+  for (size_t g = 0; g < n; ++g) {
+    const int64_t* f = group_params.data() + g * kGroupFields;
+    TORCH_CHECK(f[3] >= -1 && f[3] < static_cast<int64_t>(scratch.size()), op, ": group ", g,
+                ": scratch index ", f[3], " outside [-1, ", scratch.size(), ")");
+    TORCH_CHECK(f[4] >= 0 && buffer + static_cast<size_t>(f[4]) <= cells.size(), op, ": group ",
+                g, ": ", f[4], " buffers from buffer ", buffer, " exceed the ", cells.size(),
+                " given");
+    StepGroup s{g, f[0], f[1], f[2], std::nullopt, buffer, static_cast<size_t>(f[4])};
+    if (f[3] >= 0) s.scratch = scratch[f[3]];
+    buffer += s.buffers;
+    check_resolve(resident[g], recency[g], index_table[g], miss_list[g], miss_count[g],
+                  counters[g], inflight_slots[g], selected[g], history, capacity, lease,
+                  s.tokens_per_unit, tokens_per_page, s.max_inflight_tokens, s.window);
+    check_resolve_write(write_table[g], write_start[g], selected[g], resident[g],
+                        inflight_slots[g], history, capacity, lease, s.tokens_per_unit,
+                        s.max_inflight_tokens);
+    if (s.buffers > 0)
+      check_fetch(cells.slice(s.first_buffer, s.buffers),
+                  host_pools.slice(s.first_buffer, s.buffers),
+                  positions.slice(s.first_buffer, s.buffers),
+                  page_tables.slice(s.first_buffer, s.buffers), miss_list[g], miss_count[g],
+                  resident[g].size(1), s.tokens_per_unit);
+    const char* names[] = {"resident", "recency", "index_table", "miss_list", "miss_count",
+                           "counters", "inflight_slots", "write_table", "write_start"};
+    const at::TensorList* lists[] = {&resident, &recency, &index_table, &miss_list,
+                                     &miss_count, &counters, &inflight_slots, &write_table,
+                                     &write_start};
+    for (size_t i = 0; i < 9; ++i) claim((*lists[i])[g], g, names[i]);
+    if (s.scratch.has_value()) claim(*s.scratch, g, "scratch");
+    for (size_t b = s.first_buffer; b < s.first_buffer + s.buffers; ++b) claim(cells[b], g, "cells");
+    groups.push_back(std::move(s));
+  }
+  TORCH_CHECK(buffer == cells.size(), op, ": the groups fetch ", buffer, " buffers but ",
+              cells.size(), " are given");
+  return groups;
+}
+
+namespace {
+
+using T = const at::Tensor&;
+using Opt = const std::optional<at::Tensor>&;
+using ResolveFn = void(T, T, T, T, T, T, T, T, T, T, T, int64_t, int64_t, int64_t, int64_t, Opt,
+                       Opt, Opt);
+using FetchFn = void(const at::TensorList&, const at::TensorList&, at::IntArrayRef,
+                     const at::TensorList&, T, T, int64_t, int64_t);
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+void resolve_groups_cpu(const at::TensorList& resident, const at::TensorList& recency,
+                        const at::TensorList& index_table, const at::TensorList& miss_list,
+                        const at::TensorList& miss_count, const at::TensorList& counters,
+                        const at::TensorList& inflight_slots, const at::TensorList& write_table,
+                        const at::TensorList& write_start, const at::TensorList& cells,
+                        const at::TensorList& scratch, const at::TensorList& selected,
+                        const at::Tensor& history, const at::Tensor& capacity,
+                        const at::Tensor& lease, const at::TensorList& host_pools,
+                        at::IntArrayRef positions, const at::TensorList& page_tables,
+                        int64_t tokens_per_page, at::IntArrayRef group_params) {
+  const std::vector<StepGroup> groups = check_resolve_groups(
+      resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
+      write_table, write_start, cells, scratch, selected, history, capacity, lease, host_pools,
+      positions, page_tables, tokens_per_page, group_params);
+  static const auto resolve = handle<ResolveFn>("torch_kvcm2::resolve");
+  static const auto fetch = handle<FetchFn>("torch_kvcm2::fetch");
+  // The parts are this op's implementation, not calls of their own: straight to the backend.
+  const c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+  for (const StepGroup& s : groups) {
+    const size_t g = s.g;
+    resolve.call(resident[g], recency[g], index_table[g], miss_list[g], miss_count[g],
+                 counters[g], inflight_slots[g], selected[g], history, capacity, lease,
+                 s.tokens_per_unit, tokens_per_page, s.max_inflight_tokens, s.window, s.scratch,
+                 write_table[g], write_start[g]);
+  }
+  for (const StepGroup& s : groups) {
+    if (s.buffers == 0) continue;
+    fetch.call(cells.slice(s.first_buffer, s.buffers), host_pools.slice(s.first_buffer, s.buffers),
+               positions.slice(s.first_buffer, s.buffers),
+               page_tables.slice(s.first_buffer, s.buffers), miss_list[s.g], miss_count[s.g],
+               resident[s.g].size(1), s.tokens_per_unit);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) { m.impl("resolve_groups", &resolve_groups_cpu); }
+
+}  // namespace torch_kvcm2
