@@ -798,3 +798,48 @@ def test_cuda_copies_run_on_the_copy_stream_without_host_waits_and_in_order():
     cache.close()
     batch.close()
     manager.close()
+
+
+@pytest.mark.cuda
+def test_cuda_pieces_follow_the_compute_stream_and_the_first_read_waits_for_the_last():
+    """Each piece of a copy back is queued after the compute stream's work so far (a late write
+    to the slots it reuses lands first), and the publish that seats the row issues the rest
+    behind a busy copy stream and orders the compute stream after it, with no host wait."""
+    manager = tiered_manager("cuda", resume_piece_bytes=1)
+    batch = kv.Batch(manager)
+    warm = import_history(manager.create_cache(), 40)  # commits the tier, makes the copy stream
+    assert warm.suspend(offload=True) and warm.resume()
+    warm.close()
+    other = import_history(manager.create_cache(), 8)
+    batch.add(other)
+    batch.publish()
+    cache = import_history(manager.create_cache(), 40)
+    write_dense(cache, np.arange(40), salt=5)
+    assert cache.suspend(offload=True)
+    torch.cuda.synchronize()
+    compute, copy = torch.cuda.current_stream(), manager.tier.stream
+    # the freed slots go to an intruder that writes them late (behind a sleep) and leaves
+    intruder = import_history(manager.create_cache(), 40)
+    taken = gpu_slots_of(manager, [intruder])
+    torch.cuda._sleep(100_000_000)
+    write_dense(intruder, np.arange(40), salt=9)
+    intruder.close()
+    assert cache.resume() and cache.returning_bytes > 0
+    assert gpu_slots_of(manager, [cache]) & taken  # the resume reuses the intruder's slots
+    batch.publish()
+    batch.publish()
+    with torch.cuda.stream(copy):
+        torch.cuda._sleep(200_000_000)
+    batch.add(cache)
+    batch.publish()  # the rest of the copy, behind the sleep; the compute stream waits for it
+    assert cache.returning_bytes == 0
+    assert not compute.query() and not copy.query()  # the host did not wait
+    got = [read_dense(cache, layer, role, live(cache, layer, role, np.arange(40)))
+           for _, layer, role, _ in dense_buffers(manager.config)]
+    for (key, layer, role, nbytes), data in zip(dense_buffers(manager.config), got):
+        assert torch.equal(data, token_bytes(key, live(cache, layer, role, np.arange(40)),
+                                             nbytes, salt=5)), (layer, role)
+    for c in (cache, other):
+        c.close()
+    batch.close()
+    manager.close()
