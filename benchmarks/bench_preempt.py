@@ -173,7 +173,7 @@ def bench_preempt(device, quick, ceil) -> list:
 
     # the steps with the preemption: the suspend, steps // 2 steps later the resume, then one
     # step per piece of the copy back after the first (issued at the resume), and one more
-    pieces = -(-nbytes // sz["piece"])
+    pieces = -(-moved_pages // max(1, sz["piece"] // dense.slot_bytes))  # whole slots a piece
     during_steps = steps // 2 + pieces + 1
     # the other rows' selections: per step 2% of K new units per row and group, the rest kept
     groups = config.selection_groups
