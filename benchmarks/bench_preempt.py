@@ -18,6 +18,12 @@ Three rows:
   target 0). The note also gives the copies' rates during the decode and the first step of a
   row resumed and seated at once (it waits for the whole copy back).
 
+The copy back goes in pieces (``resume_piece_bytes``, 8 MiB: about a step's share of the
+host-to-device link next to the fetches), the first at ``resume`` and one per ``publish``;
+every step publishes first, as an engine's does, and the window of steps with the preemption
+runs until the last piece (``steps // 2`` steps after the suspend, then the pieces). The copy
+back "alone" is the resume of a seated row and its publish, which issues the rest at once.
+
 Checks: every step's hits and misses; the request's dense bytes bit-exact after the resume;
 its GPU bytes 0 while suspended (``stats()``). On the CPU (``--quick``) the same runs at tiny
 shapes with wall-clock times and synchronous copies (no claims).
@@ -42,10 +48,10 @@ INDEXER_KEY = 132  # bytes per token of DSA's dense indexer key
 def preempt_sizes(quick: bool) -> dict:
     if quick:
         return {"rows": 4, "K": 64, "S": 128, "history": 256, "victim": 1024, "groups": [2, 1],
-                "steps": 6, "reps": 2}
+                "steps": 6, "reps": 2, "piece": 16 * 3 * 64 * 132 // 4}  # 4 pieces
     # history: K kept units plus 2% new ones per step, never selected before (no wrap-around)
     return {"rows": 64, "K": 2048, "S": 4096, "history": 5120, "victim": 32768,
-            "groups": [4] * 15 + [1], "steps": 20, "reps": 5}
+            "groups": [4] * 15 + [1], "steps": 20, "reps": 5, "piece": 8 << 20}
 
 
 def preempt_config(device, sz: dict) -> tuple:
@@ -144,7 +150,7 @@ def bench_preempt(device, quick, ceil) -> list:
     sz = preempt_sizes(quick)
     R, K, H, V, steps = sz["rows"], sz["K"], sz["history"], sz["victim"], sz["steps"]
     config, tier_bytes = preempt_config(device, sz)
-    manager = kv.KVCacheManager(config, host_tier_bytes=tier_bytes)
+    manager = kv.KVCacheManager(config, host_tier_bytes=tier_bytes, resume_piece_bytes=sz["piece"])
     batch = kv.Batch(manager)
     others = [imported(manager, H) for _ in range(R - 1)]
     for cache in others:
@@ -165,10 +171,14 @@ def bench_preempt(device, quick, ceil) -> list:
 
     expected = victim_keys()
 
+    # the steps with the preemption: the suspend, steps // 2 steps later the resume, then one
+    # step per piece of the copy back after the first (issued at the resume), and one more
+    pieces = -(-moved_pages // max(1, sz["piece"] // dense.slot_bytes))  # whole slots a piece
+    during_steps = steps // 2 + pieces + 1
     # the other rows' selections: per step 2% of K new units per row and group, the rest kept
     groups = config.selection_groups
     G, new = len(groups), max(1, K // 50)
-    total = 4 + 2 * steps + 1
+    total = 4 + steps + during_steps + 1
     span = K + total * new
     assert span <= H, f"history {H} too short for {total} steps of {new} new units"
     gen = torch.Generator(device=device).manual_seed(11)
@@ -205,8 +215,8 @@ def bench_preempt(device, quick, ceil) -> list:
             sum(len(c.pages(dense.index)) for c in others) * dense.slot_bytes, "suspended: GPU bytes held"
         start = clock.mark()
         assert victim.resume()
+        batch.publish()  # its row: the rest of the copy back at once
         up.append(Clock.us(start, clock.mark(tier.stream if clock.cuda else None)))
-    batch.publish()
 
     # 2. the other rows' steps without, then with the preemption (detached suspend + resume)
     def timed(first: int, n: int, at=None) -> list:
@@ -214,15 +224,19 @@ def bench_preempt(device, quick, ceil) -> list:
         for i in range(first, first + n):
             if at is not None:
                 at(i)
+            with count_host_waits(device, waits):
+                batch.publish()  # an engine's step starts so; the next piece of a copy back
+            if "up" in copy_marks and "up_end" not in copy_marks and not victim.returning_bytes:
+                copy_marks["up_end"] = clock.mark(tier.stream if clock.cuda else None)
             start = clock.mark()
             step(i)
             times.append((start, clock.mark()))
         return [Clock.us(a, b) for a, b in times]
 
-    misses_before = misses()
-    base = timed(4, steps)
     waits = [0]
     copy_marks = {}
+    misses_before = misses()
+    base = timed(4, steps)
 
     def preempt(i):
         if i == 4 + steps:
@@ -236,10 +250,11 @@ def bench_preempt(device, quick, ceil) -> list:
             with count_host_waits(device, waits):
                 copy_marks["up"] = clock.mark()
                 assert victim.resume()  # detached: the copy back overlaps the next steps
-                copy_marks["up_end"] = clock.mark(tier.stream if clock.cuda else None)
 
-    during = timed(4 + steps, steps, at=preempt)
-    assert misses() - misses_before == 2 * steps * (R - 1) * new * G, "a step missed other units"
+    during = timed(4 + steps, during_steps, at=preempt)
+    assert victim.returning_bytes == 0 and "up_end" in copy_marks, "the copy back did not end"
+    assert misses() - misses_before == (steps + during_steps) * (R - 1) * new * G, \
+        "a step missed other units"
     with count_host_waits(device, waits):
         row = batch.add(victim, row=victim_row)
         batch.publish()  # its copy is done by now: the wait is skipped
@@ -252,7 +267,7 @@ def bench_preempt(device, quick, ceil) -> list:
         torch.cuda.synchronize()
     assert victim.resume()
     batch.publish()
-    seated_at_once = timed(4 + 2 * steps, 1)[0]
+    seated_at_once = timed(4 + steps + during_steps, 1)[0]
     assert torch.equal(victim_keys(), expected), "the resumed request's dense bytes differ"
 
     d2h_us, h2d_us = statistics.median(down), statistics.median(up)
@@ -264,13 +279,14 @@ def bench_preempt(device, quick, ceil) -> list:
     extra = {"rows": R, "layers": layer_count, "victim_tokens": V, "bytes": nbytes,
              "d2h_us": down, "h2d_us": up, "d2h_during_us": down_under, "h2d_during_us": up_under,
              "step_base_us": base, "step_during_us": during, "step_ratio_max": ratio,
-             "host_waits": waits[0], "first_step_seated_at_once_us": seated_at_once}
+             "host_waits": waits[0], "first_step_seated_at_once_us": seated_at_once,
+             "piece_bytes": sz["piece"], "pieces": pieces}
     note = (f"{R - 1} rows decode ({G} groups, {new} new units per row and group per step): step "
             f"{base_us:.0f} us median without, {during_us:.0f} us median / {max(during):.0f} us max "
             f"with the copies ({ratio:.2f}x); during the decode the copy to host took "
-            f"{down_under:.0f} us ({nbytes / down_under / 1e3:.1f} GB/s), back {up_under:.0f} us "
-            f"({nbytes / up_under / 1e3:.1f} GB/s); host waits {waits[0]}; a row resumed and "
-            f"seated at once: its first step {seated_at_once:.0f} us (waits for the copy back)")
+            f"{down_under:.0f} us ({nbytes / down_under / 1e3:.1f} GB/s), back in {pieces} pieces of "
+            f"{sz['piece'] / 1e6:.2f} MB (one per step) {up_under:.0f} us; host waits {waits[0]}; "
+            f"a row resumed and seated at once: its first step {seated_at_once:.0f} us (waits for the copy back)")
     cuda = device == "cuda"
     results = [
         Result("P-PREEMPT", f"suspend D2H {shape}", d2h_us, nbytes, "CE D2H",

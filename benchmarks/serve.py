@@ -5,6 +5,7 @@ same model, same budgets, same selections.
 
     python benchmarks/serve.py [--json out.json] [--plot out.png] [--contexts 32768,131072]
     python benchmarks/serve.py --quick        # CPU, tiny shapes, about a minute (tested in CI)
+    python benchmarks/serve.py --overlap      # torch_kvcm2 also with the fetches overlapped
 
 The stand-in model, per layer and decode step (each part a flag, defaults below):
 
@@ -35,6 +36,13 @@ device step as one CUDA graph per concurrency (eagerly on the CPU), with the hos
 before and ``record_advance`` after each replay and a synchronisation per step (an engine reads
 each step's sampled tokens): TPOT is that wall time per step; "host ms" is the part of it in
 ``publish`` and ``record_advance``.
+
+``--overlap`` runs every torch_kvcm2 level twice, the second time (rows ``kv+ov``, ``overlap``
+in the JSON) with each layer's fetch on a side stream (``kv.FetchStream``): layer l+1's
+indexer, resolve and fetch are issued before layer l's attention (one layer of lookahead: the
+stand-in's indexer reads only the keys), so its misses cross PCIe while layer l's weights GEMM
+and attention run; each layer's attention waits for its own fetch by an event, inside the one
+captured graph. The summary gives TPOT p50 with over without, per level (``overlap_tpot_ratio``).
 
 Budgets, the same for both sides: the KV GPU budget one H200 of an 8xH200 node has left after
 DeepSeek-V3.2's weights (FP8, ~690 GB over 8 GPUs = 86 GB; 10 GB of activations and workspace:
@@ -105,6 +113,7 @@ class Shape:
     node_gpus: int = 8
     hidden: int = 4096
     max_concurrency: int = 512
+    overlap: bool = False  # also run torch_kvcm2's levels with the fetches on a side stream
 
     @property
     def scale(self) -> float:
@@ -221,6 +230,7 @@ class Level:
     fetched_bytes_per_step: float = 0.0
     checked_tokens: int = 0
     maximum: bool = False  # the side's largest concurrency
+    overlap: bool = False  # torch_kvcm2 with each layer's fetch on a side stream (FetchStream)
     binding: str = ""  # at the maximum: what binds it
 
     @property
@@ -310,22 +320,22 @@ class Side:
                     write_tokens(view, page, tok, pattern(r, p, li, role == "ik", nbytes // WORD))
 
     # ---- one concurrency level ----
-    def run_level(self, rows: int) -> Level | None:
-        """``rows`` requests decoding ``steps`` timed steps in a batch of ``rows`` rows; None
-        when they do not fit (``binding`` says why)."""
-        sh = self.shape
+    def run_level(self, rows: int, overlap: bool = False) -> Level | None:
+        """``rows`` requests decoding ``steps`` timed steps in a batch of ``rows`` rows (with
+        ``overlap``, each layer's fetch on a side stream); None when they do not fit
+        (``binding`` says why)."""
         if not self.admit(rows):
             return None
         batch = kv.Batch(self.manager, max_rows=rows)  # within the reserve plan_rows sized
         try:
-            level = self.decode(batch, rows)
+            level = self.decode(batch, rows, overlap)
         except BaseException:
             batch.close(discard=True)  # the failure is what matters, not the tokens in flight
             raise
         batch.close()
         return level
 
-    def decode(self, batch, rows: int) -> Level:
+    def decode(self, batch, rows: int, overlap: bool = False) -> Level:
         sh = self.shape
         members = self.caches[:rows]
         for cache in members:
@@ -335,8 +345,8 @@ class Side:
             assert cache.resize(capacity=h + 1)  # the next token's room
             batch.add(cache)
         batch.publish()
-        step = DecodeStep(self, batch, members)
-        level = Level(self.side, self.context, rows, sh.layers)
+        step = DecodeStep(self, batch, members, overlap)
+        level = Level(self.side, self.context, rows, sh.layers, overlap=overlap)
         cuda = self.device == "cuda"
         graph = None
         for _ in range(sh.warmup):
@@ -413,10 +423,12 @@ class DecodeStep:
     GEMM, the indexer, the cache's resolve + fetch (torch_kvcm2), the new token's KV written,
     attention's gather; then flush (torch_kvcm2) and advance."""
 
-    def __init__(self, side: Side, batch, members: list):
+    def __init__(self, side: Side, batch, members: list, overlap: bool = False):
         sh, dev, rows = side.shape, side.device, len(members)
         self.side, self.batch, self.shape, self.rows = side, batch, sh, rows
         self.kvcm2 = side.side == "kvcm2"
+        self.fetches = kv.FetchStream(batch) if overlap and self.kvcm2 else None
+        self.index, self.write_entry = {}, {}  # per selection group, this step's tables
         storage = side.manager.storage
         self.rid = torch.arange(rows, device=dev, dtype=torch.int32)  # request i sits at row i
         for i, cache in enumerate(members):
@@ -462,8 +474,11 @@ class DecodeStep:
         self.run(None)
 
     def run(self, timer) -> None:
-        """One step; ``timer(part)`` marks the start of each part when timing parts."""
-        sh, batch = self.shape, self.batch
+        """One step; ``timer(part)`` marks the start of each part when timing parts. With a
+        ``FetchStream``, layer l+1's indexer, resolve and fetch (forked to the side stream) are
+        issued before layer l's attention, which waits for its own fetch: one layer of
+        lookahead, the stand-in's indexer reading only the keys."""
+        sh, batch, names = self.shape, self.batch, self.side.names
         mark = timer or (lambda part: None)
         history = batch.history[:self.rows]
         pos = history.long()  # the new token's position, per row
@@ -471,44 +486,66 @@ class DecodeStep:
         bias = torch.zeros(self.rows, self.npages * sh.page, dtype=torch.int32, device=pos.device)
         bias.scatter_(1, chosen, BIAS)
         dead = self.positions[None, :] >= pos[:, None]  # not history
-        for li, name in enumerate(self.side.names):
-            mark("weights")
-            torch.mm(self.wviews[li], self.x)
+        selected = {}
+
+        def index(li):
+            """Layer li's indexer, the new token's key, and (torch_kvcm2) its group's resolve
+            with the fetch of its misses, at the group's first layer."""
+            name = names[li]
             mark("indexer")
             # every key of the slots in use read once (this level's requests own them all)
             scores = self.keys[name].view(torch.int32).sum(dim=(1, 3), dtype=torch.int32) & SCORE_MASK
             rows_scores = scores[self.key_slots[name]].flatten(1)  # [R, npages*P], a new tensor
             rows_scores.add_(bias).masked_fill_(dead, -1)
-            selected = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices
+            selected[name] = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices
             mark("cache")
-            words_kv = sh.latent_bytes // WORD
-            new_kv = pattern(self.rid, pos, li, 0, words_kv)
-            new_key = pattern(self.rid, pos, li, 1, sh.key_bytes // WORD)
             page, tok = token_rows(self.views[name, "ik"], self.pages[name, "ik"], pos[:, None])
-            write_tokens(self.views[name, "ik"], page[:, 0], tok[:, 0], new_key)
+            write_tokens(self.views[name, "ik"], page[:, 0], tok[:, 0],
+                         pattern(self.rid, pos, li, 1, sh.key_bytes // WORD))
+            group = self.side.config.group_of(name) if self.kvcm2 else None
+            if group is not None and group.layers[0] == name:
+                g = group.index
+                self.index[g] = batch.resolve(g, selected[name].to(torch.int32),
+                                              fetch=self.fetches is None)
+                self.write_entry[g] = batch.write_indices(g)[0][:, 0]
+                if self.fetches is not None:
+                    self.fetches.fetch(*group.layers)  # on the side stream
+
+        if self.fetches is not None:
+            index(0)
+        for li, name in enumerate(names):
+            mark("weights")
+            torch.mm(self.wviews[li], self.x)
+            if self.fetches is None:
+                index(li)
+            elif li + 1 < len(names):
+                index(li + 1)  # its misses in flight while this layer attends
+            mark("cache")
+            new_kv = pattern(self.rid, pos, li, 0, sh.latent_bytes // WORD)
             if self.kvcm2:
-                group = self.side.config.group_of(name)
-                if group.layers[0] == name:
-                    self.index = batch.resolve(group.index, selected.to(torch.int32), fetch=True)
-                    self.write_entry = batch.write_indices(group.index)[0][:, 0]
+                g = self.side.config.group_of(name).index
+                if self.fetches is not None:
+                    self.fetches.wait(name)
                 cells = batch.cells(name, "kv")
-                entry = self.write_entry.long()
+                entry = self.write_entry[g].long()
                 write_tokens(cells, entry // sh.page, entry % sh.page, new_kv)
                 mark("attention")
-                e = self.index.long()
+                e = self.index[g].long()
                 got = read_tokens(cells, e // sh.page, e % sh.page)  # [R, K, words]
             else:
                 view = self.views[name, "kv"]
                 page, tok = token_rows(view, self.pages[name, "kv"], pos[:, None])
                 write_tokens(view, page[:, 0], tok[:, 0], new_kv)
                 mark("attention")
-                page, tok = token_rows(view, self.pages[name, "kv"], selected)
+                page, tok = token_rows(view, self.pages[name, "kv"], selected[name])
                 got = read_tokens(view, page, tok)
             self.out[li] = got.sum(dim=(1, 2), dtype=torch.int32)
             if name in self.checked:
                 self.gathered[name] = got
-                self.selection[name] = selected
+                self.selection[name] = selected[name]
         mark("cache")
+        if self.fetches is not None:
+            self.fetches.join()  # every fetch before the flush and the next step's resolves
         if self.kvcm2:
             batch.flush(batch.history + 1)
         batch.advance(self.ones)
@@ -589,14 +626,17 @@ def run_context(shape: Shape, device: str, context: int, progress) -> list:
         try:
             for rows in levels_for(side.max_rows) + [side.max_rows]:
                 progress(f"{context} tokens, {name}: concurrency {rows} of {side.max_rows}")
-                level = side.run_level(rows)
-                if level is None:
-                    raise AssertionError(f"{name}: {rows} requests planned to fit and did not "
-                                         f"({side.binding})")
-                results.append(level)
-                progress(f"  {level.tokens_per_s:.0f} tokens/s, TPOT p50 {level.tpot_p50:.2f} ms "
-                         f"p99 {level.tpot_p99:.2f} ms, hit rate {level.hit_rate:.3f}, parts ms "
-                         + " ".join(f"{k} {v:.2f}" for k, v in level.parts_ms.items()))
+                for overlap in (False, True) if shape.overlap and name == "kvcm2" else (False,):
+                    run = side.run_level(rows, overlap)
+                    if run is None:
+                        raise AssertionError(f"{name}: {rows} requests planned to fit and did "
+                                             f"not ({side.binding})")
+                    results.append(run)
+                    level = run if not overlap else level
+                    progress(f"  {'overlap: ' if overlap else ''}{run.tokens_per_s:.0f} tokens/s, "
+                             f"TPOT p50 {run.tpot_p50:.2f} ms p99 {run.tpot_p99:.2f} ms, hit rate "
+                             f"{run.hit_rate:.3f}, parts ms "
+                             + " ".join(f"{k} {v:.2f}" for k, v in run.parts_ms.items()))
             level.maximum = True
             level.binding = side.planned_binding
             if side.max_rows >= shape.max_concurrency:
@@ -626,7 +666,8 @@ def summarize(levels: list, shape: Shape) -> dict:
     ``shape.layers``; the low-concurrency ratio from the most layers run at 1-2 requests."""
     out = {}
     for context in sorted({lv.context for lv in levels}):
-        here = [lv for lv in levels if lv.context == context]
+        overlapped = {(lv.rows, lv.layers): lv for lv in levels if lv.context == context and lv.overlap}
+        here = [lv for lv in levels if lv.context == context and not lv.overlap]
         low_layers = max(lv.layers for lv in here)
         lows = {s: [lv for lv in here if lv.side == s and lv.layers == low_layers] for s in ("dense", "kvcm2")}
         by = {s: [lv for lv in here if lv.side == s and lv.layers == shape.layers] for s in ("dense", "kvcm2")}
@@ -647,6 +688,10 @@ def summarize(levels: list, shape: Shape) -> dict:
             "low_concurrency_layers": low_layers,
             "tpot_p99_over_p50": tpot,
             "binding": {s: by[s][-1].binding for s in by},
+            # torch_kvcm2's TPOT p50 with the fetches on a side stream over without, per level
+            "overlap_tpot_ratio": {f"{lv.rows}@{lv.layers}L": overlapped[lv.rows, lv.layers].tpot_p50
+                                   / lv.tpot_p50 for lv in here
+                                   if lv.side == "kvcm2" and (lv.rows, lv.layers) in overlapped},
         }
     return out
 
@@ -663,7 +708,8 @@ def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
         parts = "/".join(f"{lv.parts_ms.get(p, 0):.2f}" for p in ("weights", "indexer", "cache", "attention"))
         bound = lv.binding if lv.maximum else ""
         hit = f"{lv.hit_rate:8.3f}" if lv.side == "kvcm2" else f"{'-':>8}"
-        print(f"| {lv.context:7} | {lv.layers:6} | {lv.side:5} | {lv.rows:5} | {lv.tokens_per_s:8.0f} | "
+        label = "kv+ov" if lv.overlap else lv.side  # kv+ov: kvcm2 with FetchStream
+        print(f"| {lv.context:7} | {lv.layers:6} | {label:5} | {lv.rows:5} | {lv.tokens_per_s:8.0f} | "
               f"{lv.tpot_p50:11.3f} | {lv.tpot_p99:6.3f} | {lv.host_p50:7.3f} | {hit} | "
               f"{lv.fetched_bytes_per_step / 1e6:12.2f} | {parts:48} | {bound} |")
     for context, s in summary.items():
@@ -673,6 +719,9 @@ def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
               f"target >= 3x); best tokens/s {bt['kvcm2']:.0f} vs {bt['dense']:.0f} ({bt['ratio']:.2f}x; "
               f">= 3x); at low concurrency ({s['low_concurrency_layers']} layers) {low} (>= 0.97x); TPOT p99/p50 {s['tpot_p99_over_p50']:.2f} "
               f"(<= 1.2); bound: kvcm2 by {s['binding']['kvcm2']}, dense by {s['binding']['dense']}")
+        if s["overlap_tpot_ratio"]:
+            print(f"# {context} tokens: TPOT p50 with the fetches overlapped (kv+ov) over without: "
+                  + ", ".join(f"{k}: {r:.3f}x" for k, r in s["overlap_tpot_ratio"].items()))
 
 
 def plot(levels: list, path: str, title: str) -> bool:
@@ -687,7 +736,8 @@ def plot(levels: list, path: str, title: str) -> bool:
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.2), squeeze=False)
     for ax, context in zip(axes[0], contexts):
         for side, label in (("dense", "dense KV in HBM"), ("kvcm2", "torch_kvcm2")):
-            pts = sorted((lv.rows, lv.tokens_per_s) for lv in levels if lv.context == context and lv.side == side)
+            pts = sorted((lv.rows, lv.tokens_per_s) for lv in levels
+                         if lv.context == context and lv.side == side and not lv.overlap)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
@@ -749,16 +799,20 @@ def parse_args(argv=None):
     p.add_argument("--expert-mb", type=float, default=d.expert_mb)
     p.add_argument("--experts-per-gpu", type=int, default=d.experts_per_gpu)
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
+    p.add_argument("--overlap", action="store_true",
+                   help="also run torch_kvcm2's levels with each layer's fetch on a side stream "
+                        "(FetchStream: layer l+1's misses in flight while layer l attends); "
+                        "rows kv+ov and the summary's overlap_tpot_ratio")
     p.add_argument("--json")
     p.add_argument("--plot", help="PNG path (needs matplotlib: pip install -e .[bench])")
     args = p.parse_args(argv)
     if args.quick:
-        shape, contexts = QUICK, [256, 512]
+        shape, contexts = replace(QUICK, overlap=args.overlap), [256, 512]
     else:
         shape = Shape(**{k: getattr(args, k) for k in (
             "layers", "model_layers", "latent_bytes", "key_bytes", "top_k", "slots",
             "layers_per_indexer", "locality", "output", "steps", "gpu_kv_gb", "host_gb",
-            "dense_weight_mb", "expert_mb", "experts_per_gpu", "max_concurrency")})
+            "dense_weight_mb", "expert_mb", "experts_per_gpu", "max_concurrency", "overlap")})
         contexts = [int(c) for c in args.contexts.split(",")]
     for name in ("layers", "top_k", "slots", "output", "steps", "layers_per_indexer"):
         if getattr(shape, name) < 1:
@@ -778,7 +832,7 @@ def main(argv=None) -> int:
     quick = args.quick
     if device == "cpu" and not quick:
         print("no CUDA kernels or GPU: running --quick", file=sys.stderr)
-        shape, contexts, quick = QUICK, [256, 512], True
+        shape, contexts, quick = replace(QUICK, overlap=shape.overlap), [256, 512], True
     started = time.perf_counter()
 
     def progress(what: str) -> None:

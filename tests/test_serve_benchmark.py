@@ -1,6 +1,7 @@
 """P-SERVE's benchmark (benchmarks/serve.py) on the CPU: --quick runs both sides at two contexts,
 every level checked (what attention read, the indexer's top-K, the misses metrics() counted,
-every decoded token on its pages, nothing leaked), and writes its table, JSON and plot."""
+every decoded token on its pages, nothing leaked), and writes its table, JSON and plot; with
+--overlap every torch_kvcm2 level runs again with its fetches through FetchStream, as checked."""
 import importlib
 import json
 import os
@@ -19,9 +20,15 @@ def serve():
 
 def test_quick_serve_runs_both_sides_checked_with_table_json_and_plot(serve, tmp_path, capsys):
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
-    assert serve.main(["--quick", "--json", str(out), "--plot", str(png)]) == 0
+    assert serve.main(["--quick", "--overlap", "--json", str(out), "--plot", str(png)]) == 0
     data = json.loads(out.read_text())
-    levels = data["levels"]
+    overlapped = [lv for lv in data["levels"] if lv["overlap"]]
+    levels = [lv for lv in data["levels"] if not lv["overlap"]]
+    # every torch_kvcm2 level once more with the fetches on the side stream, checked the same
+    ours = [(lv["context"], lv["layers"], lv["rows"]) for lv in levels if lv["side"] == "kvcm2"]
+    assert [(lv["context"], lv["layers"], lv["rows"]) for lv in overlapped] == ours
+    assert all(lv["side"] == "kvcm2" and lv["checked_tokens"] > 0 and 0.85 < lv["hit_rate"] < 0.95
+               for lv in overlapped)
     for context in (256, 512):
         for side in ("dense", "kvcm2"):
             here = [lv for lv in levels if lv["context"] == context and lv["side"] == side]
@@ -35,11 +42,14 @@ def test_quick_serve_runs_both_sides_checked_with_table_json_and_plot(serve, tmp
         # the quick budgets: torch_kvcm2 holds more requests than the dense baseline
         assert mc["kvcm2"] > mc["dense"] >= 1
         assert summary["binding"]["dense"].startswith("GPU memory")
+        ratios = summary["overlap_tpot_ratio"]
+        assert len(ratios) == sum(c == context for c, _, _ in ours) and all(r > 0 for r in ratios.values())
     assert all(lv["checked_tokens"] > 0 and lv["tokens_per_s"] > 0 and lv["host_p50"] > 0 for lv in levels)
     ours = [lv for lv in levels if lv["side"] == "kvcm2"]
     assert all(0.85 < lv["hit_rate"] < 0.95 for lv in ours)  # locality 0.9 of the top-K
     printed = capsys.readouterr().out
     assert "numbers are not claims" in printed and "max concurrency" in printed
+    assert "| kv+ov |" in printed and "with the fetches overlapped" in printed
     pytest.importorskip("matplotlib")  # the [bench] extra; CI installs it
     assert png.stat().st_size > 10_000
 

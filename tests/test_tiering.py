@@ -378,6 +378,113 @@ def test_export_and_close_of_an_offloaded_cache(device):
     manager.close()
 
 
+# ---- the copy back in pieces (resume_piece_bytes) ----
+FILL = 0xEE  # what the GPU pools hold where a piece has not been copied back yet
+
+
+def returning_order(cache):
+    """(pool group, page ordinal, GPU slot) of the cache's offloaded pages in the order the
+    copy back issues them: pool group by pool group, page ordinals ascending."""
+    order = []
+    for group, ordinals in sorted(cache._offload.ordinals.items()):
+        order += [(group, int(i)) for i in ordinals]
+    return order
+
+
+def slot_bytes_of(manager, group, slot):
+    pool = manager.storage.groups[group]
+    return pool.data.view(-1)[slot * pool.slot_bytes:(slot + 1) * pool.slot_bytes].cpu().clone()
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_resume_copies_back_in_pieces_one_per_publish_and_completes_at_the_first_read(device):
+    """A detached resume copies the first piece at once and one more at each publish of any
+    batch of the manager (one slot per piece here); tier slots are freed piece by piece; the
+    first read of the pages issues the rest, and every byte comes back exactly."""
+    manager = tiered_manager(device, resume_piece_bytes=1)  # every piece one slot
+    batch = kv.Batch(manager)
+    other = import_history(manager.create_cache(), 8)  # a batch whose publishes carry the pieces
+    batch.add(other)
+    batch.publish()
+    cache = import_history(manager.create_cache(), 40)
+    write_dense(cache, np.arange(40))
+    synchronize(manager)
+    dense = [g.index for g in manager.storage.groups if not g.sparse]
+    before = {(g, i): slot_bytes_of(manager, g, int(cache._page_row(g)[i]))
+              for g in dense for i in range(*cache._live[g])}
+    assert cache.suspend(offload=True)
+    order = returning_order(cache)
+    assert len(order) > 4 and sorted(order) == sorted(before)
+    synchronize(manager)
+    for g in dense:  # what stays in a GPU slot no piece reached yet
+        manager.storage.groups[g].data.fill_(FILL)
+    used = sum(n for n in tier_used(manager) if n)
+    assert used == len(order)
+    assert cache.resume()
+
+    def issued():
+        synchronize(manager)
+        done = [torch.equal(slot_bytes_of(manager, g, int(cache._page_row(g)[i])), before[g, i])
+                for g, i in order]
+        untouched = [bool((slot_bytes_of(manager, g, int(cache._page_row(g)[i])) == FILL).all())
+                     for g, i in order]
+        assert all(a != b for a, b in zip(done, untouched))  # each page whole or not at all
+        return sum(done)
+
+    sizes = [manager.storage.groups[g].slot_bytes for g, _ in order]
+    for publishes in range(3):
+        k = 1 + publishes
+        assert issued() == k, publishes  # the first k pieces, in order
+        assert cache.returning_bytes == sum(sizes[k:])
+        assert sum(n for n in tier_used(manager) if n) == len(order) - k  # freed as issued
+        batch.publish()
+    check_dense(cache, np.arange(40))  # host_pages issues the rest first
+    assert cache.returning_bytes == 0 and issued() == len(order)
+    assert sum(n for n in tier_used(manager) if n) == 0
+    for c in (cache, other):
+        c.close()
+    batch.close()
+    manager.close()
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_a_row_seated_with_pieces_left_gets_them_all_at_its_publish(device):
+    manager = tiered_manager(device, resume_piece_bytes=1)
+    batch = kv.Batch(manager)
+    cache = import_history(manager.create_cache(), 40)
+    write_dense(cache, np.arange(40))
+    assert cache.suspend(offload=True)
+    assert cache.resume() and cache.returning_bytes > 0
+    row = batch.add(cache)
+    batch.publish()  # the row's first publish: the rest of the copy, then its page entries
+    assert cache.returning_bytes == 0
+    assert batch.row_of(cache) == row
+    check_dense(cache, np.arange(40))
+    # a resume while seated: the same, at the next publish
+    assert cache.suspend(offload=True) and cache.resume() and cache.returning_bytes > 0
+    batch.publish()
+    assert cache.returning_bytes == 0
+    check_dense(cache, np.arange(40))
+    cache.close()
+    batch.close()
+    manager.close()
+
+
+def test_resume_piece_bytes_zero_copies_back_whole_and_bad_values_are_refused():
+    manager = tiered_manager("cpu", resume_piece_bytes=0)
+    cache = import_history(manager.create_cache(), 40)
+    write_dense(cache, np.arange(40))
+    assert cache.suspend(offload=True) and cache.resume()
+    assert cache.returning_bytes == 0 and cache._arrival.parts == {}
+    assert sum(n for n in tier_used(manager) if n) == 0
+    check_dense(cache, np.arange(40))
+    cache.close()
+    manager.close()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="resume_piece_bytes"):
+            tiered_manager("cpu", resume_piece_bytes=bad)
+
+
 # ---- random runs: the data-safety model with shared prefixes and the host tier ----
 class TieringModel(SharingModel):
     """SharingModel whose requests also write their dense buffers (bytes by token id, like the
@@ -386,7 +493,7 @@ class TieringModel(SharingModel):
     step checks the reference counts of both tiers and the stats, and every resume reads the
     dense history back."""
 
-    def __init__(self, device, seed, slots, tier_slots):
+    def __init__(self, device, seed, slots, tier_slots, piece_bytes=None):
         super().__init__(device, seed, slots)
         self.batch.close()
         self.manager.close()
@@ -400,13 +507,18 @@ class TieringModel(SharingModel):
         self.manager = kv.KVCacheManager(dataclasses.replace(
             config, gpu_budget_bytes=reserve["gpu"] + slots * per["gpu"],
             host_budget_bytes=reserve["host"] + slots * per["host"] + tier_bytes),
-            host_tier_bytes=tier_bytes)
+            host_tier_bytes=tier_bytes,
+            **({} if piece_bytes is None else {"resume_piece_bytes": piece_bytes}))
         self.batch = kv.Batch(self.manager)
+        # with small pieces some detached resumes wait, pieces still coming back, before they
+        # are seated (the engine's pattern) or closed
+        self.pieces = piece_bytes is not None
+        self.returning = []
         self.dense = [(200 + i, layer, role, nbytes)
                       for i, (_, layer, role, nbytes) in enumerate(dense_buffers(config))]
         self.parked = []  # suspended and detached
         self.counts = dict(offloaded=0, kept=0, refused=0, resumed=0, exported=0, imported=0,
-                           parked=0, dense_checked=0)
+                           parked=0, dense_checked=0, returning=0, seated_returning=0)
 
     # ---- dense bytes ----
     def write(self, group_index):
@@ -474,17 +586,38 @@ class TieringModel(SharingModel):
         assert not cache.suspended
         return False
 
-    def resume(self, cache):
+    def resume(self, cache, check=True):
         if not cache.resume():
             assert cache.suspended
             return False
         self.counts["resumed"] += 1
-        self.check_dense(cache)  # bit-exact, before the row's first step
+        if check:
+            self.check_dense(cache)  # bit-exact, before the row's first step
         return True
+
+    def returning_moves(self):
+        """Seat (its first publish takes the rest of the copy back) or close a request resumed
+        detached whose pieces were still coming back."""
+        rng, batch = self.rng, self.batch
+        if not self.returning or rng.random() > 0.3:
+            return
+        cache = self.returning.pop(rng.randrange(len(self.returning)))
+        if rng.random() < 0.8 and len(batch.members()) < MAX_ROWS:
+            self.counts["seated_returning"] += int(cache.returning_bytes > 0)
+            batch.add(cache)
+            batch.publish()
+            assert cache.returning_bytes == 0
+            self.check_dense(cache)
+        else:
+            self.check_host(cache)
+            cache.close()
+            self.caches.remove(cache)
 
     def membership(self):
         super().membership()
         rng, batch = self.rng, self.batch
+        if self.pieces:
+            self.returning_moves()
         members = batch.members()
         roll = rng.random()
         if roll < 0.10 and members:
@@ -502,8 +635,13 @@ class TieringModel(SharingModel):
         elif roll < 0.22 and self.parked and len(members) < MAX_ROWS:
             cache = self.parked.pop(rng.randrange(len(self.parked)))
             if rng.random() < 0.5:  # resume detached, then sit down
-                if not self.resume(cache):
+                keep_away = self.pieces  # ... some steps later
+                if not self.resume(cache, check=not keep_away):
                     self.parked.append(cache)
+                    return
+                if keep_away:
+                    self.returning.append(cache)
+                    self.counts["returning"] += 1
                     return
             row = batch.add(cache)
             if cache.suspended and not self.resume(cache):
@@ -561,6 +699,8 @@ def check_both_tiers(manager, caches):
             first, keep = cache._live[group.index]
             row = cache._page_row(group.index)[first:keep]
             offloaded = cache._tier_pages(group.index)
+            if cache._arrival is not None:  # a copy back with pieces not issued yet
+                np.add.at(tier_expected, cache._arrival.tier_slots(group.index), 1)
             if offloaded is None:
                 assert (row >= 0).all()
             else:
@@ -582,14 +722,16 @@ def check_both_tiers(manager, caches):
     check_index(manager)
 
 
-@pytest.mark.parametrize("seed,slots,tier_slots", [(0, 80, 24), (1, 120, 400), (2, 400, 60)])
-def test_random_runs_with_the_host_tier_lose_no_kv(device, seed, slots, tier_slots):
+@pytest.mark.parametrize("seed,slots,tier_slots,piece_bytes", [
+    (0, 80, 24, None), (1, 120, 400, None), (2, 400, 60, None),
+    (3, 120, 60, 1), (4, 200, 120, 100)])  # copies back in pieces of one slot / ~2 slots
+def test_random_runs_with_the_host_tier_lose_no_kv(device, seed, slots, tier_slots, piece_bytes):
     """Suspends with and without offload (seated and detached), resumes, exports, imports and
     closes between decode steps with shared prefixes under pool pressure; every selected token
     is read back from its cell, every history token of every buffer by content (dense pages
     after every resume, and from the host tier through export), and both tiers' reference
     counts are exact after every step."""
-    model = TieringModel(device, seed, slots, tier_slots)
+    model = TieringModel(device, seed, slots, tier_slots, piece_bytes)
     for number in range(STEPS):
         model.step(number)
     for cache in model.caches:
@@ -600,6 +742,8 @@ def test_random_runs_with_the_host_tier_lose_no_kv(device, seed, slots, tier_slo
     assert counts["parked"] > 0 and counts["imported"] > 0 and counts["exported"] > 0
     if tier_slots < 30:
         assert counts["refused"] > 0  # the small tier filled up
+    if piece_bytes is not None:
+        assert counts["returning"] > 0 and counts["seated_returning"] > 0, counts
     for cache in list(model.caches):
         cache.close()
     model.batch.close()
@@ -652,5 +796,50 @@ def test_cuda_copies_run_on_the_copy_stream_without_host_waits_and_in_order():
         assert torch.equal(data, token_bytes(key, np.arange(40), nbytes, salt=5))
     assert batch.row_of(cache) == row
     cache.close()
+    batch.close()
+    manager.close()
+
+
+@pytest.mark.cuda
+def test_cuda_pieces_follow_the_compute_stream_and_the_first_read_waits_for_the_last():
+    """Each piece of a copy back is queued after the compute stream's work so far (a late write
+    to the slots it reuses lands first), and the publish that seats the row issues the rest
+    behind a busy copy stream and orders the compute stream after it, with no host wait."""
+    manager = tiered_manager("cuda", resume_piece_bytes=1)
+    batch = kv.Batch(manager)
+    warm = import_history(manager.create_cache(), 40)  # commits the tier, makes the copy stream
+    assert warm.suspend(offload=True) and warm.resume()
+    warm.close()
+    other = import_history(manager.create_cache(), 8)
+    batch.add(other)
+    batch.publish()
+    cache = import_history(manager.create_cache(), 40)
+    write_dense(cache, np.arange(40), salt=5)
+    assert cache.suspend(offload=True)
+    torch.cuda.synchronize()
+    compute, copy = torch.cuda.current_stream(), manager.tier.stream
+    # the freed slots go to an intruder that writes them late (behind a sleep) and leaves
+    intruder = import_history(manager.create_cache(), 40)
+    taken = gpu_slots_of(manager, [intruder])
+    torch.cuda._sleep(100_000_000)
+    write_dense(intruder, np.arange(40), salt=9)
+    intruder.close()
+    assert cache.resume() and cache.returning_bytes > 0
+    assert gpu_slots_of(manager, [cache]) & taken  # the resume reuses the intruder's slots
+    batch.publish()
+    batch.publish()
+    with torch.cuda.stream(copy):
+        torch.cuda._sleep(200_000_000)
+    batch.add(cache)
+    batch.publish()  # the rest of the copy, behind the sleep; the compute stream waits for it
+    assert cache.returning_bytes == 0
+    assert not compute.query() and not copy.query()  # the host did not wait
+    got = [read_dense(cache, layer, role, live(cache, layer, role, np.arange(40)))
+           for _, layer, role, _ in dense_buffers(manager.config)]
+    for (key, layer, role, nbytes), data in zip(dense_buffers(manager.config), got):
+        assert torch.equal(data, token_bytes(key, live(cache, layer, role, np.arange(40)),
+                                             nbytes, salt=5)), (layer, role)
+    for c in (cache, other):
+        c.close()
     batch.close()
     manager.close()

@@ -2,8 +2,8 @@
 
 Importing the package loads the native op library (``torch_kvcm2._C``) first; a failed load is
 an error, never a silent fallback. The public API is the configuration (``CacheConfig`` and its
-parts), ``KVCacheManager``, ``KVCache``, ``Batch`` and ``CacheRecord``; the per-step custom ops live in
-``torch_kvcm2.ops`` and under ``torch.ops.torch_kvcm2``.
+parts), ``KVCacheManager``, ``KVCache``, ``Batch``, ``FetchStream`` and ``CacheRecord``; the
+per-step custom ops live in ``torch_kvcm2.ops`` and under ``torch.ops.torch_kvcm2``.
 """
 import torch  # noqa: F401  (the op library links against torch)
 
@@ -14,6 +14,7 @@ from .batch import Batch
 from .cache import KVCache
 from .config import BAD, BufferSpec, CacheConfig, LayerSpec, SparseSpec
 from .manager import KVCacheManager
+from .overlap import FetchStream
 from .transfer import CacheRecord
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "BufferSpec",
     "CacheConfig",
     "CacheRecord",
+    "FetchStream",
     "KVCache",
     "KVCacheManager",
     "LayerSpec",

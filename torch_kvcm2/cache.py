@@ -64,7 +64,7 @@ class KVCache:
         self._row: Optional[int] = None
         self.reused_tokens = 0  # tokens shared from committed pages at creation (PFX-2)
         self._offload = None  # tiers.Offload: dense pages in the host tier while suspended
-        self._arrival = None  # CUDA event after resume's copies, until a reader waited for it
+        self._arrival = None  # tiers.Restore: resume's copy back, until a reader waited for it
 
     def __repr__(self):
         return (f"KVCache(request_id={self.request_id}, capacity={self.capacity}, "
@@ -112,6 +112,17 @@ class KVCache:
         self._check_group(group)
         self._await_pages()
         return self._pages[group, :self._live[group][1]].tolist()
+
+    @property
+    def returning_bytes(self) -> int:
+        """Bytes of the dense pages a ``resume`` brings back from the host tier whose copy is
+        not issued yet: it goes in pieces, one per ``Batch.publish`` (``resume_piece_bytes`` of
+        the manager), and whatever is left is issued at once when the pages are first read (the
+        publish that seats the row, ``host_pages``, ...). An engine seats a request resumed
+        detached once this is 0, so no step shares the link with more than a piece. 0 when
+        nothing is coming back."""
+        self._check_open()
+        return 0 if self._arrival is None else self._arrival.pending_bytes(self.manager.storage)
 
     @property
     def offloaded(self) -> bool:
@@ -445,10 +456,11 @@ class KVCache:
         """Take a fresh, empty lease (when seated in a batch). Pages in the host tier
         (``suspend(offload=True)``) come back into free GPU slots of their pool groups (any
         slots: the page entries change, and the row's next publish uploads them; per-step calls
-        are refused until then, BAT-4). On CUDA the copy runs on the copy stream and the
-        publish that first seats the row makes the current stream wait for it (as do
-        ``host_pages``, ``pages``, ``commit``, ``export``, a shrink and ``close``): no host
-        wait. Returns True once resumed; False, with nothing changed, when the GPU pools cannot
+        are refused until then, BAT-4). The copy back goes in pieces (``returning_bytes``): the
+        first now, one per ``Batch.publish`` after, the rest at once when the pages are first
+        read. On CUDA the copies run on the copy stream and the publish that first seats the
+        row makes the current stream wait for the last piece (as do ``host_pages``, ``pages``,
+        ``commit``, ``export``, a shrink and ``close``): no host wait. Returns True once resumed; False, with nothing changed, when the GPU pools cannot
         supply the slots (``KVCacheManager.can_fit(tokens, resuming=[cache])`` says so
         beforehand). Raises RuntimeError when not suspended or during stream capture."""
         self._check_open()
@@ -495,11 +507,13 @@ class KVCache:
         self.state = CLOSED
 
     def _await_pages(self) -> None:
-        """After a resume on CUDA: the current stream waits for the copy of the pages back
-        (once; a stream wait, never a host wait)."""
+        """After a resume: what is left of the copy of the pages back is issued now, and on
+        CUDA the current stream waits for its last piece (once; a stream wait, never a host
+        wait)."""
         if self._arrival is not None:
-            if not self._arrival.query():
-                torch.cuda.current_stream(self.manager.config.device).wait_event(self._arrival)
+            event = self.manager.tier.complete(self._arrival)
+            if event is not None and not event.query():
+                torch.cuda.current_stream(self.manager.config.device).wait_event(event)
             self._arrival = None
 
     def _tier_pages(self, group: int) -> Optional[tuple]:

@@ -17,7 +17,7 @@ from .memory import BatchReserve, batch_reserve_bytes
 from .prefix import token_array
 from .storage import HostOptions, Storage
 from .telemetry import HostCounters, snapshot
-from .tiers import HostTier
+from .tiers import DEFAULT_PIECE_BYTES, HostTier, check_piece_bytes
 from .transfer import CacheRecord, import_record
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,10 @@ class KVCacheManager:
     request's dense pages; the sparse pools get the rest. 0 (the default): no tier, and
     ``suspend()`` keeps dense pages on the GPU. Raises ValueError for a tier that cannot hold
     one slot of each dense pool group, that does not fit the host budget, for a config without
-    dense pool groups, or with a host group.
+    dense pool groups, or with a host group. ``resume_piece_bytes`` (default 8 MiB, about one
+    step's share of the host-to-device link): a resume copies the pages back in pieces of at
+    most this many bytes, the first at ``resume`` and one per ``Batch.publish`` after
+    (``KVCache.returning_bytes``); 0 copies them back whole at ``resume``.
 
     ``host_group`` (docs/TP.md): a ``torch.distributed`` process group of ranks on this host, or
     a ``tp.HostGroup`` over one (to set its timeout and flush split). Then construction is
@@ -61,7 +64,7 @@ class KVCacheManager:
     def __init__(self, config: CacheConfig, *, host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  host_threads: Optional[int] = None, numa="auto", prefill_host_bytes: int = 0,
                  host_huge_pages: bool = True, host_group=None, host_tier_bytes: int = 0,
-                 _host_ops=None):
+                 resume_piece_bytes: int = DEFAULT_PIECE_BYTES, _host_ops=None):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"KVCacheManager needs a CacheConfig, got {type(config).__name__}")
         require_device(config.device, "KVCacheManager()")
@@ -69,6 +72,7 @@ class KVCacheManager:
         self._closed = True  # until the storage exists: close() is a no-op
         host_threads = default_threads() if host_threads is None else host_threads
         check_options(host_chunk_bytes, host_threads)
+        check_piece_bytes(resume_piece_bytes)
         numa_node, numa_strict = resolve_numa(numa, config.device)
         if not isinstance(host_huge_pages, bool):
             raise TypeError(f"host_huge_pages must be a bool, got {host_huge_pages!r}")
@@ -93,7 +97,8 @@ class KVCacheManager:
                     f"STO-4: the {medium} budget ({budget} bytes) is smaller than the memory of a "
                     f"batch of {config.max_rows} rows ({self._reserve[medium]} bytes)"))
         self.storage.allocate(self._reserve, host)
-        self.tier = HostTier(self.storage)  # TIER-1: the copies to and from the host tier
+        # TIER-1: the copies to and from the host tier
+        self.tier = HostTier(self.storage, resume_piece_bytes)
         self.reserve = BatchReserve(self._reserve)
         self._counts = HostCounters(config)  # what metrics() reports (telemetry.py)
         self._batches = weakref.WeakSet()  # open batches: their device counters

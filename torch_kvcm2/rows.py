@@ -264,6 +264,7 @@ class RowTable:
     # ---- publish (BAT-3, HOST-1, HOST-2) ----
     def publish(self) -> None:
         self.check_host_call("Batch.publish")
+        self.manager.tier.progress()  # the next piece of the copies back of resumed requests
         sync, state = self.sync, self.state
         if sync.pending:
             # the read-backs that have arrived are applied first; the newest is waited for only

@@ -17,12 +17,18 @@ engine moves whole runs of pinned memory. Ordering, with no host wait:
   allocation that hands one out makes the stream that will write it wait for that event
   (``PoolGroup.await_fences``), so the slots are free for the host at once and the compute
   stream waits only when it really reuses a slot before the copy ended;
-* a resume's event is kept by the cache (``KVCache._arrival``); whatever next reads or frees
-  its pages — the publish of its row, ``host_pages``, ``commit``, ``export``, a shrink,
-  ``close`` — makes the current stream wait for it first (``KVCache._await_pages``).
+* a resume's copy back (``Restore``) is kept by the cache (``KVCache._arrival``); whatever next
+  reads or frees its pages — the publish of its row, ``host_pages``, ``commit``, ``export``, a
+  shrink, ``close`` — issues what is left of it and makes the current stream wait for its last
+  event first (``KVCache._await_pages``).
 
-Tier slots are written and read only by the copy stream (and by ``export``, after its event),
-so releasing them needs no fence. On a CPU device the copies are plain synchronous copies.
+The copy back goes in pieces of at most ``piece_bytes`` (whole slots, at least one): the first
+at ``resume``, then one per ``Batch.publish`` of any batch of the manager (``progress``), each
+after the current stream's work queued so far, so a detached request coming back shares the
+host-to-device link with one step's fetches per piece rather than with the whole copy. Tier
+slots are written and read only by the copy stream (and by ``export``, after its event), so a
+tier slot is released as soon as the piece reading it is queued. On a CPU device the copies are
+plain synchronous copies, issued piece by piece the same way.
 """
 from __future__ import annotations
 
@@ -33,6 +39,15 @@ import numpy as np
 import torch
 
 from .config import BAD
+
+#: bytes of one piece of a copy back (about one step's share of the host-to-device link)
+DEFAULT_PIECE_BYTES = 8 << 20
+
+
+def check_piece_bytes(piece_bytes) -> None:
+    """ValueError unless ``piece_bytes`` (``resume_piece_bytes``) is a non-negative int."""
+    if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 0:
+        raise ValueError(f"resume_piece_bytes must be a non-negative int, got {piece_bytes!r}")
 
 
 def slot_runs(src: np.ndarray, dst: np.ndarray) -> list:
@@ -90,14 +105,61 @@ class Offload:
         return out
 
 
-class HostTier:
-    """The copy side of TIER-1 for one manager: its copy stream and the two moves."""
+class Restore:
+    """A resume's copy back from the host tier: per dense pool group index, the GPU slots and
+    tier slots (int64, page order) of the pages whose copy is not issued yet; ``event`` is the
+    CUDA event recorded after the last piece issued (None on a CPU device or before the first)."""
 
-    def __init__(self, storage):
+    def __init__(self, parts: dict):
+        self.parts = {g: (gpu, tier) for g, (gpu, tier) in parts.items() if len(gpu)}
+        self.event = None
+
+    def pending_bytes(self, storage) -> int:
+        """Bytes of the copy back not issued yet."""
+        return sum(len(gpu) * storage.groups[g].slot_bytes for g, (gpu, _) in self.parts.items())
+
+    def tier_slots(self, group: int) -> np.ndarray:
+        """int64: the tier slots of ``group`` still holding pages of this copy (not issued)."""
+        part = self.parts.get(group)
+        return part[1] if part is not None else np.zeros(0, dtype=np.int64)
+
+    def take(self, budget: Optional[int], storage) -> list:
+        """Remove and return the next piece: ``(group index, GPU slots, tier slots)`` of whole
+        slots, pool group by pool group, of at most ``budget`` bytes (None: everything) and at
+        least one slot."""
+        piece = []
+        for g in list(self.parts):
+            gpu, tier = self.parts[g]
+            size = storage.groups[g].slot_bytes
+            n = len(gpu) if budget is None else min(len(gpu), budget // size)
+            if n == 0 and not piece:
+                n = 1  # a slot larger than the budget still moves
+            if n == 0:
+                break
+            piece.append((g, gpu[:n], tier[:n]))
+            if n == len(gpu):
+                del self.parts[g]
+            else:
+                self.parts[g] = (gpu[n:], tier[n:])
+            if budget is not None:
+                budget -= n * size
+                if budget <= 0:
+                    break
+        return piece
+
+
+class HostTier:
+    """The copy side of TIER-1 for one manager: its copy stream, the two moves, and the copies
+    back still to issue (``piece_bytes`` per piece; 0: each copy back whole, at ``resume``)."""
+
+    def __init__(self, storage, piece_bytes: int = DEFAULT_PIECE_BYTES):
+        check_piece_bytes(piece_bytes)
         self.storage = storage
         self.device = storage.config.device
         self.cuda = self.device.type == "cuda"
+        self.piece_bytes = piece_bytes
         self._stream: Optional[torch.cuda.Stream] = None
+        self._pending: list = []  # Restores with pieces not issued yet, oldest first
 
     @property
     def enabled(self) -> bool:
@@ -185,10 +247,11 @@ class HostTier:
         return Offload(moves, tier_slots, event)
 
     def restore(self, offload: Offload, pages: np.ndarray) -> Optional[tuple]:
-        """Copy an offload's pages back into newly allocated GPU slots (any free ones), write
-        them into the page rows ``pages`` and free the tier slots. Returns ``(event, groups
-        whose entries changed)``, event None on a CPU device; None, with nothing changed, when
-        the GPU pools cannot supply the slots."""
+        """Allocate GPU slots (any free ones) for an offload's pages, write them into the page
+        rows ``pages`` and issue the first piece of the copy back (``piece_bytes``; the rest
+        follows at each ``progress`` or at ``complete``). Returns ``(Restore, groups whose
+        entries changed)``, the Restore None when nothing moves; None, with nothing changed,
+        when the GPU pools cannot supply the slots."""
         storage = self.storage
         if not offload.pages:
             return None, []
@@ -196,16 +259,48 @@ class HostTier:
         taken = storage.allocate_slots(offload.needs(len(storage.groups)), writer=writer)
         if taken is None:
             return None
-        pairs = []
+        parts = {}
         for index, ordinals in offload.ordinals.items():
             slots = np.asarray(taken[index], dtype=np.int64)
-            pairs.append((storage.groups[index], storage.tiers[index], slots,
-                          offload.tier_slots[index].astype(np.int64)))
+            parts[index] = (slots, offload.tier_slots[index].astype(np.int64))
             pages[index, ordinals] = slots
+        restore = Restore(parts)
+        self._issue(restore, self.piece_bytes or None)
+        if restore.parts:
+            self._pending.append(restore)
+        return restore, list(offload.ordinals)
+
+    def progress(self) -> None:
+        """Issue the next ``piece_bytes`` of the copies back still pending, oldest first (called
+        by every ``Batch.publish``: one piece per step)."""
+        budget = self.piece_bytes
+        while self._pending and budget > 0:
+            restore = self._pending[0]
+            before = restore.pending_bytes(self.storage)
+            self._issue(restore, budget)
+            budget -= before - restore.pending_bytes(self.storage)
+            if not restore.parts:
+                self._pending.pop(0)
+
+    def complete(self, restore: Restore):
+        """Issue whatever is left of ``restore`` at once; returns its last event (None on a CPU
+        device), which a reader of the pages waits for on its stream."""
+        if restore.parts:
+            self._issue(restore, None)
+            self._pending.remove(restore)
+        return restore.event
+
+    def _issue(self, restore: Restore, budget: Optional[int]) -> None:
+        """Queue the next piece of ``restore`` (at most ``budget`` bytes, None: all of it) and
+        release the tier slots it reads: later writers of them are on the copy stream too."""
+        piece = restore.take(budget, self.storage)
+        pairs = [(self.storage.groups[g], self.storage.tiers[g], gpu, tier)
+                 for g, gpu, tier in piece]
         event = self._copy(pairs, to_host=False)
-        for index, tier_slots in offload.tier_slots.items():
-            storage.tiers[index].release(tier_slots)
-        return event, list(offload.ordinals)
+        if event is not None:
+            restore.event = event
+        for g, _, tier in piece:
+            self.storage.tiers[g].release(tier)
 
     def discard(self, offload: Offload) -> None:
         """Free an offload's tier slots (the cache closes while suspended). The copy stream is
@@ -214,6 +309,8 @@ class HostTier:
             self.storage.tiers[index].release(tier_slots)
 
     def close(self) -> None:
-        """Wait for the copies still running (the manager releases the host region next)."""
+        """Wait for the copies still running and drop the pieces not issued (the manager
+        releases the host region next)."""
+        self._pending.clear()
         if self._stream is not None:
             self._stream.synchronize()
