@@ -530,7 +530,9 @@ class Batch:
     def record_fetch(self, group: Union[int, str]) -> None:
         """The ordering contract of REQUIREMENTS §8 across streams: call on the stream that ran a
         fetch of ``group`` (after it); the group's next ``resolve`` makes its stream wait for it.
-        Not needed when every op of a group runs on one stream. CUDA only; eager only."""
+        Not needed when every op of a group runs on one stream. CUDA only; eager only. For
+        fetches overlapped with attention, eagerly or in a captured graph, ``FetchStream``
+        (docs/ENGINE.md) orders every direction by events."""
         state = self.group(group)
         if self.config.device.type == "cuda":
             self._step.record_fetch(state)
