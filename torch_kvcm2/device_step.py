@@ -233,18 +233,25 @@ class DeviceStep:
     def _groups_args(self, states: list, tables: list, fetch: bool) -> tuple:
         """``resolve_groups``' arguments around the selections for ``states`` (group states in
         group order) writing ``tables``: (before them, after them); ``fetch`` every layer of
-        each group."""
+        each group. Each host pool and page table is passed once (``buffer_params`` index them)."""
         before = [[] for _ in range(11)]
-        pools, positions, page_tables, params = [], [], [], []
+        pools, page_tables, params, buffer_params = [], [], [], []
+
+        def index_of(items: list, t: torch.Tensor) -> int:
+            for i, x in enumerate(items):
+                if x is t:
+                    return i
+            items.append(t)
+            return len(items) - 1
+
         for state, table in zip(states, tables):
             sp = state.spec.sparse
             cells = []
             if fetch:
                 _, cells, group_pools, group_positions, group_tables = \
                     self.fetch_plan(state.spec.layers)
-                pools += group_pools
-                positions += group_positions
-                page_tables += group_tables
+                for pool, pos, page_table in zip(group_pools, group_positions, group_tables):
+                    buffer_params += [index_of(pools, pool), pos, index_of(page_tables, page_table)]
             for i, t in enumerate((state.resident, state.recency, table, state.miss_list,
                                    state.miss_count, state.counters, state.inflight_slots,
                                    state.write_table, state.inflight_start)):
@@ -256,8 +263,8 @@ class DeviceStep:
                 before[10].append(state.resolve_scratch)
             params += [sp.tokens_per_unit, sp.max_inflight_tokens, state.spec.window or 0,
                        scratch, len(cells)]
-        return (tuple(before), (self.history, self.capacity, self.lease, pools, positions,
-                                page_tables, self.config.tokens_per_page, params))
+        return (tuple(before), (self.history, self.capacity, self.lease, pools, page_tables,
+                                self.config.tokens_per_page, params, buffer_params))
 
     def resolve_groups_bound(self, selected: list, fetch: bool) -> None:
         """The eager resolve of every group at once, each selection of the bound shape."""

@@ -38,6 +38,7 @@ __all__ = [
     "max_inflight_units",
     "rank_signal",
     "rank_wait",
+    "BUFFER_FIELDS",
     "GROUP_FIELDS",
     "resolve",
     "resolve_groups",
@@ -57,8 +58,10 @@ NUM_COUNTERS = 3  # hits, misses, invalid
 #: resolve's reservation word, zero between resolves (allocate it zeroed); [1] padding.
 MISS_COUNT_WORDS = 4
 #: ``resolve_groups``' group_params per group: (tokens_per_unit, max_inflight_tokens, window,
-#: index into scratch or -1, buffers to fetch).
+#: index into scratch or -1, buffers to fetch); its buffer_params per buffer: (index into
+#: host_pools, position in a slot, index into page_tables).
 GROUP_FIELDS = 5
+BUFFER_FIELDS = 3
 
 
 def convert_page_indices(
@@ -222,25 +225,27 @@ def resolve_groups(
     capacity: Tensor,
     lease: Tensor,
     host_pools: Sequence[Tensor],
-    positions: Sequence[int],
     page_tables: Sequence[Tensor],
     tokens_per_page: int,
     group_params: Sequence[int],
+    buffer_params: Sequence[int],
 ) -> None:
     """OP-STEP for several selection groups in one call: group ``g``'s part is ``resolve_step``
-    with ``resident[g]``, ..., ``write_start[g]``, ``selected[g]``, and from ``group_params[5g:5g+5]``
-    = (tokens_per_unit, max_inflight_tokens, window, s, n): ``scratch[s]`` (none when s is -1) and
-    the next ``n`` entries of ``cells``, ``host_pools``, ``positions`` and ``page_tables`` (the
-    groups' runs in group order; n = 0: no fetch). The groups must share no tensor they mutate.
-    Bit for bit the results of ``resolve_step`` per group; every argument is checked before any
-    part runs. On CUDA every group's resolve is one launch and every group's fetch one more, so
-    a step's groups run side by side instead of one after another (P-STEP-1).
+    with ``resident[g]``, ..., ``write_start[g]``, ``selected[g]``, and from
+    ``group_params[5g:5g+5]`` = (tokens_per_unit, max_inflight_tokens, window, s, n):
+    ``scratch[s]`` (none when s is -1) and the next ``n`` entries of ``cells`` (the groups' runs
+    in group order; n = 0: no fetch), cell ``b`` fetched from ``host_pools[i]`` at position
+    ``pos`` with ``page_tables[j]`` for ``buffer_params[3b:3b+3]`` = (i, pos, j): each pool and
+    page table is passed once, however many buffers use it. The groups must share no tensor they
+    mutate. Bit for bit the results of ``resolve_step`` per group; every argument is checked
+    before any part runs. On CUDA every group's resolve is one launch and every group's fetch
+    one more, so a step's groups run side by side instead of one after another (P-STEP-1).
     """
     _ops.resolve_groups(
         list(resident), list(recency), list(index_table), list(miss_list), list(miss_count),
         list(counters), list(inflight_slots), list(write_table), list(write_start), list(cells),
         list(scratch), list(selected), history, capacity, lease, list(host_pools),
-        list(positions), list(page_tables), tokens_per_page, list(group_params),
+        list(page_tables), tokens_per_page, list(group_params), list(buffer_params),
     )
 
 
@@ -648,10 +653,10 @@ def _fake_write_indices(out, inflight_start, resident, inflight_slots, history, 
 @torch.library.register_fake("torch_kvcm2::resolve_groups")
 def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
       write_table, write_start, cells, scratch, selected, history, capacity, lease, host_pools,
-      positions, page_tables, tokens_per_page, group_params):
-    """check_resolve_groups (csrc/resolve_groups.cpp): the lists' lengths, the group fields,
-    and resolve_step's checks per group. Left out: what resolve's and fetch's fakes leave out,
-    and that no two groups share memory they mutate (data pointers)."""
+      page_tables, tokens_per_page, group_params, buffer_params):
+    """check_resolve_groups (csrc/resolve_groups.cpp): the lists' lengths, the group and buffer
+    fields, and resolve_step's checks per group. Left out: what resolve's and fetch's fakes
+    leave out, and that no two groups share memory they mutate (data pointers)."""
     op = "resolve_groups"
     n = len(resident)
     for lst in (recency, index_table, miss_list, miss_count, counters, inflight_slots,
@@ -661,9 +666,9 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_
     _check(len(group_params) == n * GROUP_FIELDS,
            lambda: f"{op}: group_params must have {GROUP_FIELDS} entries per group "
            f"({n * GROUP_FIELDS}), got {len(group_params)}")
-    _check(len(cells) == len(host_pools) == len(positions) == len(page_tables),
-           lambda: f"{op}: cells, host_pools, positions and page_tables must have one entry per "
-           f"buffer, got {len(cells)}, {len(host_pools)}, {len(positions)}, {len(page_tables)}")
+    _check(len(buffer_params) == len(cells) * BUFFER_FIELDS,
+           lambda: f"{op}: buffer_params must have {BUFFER_FIELDS} entries per buffer "
+           f"({len(cells) * BUFFER_FIELDS}), got {len(buffer_params)}")
     first = 0
     for g in range(n):
         U, I, window, s, nb = group_params[g * GROUP_FIELDS:(g + 1) * GROUP_FIELDS]
@@ -671,15 +676,23 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_
                f"[-1, {len(scratch)})")
         _check(nb >= 0 and first + nb <= len(cells), lambda: f"{op}: group {g}: {nb} buffers from "
                f"buffer {first} exceed the {len(cells)} given")
+        pools, positions, tables = [], [], []
+        for b in range(first, first + nb):
+            i, pos, j = buffer_params[b * BUFFER_FIELDS:(b + 1) * BUFFER_FIELDS]
+            _check(0 <= i < len(host_pools) and 0 <= j < len(page_tables),
+                   lambda: f"{op}: buffer {b}: host pool {i} or page table {j} outside the "
+                   f"{len(host_pools)} and {len(page_tables)} given")
+            pools.append(host_pools[i])
+            positions.append(pos)
+            tables.append(page_tables[j])
         _check_resolve(resident[g], recency[g], index_table[g], miss_list[g], miss_count[g],
                        counters[g], inflight_slots[g], selected[g], history, capacity, lease, U,
                        tokens_per_page, I, window)
         _check_resolve_write(write_table[g], write_start[g], selected[g], resident[g],
                              inflight_slots[g], history, capacity, lease, U, I)
         if nb:
-            run = slice(first, first + nb)
-            _check_fetch(cells[run], host_pools[run], positions[run], page_tables[run],
-                         miss_list[g], miss_count[g], resident[g].shape[1], U)
+            _check_fetch(cells[first:first + nb], pools, positions, tables, miss_list[g],
+                         miss_count[g], resident[g].shape[1], U)
         first += nb
     _check(first == len(cells), lambda: f"{op}: the groups fetch {first} buffers but "
            f"{len(cells)} are given")

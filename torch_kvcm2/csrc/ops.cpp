@@ -54,18 +54,20 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "Tensor[] host_pools, int[] positions, Tensor[] page_tables, int tokens_per_unit, "
       "int tokens_per_page, int max_inflight_tokens, int window, Tensor(k!)? scratch=None) -> ()");
   // OP-STEP for several selection groups in one call: group g's part is resolve_step's with
-  // resident[g], ..., write_start[g], selected[g], its scratch and its buffers (its run of cells,
-  // host_pools, positions and page_tables), and group_params[5g .. 5g+4] = (tokens_per_unit,
-  // max_inflight_tokens, window, index into scratch or -1, buffers to fetch). The groups share
-  // no mutated tensor; on CUDA every group's resolve is one launch and every fetch one more
+  // resident[g], ..., write_start[g], selected[g], and group_params[5g .. 5g+4] = (tokens_per_unit,
+  // max_inflight_tokens, window, index into scratch or -1, buffers to fetch): its run of cells, in
+  // group order, each cell b with buffer_params[3b .. 3b+2] = (index into host_pools, position in
+  // a slot, index into page_tables) -- the pools and page tables once each, not once per buffer
+  // (every tensor of a list costs the eager call its parsing). The groups share no mutated
+  // tensor; on CUDA every group's resolve is one launch and every fetch one more
   // (csrc/resolve_groups.cpp).
   m.def(
       "resolve_groups(Tensor(a!)[] resident, Tensor(b!)[] recency, Tensor(c!)[] index_table, "
       "Tensor(d!)[] miss_list, Tensor(e!)[] miss_count, Tensor(f!)[] counters, "
       "Tensor(g!)[] inflight_slots, Tensor(h!)[] write_table, Tensor(i!)[] write_start, "
       "Tensor(j!)[] cells, Tensor(k!)[] scratch, Tensor[] selected, Tensor history, "
-      "Tensor capacity, Tensor lease, Tensor[] host_pools, int[] positions, "
-      "Tensor[] page_tables, int tokens_per_page, int[] group_params) -> ()");
+      "Tensor capacity, Tensor lease, Tensor[] host_pools, Tensor[] page_tables, "
+      "int tokens_per_page, int[] group_params, int[] buffer_params) -> ()");
   // The in-flight slot records resolve writes, recomputed from residency alone (the lowest slot
   // holding each in-flight unit), for callers that change lengths or residency between resolves.
   m.def(

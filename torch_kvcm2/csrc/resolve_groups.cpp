@@ -27,8 +27,8 @@ std::vector<StepGroup> check_resolve_groups(
     const at::TensorList& write_start, const at::TensorList& cells,
     const at::TensorList& scratch, const at::TensorList& selected, const at::Tensor& history,
     const at::Tensor& capacity, const at::Tensor& lease, const at::TensorList& host_pools,
-    at::IntArrayRef positions, const at::TensorList& page_tables, int64_t tokens_per_page,
-    at::IntArrayRef group_params) {
+    const at::TensorList& page_tables, int64_t tokens_per_page, at::IntArrayRef group_params,
+    at::IntArrayRef buffer_params) {
   const char* op = "resolve_groups";
   const size_t n = resident.size();
   for (const at::TensorList* list : {&recency, &index_table, &miss_list, &miss_count, &counters,
@@ -39,11 +39,9 @@ std::vector<StepGroup> check_resolve_groups(
   TORCH_CHECK(group_params.size() == n * static_cast<size_t>(kGroupFields), op,
               ": group_params must have ", kGroupFields, " entries per group (", n * kGroupFields,
               "), got ", group_params.size());
-  TORCH_CHECK(cells.size() == host_pools.size() && cells.size() == positions.size() &&
-                  cells.size() == page_tables.size(),
-              op, ": cells, host_pools, positions and page_tables must have one entry per "
-              "buffer, got ", cells.size(), ", ", host_pools.size(), ", ", positions.size(), ", ",
-              page_tables.size());
+  TORCH_CHECK(buffer_params.size() == cells.size() * static_cast<size_t>(kBufferFields), op,
+              ": buffer_params must have ", kBufferFields, " entries per buffer (",
+              cells.size() * kBufferFields, "), got ", buffer_params.size());
   std::vector<StepGroup> groups;
   groups.reserve(n);
   size_t buffer = 0;
@@ -60,8 +58,18 @@ std::vector<StepGroup> check_resolve_groups(
     TORCH_CHECK(f[4] >= 0 && buffer + static_cast<size_t>(f[4]) <= cells.size(), op, ": group ",
                 g, ": ", f[4], " buffers from buffer ", buffer, " exceed the ", cells.size(),
                 " given");
-    StepGroup s{g, f[0], f[1], f[2], std::nullopt, buffer, static_cast<size_t>(f[4])};
+    StepGroup s{g, f[0], f[1], f[2], std::nullopt, buffer, static_cast<size_t>(f[4]), {}, {}, {}};
     if (f[3] >= 0) s.scratch = scratch[f[3]];
+    for (size_t b = buffer; b < buffer + s.buffers; ++b) {
+      const int64_t* e = buffer_params.data() + b * kBufferFields;
+      TORCH_CHECK(e[0] >= 0 && e[0] < static_cast<int64_t>(host_pools.size()) && e[2] >= 0 &&
+                      e[2] < static_cast<int64_t>(page_tables.size()),
+                  op, ": buffer ", b, ": host pool ", e[0], " or page table ", e[2],
+                  " outside the ", host_pools.size(), " and ", page_tables.size(), " given");
+      s.host_pools.push_back(host_pools[e[0]]);
+      s.positions.push_back(e[1]);
+      s.page_tables.push_back(page_tables[e[2]]);
+    }
     buffer += s.buffers;
     check_resolve(resident[g], recency[g], index_table[g], miss_list[g], miss_count[g],
                   counters[g], inflight_slots[g], selected[g], history, capacity, lease,
@@ -70,11 +78,9 @@ std::vector<StepGroup> check_resolve_groups(
                         inflight_slots[g], history, capacity, lease, s.tokens_per_unit,
                         s.max_inflight_tokens);
     if (s.buffers > 0)
-      check_fetch(cells.slice(s.first_buffer, s.buffers),
-                  host_pools.slice(s.first_buffer, s.buffers),
-                  positions.slice(s.first_buffer, s.buffers),
-                  page_tables.slice(s.first_buffer, s.buffers), miss_list[g], miss_count[g],
-                  resident[g].size(1), s.tokens_per_unit);
+      check_fetch(cells.slice(s.first_buffer, s.buffers), s.host_pools, s.positions,
+                  s.page_tables, miss_list[g], miss_count[g], resident[g].size(1),
+                  s.tokens_per_unit);
     const char* names[] = {"resident", "recency", "index_table", "miss_list", "miss_count",
                            "counters", "inflight_slots", "write_table", "write_start"};
     const at::TensorList* lists[] = {&resident, &recency, &index_table, &miss_list,
@@ -112,12 +118,12 @@ void resolve_groups_cpu(const at::TensorList& resident, const at::TensorList& re
                         const at::TensorList& scratch, const at::TensorList& selected,
                         const at::Tensor& history, const at::Tensor& capacity,
                         const at::Tensor& lease, const at::TensorList& host_pools,
-                        at::IntArrayRef positions, const at::TensorList& page_tables,
-                        int64_t tokens_per_page, at::IntArrayRef group_params) {
+                        const at::TensorList& page_tables, int64_t tokens_per_page,
+                        at::IntArrayRef group_params, at::IntArrayRef buffer_params) {
   const std::vector<StepGroup> groups = check_resolve_groups(
       resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
       write_table, write_start, cells, scratch, selected, history, capacity, lease, host_pools,
-      positions, page_tables, tokens_per_page, group_params);
+      page_tables, tokens_per_page, group_params, buffer_params);
   static const auto resolve = handle<ResolveFn>("torch_kvcm2::resolve");
   static const auto fetch = handle<FetchFn>("torch_kvcm2::fetch");
   // The parts are this op's implementation, not calls of their own: straight to the backend.
@@ -131,10 +137,8 @@ void resolve_groups_cpu(const at::TensorList& resident, const at::TensorList& re
   }
   for (const StepGroup& s : groups) {
     if (s.buffers == 0) continue;
-    fetch.call(cells.slice(s.first_buffer, s.buffers), host_pools.slice(s.first_buffer, s.buffers),
-               positions.slice(s.first_buffer, s.buffers),
-               page_tables.slice(s.first_buffer, s.buffers), miss_list[s.g], miss_count[s.g],
-               resident[s.g].size(1), s.tokens_per_unit);
+    fetch.call(cells.slice(s.first_buffer, s.buffers), s.host_pools, s.positions, s.page_tables,
+               miss_list[s.g], miss_count[s.g], resident[s.g].size(1), s.tokens_per_unit);
   }
 }
 

@@ -24,12 +24,12 @@ void resolve_groups_cuda(const at::TensorList& resident, const at::TensorList& r
                          const at::TensorList& scratch, const at::TensorList& selected,
                          const at::Tensor& history, const at::Tensor& capacity,
                          const at::Tensor& lease, const at::TensorList& host_pools,
-                         at::IntArrayRef positions, const at::TensorList& page_tables,
-                         int64_t tokens_per_page, at::IntArrayRef group_params) {
+                         const at::TensorList& page_tables, int64_t tokens_per_page,
+                         at::IntArrayRef group_params, at::IntArrayRef buffer_params) {
   const std::vector<StepGroup> groups = check_resolve_groups(
       resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
       write_table, write_start, cells, scratch, selected, history, capacity, lease, host_pools,
-      positions, page_tables, tokens_per_page, group_params);
+      page_tables, tokens_per_page, group_params, buffer_params);
   const c10::cuda::CUDAGuard guard(history.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   std::vector<ResolvePlan> plans;
@@ -43,11 +43,9 @@ void resolve_groups_cuda(const at::TensorList& resident, const at::TensorList& r
                                  s.max_inflight_tokens, s.window, s.scratch, write_table[g],
                                  write_start[g]));
     if (s.buffers > 0)
-      fetches.push_back({cells.slice(s.first_buffer, s.buffers),
-                         host_pools.slice(s.first_buffer, s.buffers),
-                         page_tables.slice(s.first_buffer, s.buffers),
-                         positions.slice(s.first_buffer, s.buffers), &miss_list[g],
-                         &miss_count[g], resident[g].size(1), s.tokens_per_unit});
+      fetches.push_back({cells.slice(s.first_buffer, s.buffers), s.host_pools, s.page_tables,
+                         s.positions, &miss_list[g], &miss_count[g], resident[g].size(1),
+                         s.tokens_per_unit});
   }
   launch_resolve_groups(plans, stream);
   launch_fetch_groups(fetches, stream);
