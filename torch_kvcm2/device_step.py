@@ -224,7 +224,8 @@ class DeviceStep:
                  list(cells)),
                 (self.history, self.capacity, self.lease, list(pools), list(positions),
                  list(tables), sp.tokens_per_unit, self.config.tokens_per_page,
-                 sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch))
+                 sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch,
+                 state.spec.sinks))
 
     def resolve_bound(self, index: int, selected: torch.Tensor, fetch: bool) -> torch.Tensor:
         """The eager resolve of a selection of the bound shape (``arguments.fits``)."""

@@ -111,6 +111,7 @@ def resolve(
     scratch: Optional[Tensor] = None,
     write_table: Optional[Tensor] = None,
     write_start: Optional[Tensor] = None,
+    sinks: int = 0,
 ) -> None:
     """OP-RESOLVE for one selection group over every row (REQUIREMENTS §8; docs/DESIGN.md).
 
@@ -124,7 +125,9 @@ def resolve(
     resolve leaves zero); ``counters`` int64[3] (hits, misses, invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
     ``inflight_slots`` int32[R, ceil(I/U)+1] is overwritten with each row's in-flight slot
     records (as ``locate_inflight`` computes them), which write_indices and flush read.
-    ``window`` is 0 for full attention. ``scratch`` (CUDA only; ignored on CPU) is uint8 of at
+    ``window`` is 0 for full attention; ``sinks`` (tokens, 0 without a window) keeps the units
+    of a windowed group's first ``ceil(sinks / tokens_per_page)`` pages selectable behind the
+    window (TIER-3; csrc/rules.h's RowRange). ``scratch`` (CUDA only; ignored on CPU) is uint8 of at
     least ``R * memory.resolve_scratch_bytes(T'*K)`` bytes: the table region of rows whose
     resolve does not fit shared memory (docs/MTP.md); without it such rows raise.
     ``write_table`` and ``write_start`` (both or neither): also OP-WRITE's outputs, what
@@ -135,7 +138,7 @@ def resolve(
     _ops.resolve(
         resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
         history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
-        scratch, write_table, write_start,
+        scratch, write_table, write_start, sinks,
     )
 
 
@@ -184,6 +187,7 @@ def resolve_step(
     max_inflight_tokens: int,
     window: int = 0,
     scratch: Optional[Tensor] = None,
+    sinks: int = 0,
 ) -> None:
     """OP-STEP: one selection group's part of a decode step in one call, with the results of
     ``resolve(..., write_table, write_start)`` and then, when ``cells`` is not empty,
@@ -196,7 +200,7 @@ def resolve_step(
         resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
         write_table, write_start, list(cells), selected, history, capacity, lease,
         list(host_pools), list(positions), list(page_tables), tokens_per_unit, tokens_per_page,
-        max_inflight_tokens, window, scratch,
+        max_inflight_tokens, window, scratch, sinks,
     )
 
 
@@ -477,7 +481,7 @@ def _check_write_indices(out, inflight_start, resident, inflight_slots, history,
 
 def _check_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                    inflight_slots, selected, history, capacity, lease, tokens_per_unit,
-                   tokens_per_page, max_inflight_tokens, window):
+                   tokens_per_page, max_inflight_tokens, window, sinks):
     op = "resolve"
     _int32_2d(resident, op, "resident")
     _int32_2d(recency, op, "recency")
@@ -501,6 +505,8 @@ def _check_resolve(resident, recency, index_table, miss_list, miss_count, counte
            f"{op}: tokens_per_unit must be positive and divide tokens_per_page")
     _check(max_inflight_tokens > 0 and window >= 0,
            f"{op}: max_inflight_tokens must be positive and window non-negative (0 = none)")
+    _check(sinks >= 0 and (sinks == 0 or window > 0),
+           f"{op}: sinks must be non-negative, and 0 without a window (window 0)")
     slots = resident.shape[1]
     units_per_page = tokens_per_page // tokens_per_unit
     _check(slots > 0 and slots % units_per_page == 0, lambda: f"{op}: slots ({slots}) must be a "
@@ -534,14 +540,14 @@ def _check_resolve_write(write_table, write_start, selected, resident, inflight_
 def _fake_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                   inflight_slots, selected, history, capacity, lease, tokens_per_unit,
                   tokens_per_page, max_inflight_tokens, window, scratch=None, write_table=None,
-                  write_start=None):
+                  write_start=None, sinks=0):
     """check_resolve and check_resolve_write, all of them. Left out: the CUDA kernel's own
     checks (csrc/cuda/resolve.cu), which depend on the device or on data pointers: miss_count's
     8-byte alignment, the shared memory a row needs against the device's limit, and ``scratch``
     (its size follows the shared-memory layout; its 16-byte alignment)."""
     _check_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                    inflight_slots, selected, history, capacity, lease, tokens_per_unit,
-                   tokens_per_page, max_inflight_tokens, window)
+                   tokens_per_page, max_inflight_tokens, window, sinks)
     _check_resolve_write(write_table, write_start, selected, resident, inflight_slots, history,
                          capacity, lease, tokens_per_unit, max_inflight_tokens)
 
@@ -604,13 +610,13 @@ def _fake_write_indices(out, inflight_start, resident, inflight_slots, history, 
 @torch.library.register_fake("torch_kvcm2::resolve_step")
 def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, write_table,
       write_start, cells, selected, history, capacity, lease, host_pools, positions, page_tables,
-      tokens_per_unit, tokens_per_page, max_inflight_tokens, window, scratch=None):
+      tokens_per_unit, tokens_per_page, max_inflight_tokens, window, scratch=None, sinks=0):
     """resolve_step's checks (csrc/step.cpp), all of them: resolve's and fetch's, or no host
     pools, positions or page tables without cells. Left out: what resolve's and fetch's fakes
     leave out."""
     _check_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                    inflight_slots, selected, history, capacity, lease, tokens_per_unit,
-                   tokens_per_page, max_inflight_tokens, window)
+                   tokens_per_page, max_inflight_tokens, window, sinks)
     _check_resolve_write(write_table, write_start, selected, resident, inflight_slots, history,
                          capacity, lease, tokens_per_unit, max_inflight_tokens)
     if cells:

@@ -37,7 +37,8 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "
       "Tensor(g!) inflight_slots, Tensor selected, Tensor history, Tensor capacity, Tensor lease, "
       "int tokens_per_unit, int tokens_per_page, int max_inflight_tokens, int window, "
-      "Tensor(h!)? scratch=None, Tensor(i!)? write_table=None, Tensor(j!)? write_start=None) -> ()");
+      "Tensor(h!)? scratch=None, Tensor(i!)? write_table=None, Tensor(j!)? write_start=None, "
+      "int sinks=0) -> ()");
   // OP-FETCH: layers of one selection group, every missed unit of each of their sparse buffers,
   // host page -> cell. A buffer's host pages are (its pool group's whole pool, its position in a
   // slot): ops never take two views of one pool, which would alias (see HostPages in checks.h).
@@ -52,7 +53,8 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "Tensor(g!) inflight_slots, Tensor(h!) write_table, Tensor(i!) write_start, "
       "Tensor(j!)[] cells, Tensor selected, Tensor history, Tensor capacity, Tensor lease, "
       "Tensor[] host_pools, int[] positions, Tensor[] page_tables, int tokens_per_unit, "
-      "int tokens_per_page, int max_inflight_tokens, int window, Tensor(k!)? scratch=None) -> ()");
+      "int tokens_per_page, int max_inflight_tokens, int window, Tensor(k!)? scratch=None, "
+      "int sinks=0) -> ()");
   // The in-flight slot records resolve writes, recomputed from residency alone (the lowest slot
   // holding each in-flight unit), for callers that change lengths or residency between resolves.
   m.def(
