@@ -483,6 +483,10 @@ def test_op_resolve_and_fetch_opcheck(device):
         torch.ops.torch_kvcm2.resolve.default,
         (g.resident, g.recency, g.index_table, g.miss_list, g.miss_count, g.counters,
          g.inflight_slots, sel, h, c, lease, 2, 4, 4, 0))
+    torch.library.opcheck(  # a window of 8 with 4 sink tokens (TIER-3)
+        torch.ops.torch_kvcm2.resolve.default,
+        (g.resident, g.recency, g.index_table, g.miss_list, g.miss_count, g.counters,
+         g.inflight_slots, sel, h, c, lease, 2, 4, 4, 8, None, None, None, 4))
     gen = torch.Generator().manual_seed(6)
     layers = [Layer(device, gen=gen, num_leases=2, S=8, P=4, U=2, chunks=c_, bpt=4 * c_,
                     host_slots=6, rows=2, max_pages=16, guard=False) for c_ in (1, 2)]
