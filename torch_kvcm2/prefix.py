@@ -194,12 +194,17 @@ class PrefixIndex:
             sinks = lengths.sink_pages(self.groups[g].sinks, P)
             runs.append((self.groups[g].window, idx - last_gap, sinks, from_start))
         for m in range(n, 0, -1):
-            h = m * P
-            if all(run[m - 1] >= m - first and min(sinks, first) <= from_start
-                   for w, run, sinks, from_start in runs
-                   for first in (min(lengths.first_live_page(h, P, w), m),)):
+            if all(self._covered(m, *run) for run in runs):
                 return m
         return 0
+
+    def _covered(self, m: int, window: int, run: np.ndarray, sinks: int, from_start: int) -> bool:
+        """Whether a windowed group holds what a cache of ``m`` pages needs: pages ``[first,
+        m)`` (``run``: the run of held pages ending at each page) and its sink pages below
+        ``first`` (``from_start``: the pages held from page 0 on)."""
+        P = self.tokens_per_page
+        first = min(lengths.first_live_page(m * P, P, window), m)
+        return run[m - 1] >= m - first and min(sinks, first) <= from_start
 
     def slots_of(self, entries: np.ndarray, group: int) -> np.ndarray:
         return self._slots[entries, group]
