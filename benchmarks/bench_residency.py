@@ -24,7 +24,7 @@ def resolve_only(batch, group, selected):
     kv.ops.resolve(st.resident, st.recency, table, st.miss_list, st.miss_count, st.counters,
                    st.inflight_slots, selected, batch.history, batch.capacity, batch.lease,
                    sp.tokens_per_unit, batch.config.tokens_per_page, sp.max_inflight_tokens,
-                   st.spec.window or 0, st.resolve_scratch)
+                   st.spec.window or 0, st.resolve_scratch, sinks=st.spec.sinks)
     return table
 
 

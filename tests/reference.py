@@ -124,6 +124,7 @@ class RowRange:
     P: int
     I: int
     window: int
+    sinks: int = 0  # tokens a windowed row keeps at the start (TIER-3)
 
     def __post_init__(self):
         # DESIGN: lengths are device data; a negative history or a capacity below it (bad data)
@@ -149,12 +150,15 @@ class RowRange:
         return s0 < c and u * self.U < c and (u + 1) * U > s0
 
     def on_live_page(self, u: int) -> bool:
-        """DESIGN decision (windowed sparse layers): pages p < floor((h - window)/P) are gone."""
+        """DESIGN decision (windowed sparse layers): pages p < floor((h - window)/P) are gone,
+        except the sink pages, p < ceil(sinks/P), which stay (TIER-3)."""
         if self.window <= 0:
             return True
-        E = self.P // self.U
+        page = u // (self.P // self.U)
+        if page * self.P < self.sinks:  # the page holds a sink token
+            return True
         first_live_page = (self.h - self.window) // self.P
-        return u // E >= first_live_page
+        return page >= first_live_page
 
     def selectable(self, u: int) -> bool:
         if u < 0 or not self.on_live_page(u):
@@ -162,7 +166,8 @@ class RowRange:
         return (u + 1) * self.U <= self.h or self.in_flight(u)
 
 
-def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, window=0):
+def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, window=0,
+            sinks=0):
     """OP-RESOLVE for one selection group over every row, following DESIGN.md step by step.
 
     Mutates ``state`` (resident, recency, counters). Returns ``(index_table, misses, deltas)``:
@@ -182,7 +187,7 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
             # a hole, a suspended row or bad data: only the index-table row is written (RES-4)
             index_table.append([BAD] * K)
             continue
-        rng = RowRange(history[r], capacity[r], U, P, I, window)
+        rng = RowRange(history[r], capacity[r], U, P, I, window, sinks)
         resident = state.resident[ell]
         recency = state.recency[ell]
 
@@ -310,12 +315,13 @@ def check_res1(state: ResidencyState, allow_negative_units: bool = False) -> Non
             f"RES-1: lease {ell} recency is not a permutation: {recency}")
 
 
-def check_res2(state: ResidencyState, history, capacity, lease, U, P, I, window=0) -> None:
+def check_res2(state: ResidencyState, history, capacity, lease, U, P, I, window=0,
+               sinks=0) -> None:
     """RES-2: after a resolve, every in-flight unit of every seated row is resident."""
     for r, ell in enumerate(lease):
         if not (0 <= ell < state.num_leases):
             continue
-        rng = RowRange(history[r], capacity[r], U, P, I, window)
+        rng = RowRange(history[r], capacity[r], U, P, I, window, sinks)
         held = set(state.resident[ell])
         for u in rng.inflight_units():
             assert u in held, f"RES-2: row {r} (lease {ell}) in-flight unit {u} not resident"
@@ -579,13 +585,15 @@ def selection_union(selection_rows) -> list:
     return union
 
 
-def resolve_multi(state: ResidencyState, selected, history, capacity, lease, U, P, I, window=0):
+def resolve_multi(state: ResidencyState, selected, history, capacity, lease, U, P, I, window=0,
+                  sinks=0):
     """OP-RESOLVE for a multi-token step: ``selected`` is one list per row of T' lists of K
     ordinals (the same T' and K for every row). Mutates ``state`` like ``resolve``. Returns
     ``(index_table, misses, deltas)`` with ``index_table`` one list per row of T' lists of K
     entries; ``misses`` and ``deltas`` as ``resolve`` returns them for the unions."""
     unions = [selection_union(rows) for rows in selected]
-    union_table, misses, deltas = resolve(state, unions, history, capacity, lease, U, P, I, window)
+    union_table, misses, deltas = resolve(state, unions, history, capacity, lease, U, P, I, window,
+                                          sinks)
     index_table = []
     for rows, union, line in zip(selected, unions, union_table):
         entry_of = dict(zip(union, line))  # empty for a hole, whose entries are all BAD

@@ -24,13 +24,14 @@ class Group:
     """Op-level residency state of one selection group, mirrored by a reference state."""
 
     def __init__(self, device, *, leases, rows, K, U, P, I, S, window=0, guard=False,
-                 writes=False):
+                 writes=False, sinks=0):
         self.device, self.rows, self.K = device, rows, K
         # writes=True: resolve also writes OP-WRITE's outputs (write_table, write_start), which
         # every step compares with the write_indices op run afterwards on the state it left.
         self.writes = writes
         self.fetch_layers = []  # set: run_op is resolve_step, which also fetches into these
         self.U, self.P, self.I, self.S, self.window = U, P, I, S, window
+        self.sinks = sinks  # tokens a windowed group keeps at the start (TIER-3)
         self.num_leases = leases
         miss_rows = rows * (K + ops.max_inflight_units(I, U))
         assert ops.max_inflight_units(I, U) == ref.ceil_div(I, U) + 1
@@ -89,13 +90,13 @@ class Group:
                 [l.cells for l in layers], t32(selected, self.device), t32(history, self.device),
                 t32(capacity, self.device), t32(lease, self.device), [l.pool for l in layers],
                 [l.pos for l in layers], [l.page_table for l in layers], self.U, self.P, self.I,
-                self.window)
+                self.window, sinks=self.sinks)
             return
         writes = (self.write_table, self.write_start) if self.writes else (None, None)
         ops.resolve(self.resident, self.recency, self.index_table, self.miss_list,
                     self.miss_count, self.counters, self.inflight_slots, t32(selected, self.device),
                     t32(history, self.device), t32(capacity, self.device), t32(lease, self.device),
-                    self.U, self.P, self.I, self.window, None, *writes)
+                    self.U, self.P, self.I, self.window, None, *writes, sinks=self.sinks)
 
     def check_writes(self, history, capacity, lease):
         """resolve's write outputs equal the write_indices op's on the state resolve left."""
@@ -129,7 +130,8 @@ class Group:
         deltas = [a - b for a, b in zip(got_counters, old_counters)]
         if check_ref:
             want_index, want_misses, want_deltas = ref.resolve(
-                self.ref, selected, history, capacity, lease, self.U, self.P, self.I, self.window)
+                self.ref, selected, history, capacity, lease, self.U, self.P, self.I, self.window,
+                self.sinks)
             ctx = dict(selected=selected, history=history, capacity=capacity, lease=lease)
             assert got_index == want_index, ctx
             assert got_misses == sorted(want_misses), ctx
@@ -138,7 +140,7 @@ class Group:
             assert self.resident.cpu().tolist() == self.ref.resident, ctx
             assert self.recency.cpu().tolist() == self.ref.recency, ctx
             ref.check_res2(self.ref, history, capacity, lease, self.U, self.P, self.I,
-                           self.window)
+                           self.window, self.sinks)
         state = ref.state_from_tensors(self.resident.cpu(), self.recency.cpu(), self.counters.cpu())
         ref.check_res1(state, allow_negative_units=allow_negative)
         # the in-flight slot records: the lowest slot holding each in-flight unit afterwards

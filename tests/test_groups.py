@@ -32,7 +32,7 @@ def test_step_groups_equals_per_group_steps(device):
 
 def mixed_config(device):
     """Three selection groups: one-token units; two-token units with two query tokens per row
-    (MTP); a windowed group (REQ-3). Sparse latents of 8 bytes per token, a dense buffer beside."""
+    (MTP); a windowed group with sink tokens (REQ-3, TIER-3). Sparse latents of 8 bytes per token, a dense buffer beside."""
     plain = kv.SparseSpec(tokens_per_unit=1, width=5, slots=16, max_inflight_tokens=2,
                           selection_id="plain")
     mtp = kv.SparseSpec(tokens_per_unit=2, width=3, slots=12, max_inflight_tokens=4,
@@ -43,7 +43,7 @@ def mixed_config(device):
     layers = [kv.LayerSpec("p0", [latent], sparse=plain),
               kv.LayerSpec("p1", [latent, kv.BufferSpec("k", 4)], sparse=plain),
               kv.LayerSpec("m0", [latent], sparse=mtp),
-              kv.LayerSpec("w0", [latent], sparse=windowed, window=12)]
+              kv.LayerSpec("w0", [latent], sparse=windowed, window=12, sinks=3)]
     return kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=4, max_tokens_per_row=256,
                           gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device)
 

@@ -483,6 +483,10 @@ def test_op_resolve_and_fetch_opcheck(device):
         torch.ops.torch_kvcm2.resolve.default,
         (g.resident, g.recency, g.index_table, g.miss_list, g.miss_count, g.counters,
          g.inflight_slots, sel, h, c, lease, 2, 4, 4, 0))
+    torch.library.opcheck(  # a window of 8 with 4 sink tokens (TIER-3)
+        torch.ops.torch_kvcm2.resolve.default,
+        (g.resident, g.recency, g.index_table, g.miss_list, g.miss_count, g.counters,
+         g.inflight_slots, sel, h, c, lease, 2, 4, 4, 8, None, None, None, 4))
     gen = torch.Generator().manual_seed(6)
     layers = [Layer(device, gen=gen, num_leases=2, S=8, P=4, U=2, chunks=c_, bpt=4 * c_,
                     host_slots=6, rows=2, max_pages=16, guard=False) for c_ in (1, 2)]
@@ -576,6 +580,9 @@ RANDOM_CONFIGS = {
     "u1e2": (1, 2, 4, 3, 8, 0, 4, 4, 40),
     # tokens per unit and page not powers of two: the row rules' general division path
     "u3e2_window": (3, 6, 4, 5, 8, 18, 4, 4, 90),
+    # windows with sink tokens (TIER-3): units of the first ceil(sinks/P) pages stay selectable
+    "u4e1_window_sinks": (4, 4, 3, 5, 7, 32, 4, 5, 120),
+    "u3e2_window_sinks": (3, 6, 4, 5, 8, 18, 4, 4, 90),
 }
 # Rows longer than one CTA (512 threads on CUDA): cold starts whose victims run past the first
 # 512 recency positions, bursts of more than 512 misses, and a window whose dropped units leave
@@ -583,7 +590,10 @@ RANDOM_CONFIGS = {
 LARGE_CONFIGS = {
     "u1_large": (1, 4, 1400, 64, 1300, 0, 3, 3, 6000),
     "u2_large_window": (2, 4, 2000, 64, 1102, 4000, 3, 3, 9000),
+    "u2_large_window_sinks": (2, 4, 2000, 64, 1102, 4000, 3, 3, 9000),
 }
+# sink tokens per config (0 where not listed): 6 tokens are two pages of 4, 1 token one page of 6
+SINKS = {"u4e1_window_sinks": 6, "u3e2_window_sinks": 1, "u2_large_window_sinks": 8}
 
 
 def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectable_only=False,
@@ -597,9 +607,10 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectabl
     checks."""
     params = RANDOM_CONFIGS.get(config) or LARGE_CONFIGS[config]
     U, P, K, I, S, window, leases, rows, max_tokens = params
+    sinks = SINKS.get(config, 0)
     drv = RandomDriver(seed, *params)
     groups = [Group(d, leases=leases, rows=rows, K=K, U=U, P=P, I=I, S=S, window=window,
-                    writes=True) for d in devices]
+                    writes=True, sinks=sinks) for d in devices]
     gen = torch.Generator().manual_seed(seed)
     max_pages = ref.ceil_div(max_tokens, P)
     most_placed = 0
@@ -621,7 +632,7 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectabl
                          if 0 <= ell < leases}
         sel = drv.selection(resident_rows)
         if selectable_only:
-            ranges = [ref.RowRange(h, c, U, P, I, window) for h, c in zip(drv.h, drv.c)]
+            ranges = [ref.RowRange(h, c, U, P, I, window, sinks) for h, c in zip(drv.h, drv.c)]
             sel = [[u if u < 0 or rng.selectable(u) else -1 for u in row]
                    for row, rng in zip(sel, ranges)]
         outs = []
@@ -649,7 +660,8 @@ def run_random_sequence(devices, config, seed, steps, with_fetch=True, selectabl
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 @pytest.mark.parametrize("config,steps", [("u2e4", 2000), ("u4e1_window", 1000), ("u1e2", 1000),
-                                           ("u3e2_window", 1000)])
+                                           ("u3e2_window", 1000), ("u4e1_window_sinks", 1000),
+                                           ("u3e2_window_sinks", 1000)])
 def test_op_resolve_random_sequence_matches_reference(device, config, steps):
     """RES-1, RES-2, RES-4, OP-RESOLVE, OP-FETCH: a long random sequence (joins, leaves, moves,
     decode and prefill, capacity shrinks, selections with duplicates, padding and out-of-range
@@ -696,3 +708,20 @@ def test_op_resolve_random_sequence_large_rows(devices, config, selectable_only)
         devices, config, seed=5, steps=60, selectable_only=selectable_only)
     assert hits > 0 and misses > 0 and (invalid > 0 or selectable_only)
     assert most_placed > 512, most_placed
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_op_resolve_keeps_sink_units_behind_the_window(device):
+    """TIER-3: a windowed row far past its window still selects the units of its sink pages (a
+    miss, then a hit), and units between the sink pages and the window are invalid; without
+    sinks the sink units are invalid too."""
+    U, P, K, I, S, window = 2, 4, 4, 4, 12, 8
+    sel = [[0, 1, 2, 15, 16, 19]]  # sink page 0: units 0, 1; released: 2..15; window: 16..
+    h = c = 40  # first live page (40 - 8) // 4 = 8, i.e. unit 16
+    for sinks, selectable in ((3, 4), (0, 2)):  # ceil(3 / 4) = 1 sink page
+        g = Group(device, leases=1, rows=1, K=6, U=U, P=P, I=I, S=S, window=window, sinks=sinks)
+        index, _, deltas = g.step(sel, [h], [c], [0])
+        assert deltas == [0, selectable, 6 - selectable], sinks
+        assert [e >= 0 for e in index[0]] == [sinks > 0] * 2 + [False, False, True, True]
+        again, _, deltas = g.step(sel, [h], [c], [0])
+        assert deltas == [selectable, 0, 6 - selectable] and again == index

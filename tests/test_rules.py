@@ -123,3 +123,47 @@ def test_length_rules_check_their_arguments():
         _C.length_rules(*good[:7])
     with pytest.raises(TypeError):
         _C.length_row_order(1)
+
+
+def python_window_rules(h, c, U, P, I, window, sinks, units):
+    """What ``_C.window_rules`` returns, from torch_kvcm2/lengths.py (the pages) and the
+    reference model's RowRange (what a row may select)."""
+    h0 = max(h, 0)
+    row = ref.RowRange(h, c, U, P, I, window, sinks)
+    kept = rules.sink_pages(sinks, P) if window else 0
+    return kept, rules.first_live_page(h0, P, window), tuple(row.selectable(u) for u in units)
+
+
+def test_window_rules_agree_with_sinks():
+    """TIER-3: the sink pages, the window's first live page and every unit's selectability agree
+    between csrc/rules.h and the Python side, over random windows, sinks and lengths."""
+    rng = random.Random(37)
+    kept_behind = 0
+    for _ in range(4000):
+        U = rng.choice([1, 2, 3, 4, 16])
+        P = U * rng.choice([1, 2, 3, 4])
+        window = rng.choice([0, 1, P, 3 * P + 1, rng.randint(1, 300)])
+        sinks = 0 if not window else rng.choice([0, 1, P - 1, P, P + 1, rng.randint(0, 200)])
+        h = rng.choice([0, rng.randint(0, 2000), window + rng.randint(-3, 3)])
+        c = h + rng.choice([0, 1, rng.randint(0, 64)])
+        I = rng.choice([1, U, 8, 64])
+        top = max(-(-c // U) + 2, 1)
+        units = [-1, 0, 1, *rng.sample(range(top), min(top, 12)), top]
+        got = _C.window_rules(h, c, U, P, I, window, sinks, units)
+        assert got == python_window_rules(h, c, U, P, I, window, sinks, units), \
+            (h, c, U, P, I, window, sinks)
+        kept_behind += got[0] > 0 and got[1] > got[0]
+    assert kept_behind > 500, kept_behind  # sink pages below a released range were tested
+
+
+def test_window_rules_have_the_documented_values():
+    """P = 4, U = 2, window 8, sinks 5 (two sink pages: units 0..3), h = c = 40: pages 2..7
+    (units 4..15) are released, page 8 on (unit 16 on) live."""
+    kept, first, sel = _C.window_rules(40, 40, 2, 4, 4, 8, 5, list(range(22)))
+    assert (kept, first) == (2, 8)
+    assert sel == tuple([True] * 4 + [False] * 12 + [True] * 4 + [False] * 2)
+    assert _C.window_rules(40, 40, 2, 4, 4, 0, 0, [0])[:2] == (0, 0)  # full attention
+    with pytest.raises(ValueError):
+        _C.window_rules(40, 40, 3, 4, 4, 8, 5, [0])  # U does not divide P
+    with pytest.raises(TypeError):
+        _C.window_rules(40, 40, 2, 4, 4, 8, 5, 3)

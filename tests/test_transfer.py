@@ -13,87 +13,10 @@ import pytest
 import torch
 
 import torch_kvcm2 as kv
-from configs import dsa_config, import_history
+from configs import dsa_config
 from conftest import DEVICE_PARAMS
+from standins import HISTORY, buffers, check_tokens, prefilled, standin, write_tokens
 from torch_kvcm2.transfer import CacheRecord
-
-HISTORY = 30
-
-
-def buffers(config):
-    """(key, layer, role, bytes_per_token) of every buffer with pages; key tells buffers apart
-    in the stand-in bytes."""
-    return [(i * 16 + j, layer.name, buf.role, buf.bytes_per_token)
-            for i, layer in enumerate(config.layers) for j, buf in enumerate(layer.buffers)
-            if buf.bytes_per_token]
-
-
-def standin(key, positions, nbytes):
-    """The stand-in KV of tokens at ``positions`` of one buffer: uint8[n, nbytes], a function of
-    the buffer and the position only."""
-    t = torch.as_tensor(positions, dtype=torch.int64)[:, None]
-    return ((t * 31 + key * 97 + torch.arange(nbytes) * 7 + 3) % 256).to(torch.uint8)
-
-
-def synchronize(manager):
-    if manager.config.device.type == "cuda":
-        torch.cuda.synchronize(manager.config.device)
-
-
-def live_positions(cache, layer, role, end):
-    """Positions below ``end`` whose pages the cache still holds (a window releases pages)."""
-    P = cache.manager.config.tokens_per_page
-    idx = cache.host_pages(layer, role)
-    positions = np.arange(end)
-    return positions[idx[positions // P] >= 0]
-
-
-def token_view(cache, layer, role, positions):
-    """(view, page indices, offsets) addressing tokens ``positions`` of one buffer's pages."""
-    manager, P = cache.manager, cache.manager.config.tokens_per_page
-    view = manager.buffer_view(layer, role, device_side=False)
-    positions = torch.as_tensor(positions, dtype=torch.int64)
-    pages = torch.from_numpy(cache.host_pages(layer, role))[positions // P]
-    assert (pages >= 0).all()
-    return view, pages.to(view.device), (positions % P).to(view.device)
-
-
-def read_tokens(cache, layer, role, positions):
-    synchronize(cache.manager)
-    view, pages, offsets = token_view(cache, layer, role, positions)
-    return view[pages, :, offsets].reshape(len(positions), -1).cpu()
-
-
-def write_tokens(cache, layer, role, positions, data):
-    view, pages, offsets = token_view(cache, layer, role, positions)
-    view[pages, :, offsets] = data.view(len(positions), view.shape[1], -1).to(view.device)
-
-
-def prefilled(manager, history=HISTORY):
-    """A detached cache with ``history`` tokens of stand-in bytes on its pages (every buffer)."""
-    cache = import_history(manager.create_cache(), history)
-    for key, layer, role, nbytes in buffers(manager.config):
-        positions = live_positions(cache, layer, role, history)
-        write_tokens(cache, layer, role, positions, standin(key, positions, nbytes))
-    return cache
-
-
-def check_tokens(cache, end, source=None):
-    """Every live token below ``end`` of every buffer holds its stand-in bytes, and those below
-    ``source``'s history equal ``source``'s (another manager's cache) byte for byte."""
-    checked = 0
-    for key, layer, role, nbytes in buffers(cache.manager.config):
-        positions = live_positions(cache, layer, role, end)
-        got = read_tokens(cache, layer, role, positions)
-        assert torch.equal(got, standin(key, positions, nbytes)), (layer, role)
-        if source is not None:
-            theirs = live_positions(source, layer, role, source.history_length)
-            mine = np.isin(positions, theirs)
-            old = positions[mine]
-            assert len(old) and torch.equal(got[torch.from_numpy(mine)],
-                                            read_tokens(source, layer, role, old)), (layer, role)
-        checked += len(positions)
-    return checked
 
 
 def other_config(device, **kwargs):
@@ -214,7 +137,7 @@ def test_a_record_crosses_processes_through_a_file(device, tmp_path):
         sys.path.insert(0, {tests!r})
         import torch_kvcm2 as kv
         from configs import dsa_config
-        from test_transfer import prefilled
+        from standins import prefilled
         cache = prefilled(kv.KVCacheManager(dsa_config({device!r})))
         cache.export(token_ids=list(range(100, 100 + cache.history_length + 1))).save({str(path)!r})
     """)

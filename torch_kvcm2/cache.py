@@ -1,7 +1,8 @@
 """Requests (REQUIREMENTS §5, REQ-1..4): one ``KVCache`` per request.
 
 A cache holds its pages (one preallocated int32 row per pool group: page ordinal -> slot id, BAD
-outside the live range ``[first_live, allocated)``), its lengths and its write watermarks (the
+outside the live range ``[first_live, allocated)`` and, in a windowed group with sink tokens,
+the sink pages ``[0, min(sink pages, first_live))``, TIER-3), its lengths and its write watermarks (the
 write contract, docs/HOST_PATH.md). Each page it holds is one reference to its slot: a cache
 created from a committed prefix (``create_cache(token_ids)``) starts with references to shared
 slots, and every write path reaches only pages at or above its history (docs/PREFIX.md). Every call validates before it changes anything; a
@@ -52,6 +53,9 @@ class KVCache:
         groups = manager.storage.groups
         self._pages = np.full((len(groups), config.max_pages_per_row), BAD, dtype=np.int32)
         self._live = [[0, 0] for _ in groups]  # per pool group: [first_live, allocated pages)
+        # per pool group: the sink pages a windowed group keeps below first_live (TIER-3)
+        self._sinks = [rules.sink_pages(g.sinks, config.tokens_per_page) if g.window else 0
+                       for g in groups]
         self._flushed = 0  # SAFE-2 watermark: tokens below it are on their host pages
         self._declared = 0  # tokens declared written straight to host pages (record_host_write)
         self._reserve = 0  # tokens of pages kept allocated beyond capacity (Batch.advance)
@@ -225,7 +229,9 @@ class KVCache:
             if changed and self._table is not None:
                 self._table._changed(self._row)
             return True
-        needs = [max(keep - max(live[1], first), 0) for (first, keep), live in zip(plans, self._live)]
+        # the window's new pages, and sink pages not allocated yet (a jump past the window)
+        needs = [max(keep - max(live[1], first), 0) + max(min(sinks, first) - live[1], 0)
+                 for (first, keep), live, sinks in zip(plans, self._live, self._sinks)]
         allocated = self.manager.storage.allocate_slots(needs)
         if allocated is None:
             self.manager._counts.allocations_failed += 1
@@ -241,16 +247,19 @@ class KVCache:
             row, live = self._pages[group.index], self._live[group.index]
             old_first, old_keep = live
             changed = changed or (first, keep) != (old_first, old_keep)
-            front_end = min(first, old_keep)
-            if front_end > old_first:  # REQ-3: wholly before h - window
-                group.release(row[old_first:front_end])
-                row[old_first:front_end] = BAD
+            front_start, front_end = max(old_first, self._sinks[group.index]), min(first, old_keep)
+            if front_end > front_start:  # REQ-3: wholly before h - window, past the sinks
+                group.release(row[front_start:front_end])
+                row[front_start:front_end] = BAD
             if keep < old_keep:
                 lo = max(keep, old_first)
                 group.release(row[lo:old_keep])
                 row[lo:old_keep] = BAD
             if slots is not None:
-                row[max(old_keep, first):keep] = slots
+                sink_end = min(self._sinks[group.index], first)
+                new_sinks = max(sink_end - old_keep, 0)  # TIER-3: kept below the window
+                row[old_keep:old_keep + new_sinks] = slots[:new_sinks]
+                row[max(old_keep, first):keep] = slots[new_sinks:]
             if (first, keep) != (old_first, old_keep):
                 self._pages_moved = True
             live[0], live[1] = first, keep
@@ -274,10 +283,17 @@ class KVCache:
         keep = -(-min(c + self._reserve, limit) // P) if c else 0
         if grow_only:
             keep = max(keep, self._live[group.index][1])
-        first = self._live[group.index][0]
-        if group.window is not None and h > group.window:
-            first = max(first, min((h - group.window) // P, keep))  # REQ-3
+        first = max(self._live[group.index][0],
+                    min(rules.first_live_page(h, P, group.window), keep))  # REQ-3
         return first, keep
+
+    def _held(self, group: int) -> list:
+        """The page ranges ``[lo, hi)`` the cache holds in pool group ``group``: the sink pages
+        ``[0, min(sink pages, first_live))`` (TIER-3) and ``[first_live, allocated)``, non-empty
+        ones only; every other entry of its page row is BAD."""
+        first, keep = self._live[group]
+        return [(lo, hi) for lo, hi in ((0, min(self._sinks[group], first)), (first, keep))
+                if lo < hi]
 
     def _written(self) -> int:
         return rules.written_prefix(self._h, self._c, self._flushed, self._declared,
@@ -355,7 +371,7 @@ class KVCache:
                 f"token_ids[:history_length]")
         storage = self.manager.storage
         self._await_pages()  # sharers read these pages on the current stream
-        storage.prefix.commit(ids, pages, self._pages, self._live)
+        storage.prefix.commit(ids, pages, self._pages, self._live)  # BAD between sinks and window
         return pages * P
 
     def _start_shared(self, pages: int, entries: np.ndarray) -> None:
@@ -365,11 +381,11 @@ class KVCache:
         storage = self.manager.storage
         h = pages * self._page_tokens
         for group in storage.groups:
-            first, keep = self._plan(group, h, h)
-            slots = storage.prefix.slots_of(entries[first:keep], group.index)
-            group.reference(slots)
-            self._pages[group.index, first:keep] = slots
-            self._live[group.index][:] = first, keep
+            self._live[group.index][:] = self._plan(group, h, h)
+            for lo, hi in self._held(group.index):  # the sink pages too (TIER-3)
+                slots = storage.prefix.slots_of(entries[lo:hi], group.index)
+                group.reference(slots)
+                self._pages[group.index, lo:hi] = slots
         storage.prefix.touch(entries)
         self._h = self._c = self._flushed = self._declared = h
         self.reused_tokens = h
@@ -436,7 +452,7 @@ class KVCache:
                 raise ValueError("KVCache.suspend: offload=True needs a host tier; create the "
                                  "manager with host_tier_bytes > 0")
             self._await_pages()  # a resume's copy into these pages comes first
-            moved = tier.offload(self._pages, self._live)
+            moved = tier.offload(self._pages, [self._held(g) for g in range(len(self._live))])
             if moved is None:
                 self.manager._counts.allocations_failed += 1
                 logger.debug("request %d: the host tier cannot take its dense pages",
@@ -475,8 +491,9 @@ class KVCache:
                              self.request_id, self._offload.needs(len(self._live)))
                 return False
             self._arrival, moved = done
-            for group in moved:
-                self._lowest_keep[group] = min(self._lowest_keep[group], self._live[group][0])
+            for group in moved:  # entries from the lowest page brought back on have new slots
+                lowest = int(self._offload.ordinals[group].min())
+                self._lowest_keep[group] = min(self._lowest_keep[group], lowest)
             self._pages_moved = True
             self._offload = None
         if self._table is not None:
@@ -499,8 +516,9 @@ class KVCache:
             self.manager.tier.discard(self._offload)
             self._offload = None
         for group, row, live in zip(self.manager.storage.groups, self._pages, self._live):
-            slots = row[live[0]:live[1]]
-            group.release(slots[slots >= 0])  # pages in the host tier have no GPU slot
+            for lo, hi in self._held(group.index):
+                slots = row[lo:hi]
+                group.release(slots[slots >= 0])  # pages in the host tier have no GPU slot
             row[:] = BAD
             live[0] = live[1] = 0
         self._h = self._c = 0
@@ -532,11 +550,12 @@ class KVCache:
         range); read-only for the batch."""
         return self._pages[group]
 
-    def _live_range(self, group: int) -> tuple[int, int, int]:
-        """(first live page, allocated pages, the fewest pages allocated since the batch last
-        published this cache): entries from the last one on may have new slots."""
+    def _live_range(self, group: int) -> tuple[int, int, int, int]:
+        """(sink pages held, first live page, allocated pages, the fewest pages allocated since
+        the batch last published this cache): entries ``[0, sink pages)`` and ``[first,
+        allocated)`` hold slots (TIER-3), and those from the last one on may have new slots."""
         first, keep = self._live[group]
-        return first, keep, self._lowest_keep[group]
+        return min(self._sinks[group], first), first, keep, self._lowest_keep[group]
 
     def _mark_published(self) -> None:
         """The batch published this cache's lengths and pages."""

@@ -138,17 +138,21 @@ class SparseSpec:
 @dataclass(frozen=True)
 class LayerSpec:
     """A layer: its buffers, an optional sliding ``window`` in tokens, and sparse settings when
-    any buffer is sparse (CFG-5).
+    any buffer is sparse (CFG-5). A windowed layer may keep ``sinks`` tokens at the start
+    forever (attention sinks, TIER-3): its first ``ceil(sinks / tokens_per_page)`` pages are
+    never released by the window (REQ-3); default 0.
 
     Raises ``ValueError`` naming the layer (and buffer) and the rule for an empty or non-str
     ``name``, ``buffers`` that are empty, not ``BufferSpec`` or share a role, a ``window`` that
-    is neither a positive int nor None, ``sparse`` settings that are not a ``SparseSpec``. Whether
-    sparse buffers and sparse settings go together (CFG-5) is the config's check."""
+    is neither a positive int nor None, ``sinks`` that is not a non-negative int or is positive
+    without a window, ``sparse`` settings that are not a ``SparseSpec``. Whether sparse buffers
+    and sparse settings go together (CFG-5) is the config's check."""
 
     name: str
     buffers: Sequence[BufferSpec]
     window: Optional[int] = None
     sparse: Optional[SparseSpec] = None
+    sinks: int = 0
 
     def __post_init__(self):
         name = self.name
@@ -162,6 +166,11 @@ class LayerSpec:
                     f"{type(self.buffers).__name__}")
         if self.window is not None and (not _is_int(self.window) or self.window <= 0):
             _refuse(where, "CFG-1", f"window must be a positive int or None, got {self.window!r}")
+        if not _is_int(self.sinks) or self.sinks < 0:
+            _refuse(where, "TIER-3", f"sinks must be a non-negative int, got {self.sinks!r}")
+        if self.sinks and self.window is None:
+            _refuse(where, "TIER-3", f"sinks ({self.sinks}) needs a window: sink tokens are what "
+                    f"a sliding-window layer keeps at the start")
         if not self.buffers:
             _refuse(where, "CFG-1", "a layer needs at least one buffer")
         roles = set()
@@ -191,6 +200,7 @@ class SelectionGroup:
     sparse: SparseSpec
     window: Optional[int]
     tokens_per_page: int
+    sinks: int  # tokens kept at the start of a windowed group (TIER-3)
 
     @property
     def units_per_page(self) -> int:
@@ -350,6 +360,10 @@ class CacheConfig:
                     _fail("CFG-4", f"window ({other.window}) differs from layer {first.name!r} "
                           f"({first.window}) in selection group {key[1]!r}", other.name,
                           other.sparse_buffers[0].role)
+                if first.sinks != other.sinks:
+                    _fail("CFG-4", f"sinks ({other.sinks}) differs from layer {first.name!r} "
+                          f"({first.sinks}) in selection group {key[1]!r}", other.name,
+                          other.sparse_buffers[0].role)
             result.append(SelectionGroup(index, key, tuple(l.name for l in layers), first.sparse,
-                                         first.window, self.tokens_per_page))
+                                         first.window, self.tokens_per_page, first.sinks))
         return tuple(result)

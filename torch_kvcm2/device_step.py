@@ -228,7 +228,8 @@ class DeviceStep:
                  list(cells)),
                 (self.history, self.capacity, self.lease, list(pools), list(positions),
                  list(tables), sp.tokens_per_unit, self.config.tokens_per_page,
-                 sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch))
+                 sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch,
+                 state.spec.sinks))
 
     def _groups_args(self, states: list, tables: list, fetch: bool) -> tuple:
         """``resolve_groups``' arguments around the selections for ``states`` (group states in
@@ -262,7 +263,7 @@ class DeviceStep:
                 scratch = len(before[10])
                 before[10].append(state.resolve_scratch)
             params += [sp.tokens_per_unit, sp.max_inflight_tokens, state.spec.window or 0,
-                       scratch, len(cells)]
+                       state.spec.sinks, scratch, len(cells)]
         return (tuple(before), (self.history, self.capacity, self.lease, pools, page_tables,
                                 self.config.tokens_per_page, params, buffer_params))
 

@@ -118,3 +118,27 @@ def resize_violations(h, c, h2, c2, flushed, declared, cells, shapes, limit, max
         for lo, hi in stale:
             out.append(("stale", lo < hi, {"shape": shape, "range": (lo, hi)}))
     return out
+
+
+def sink_pages(sinks: int, tokens_per_page: int) -> int:
+    """The pages a windowed life cycle keeps at the start forever (TIER-3): ceil(sinks / P)
+    (csrc/rules.h's sink_pages)."""
+    return -(-sinks // tokens_per_page) if sinks > 0 else 0
+
+
+def first_live_page(history: int, tokens_per_page: int, window) -> int:
+    """The first page of a windowed life cycle's window part at history h: pages p >=
+    sink_pages with (p + 1) * P <= h - window are released (REQ-3); 0 without a window
+    (``window`` None or 0; csrc/rules.h's first_live_page)."""
+    if not window or history <= window:
+        return 0
+    return (history - window) // tokens_per_page
+
+
+def live_pages(history: int, allocated: int, tokens_per_page: int, window, sinks: int) -> tuple:
+    """The page ordinals a cache holds in a life cycle of ``window`` and ``sinks`` at history h
+    with ``allocated`` pages: ``(sink_end, first, allocated)``, the pages ``[0, sink_end)`` and
+    ``[first, allocated)``; ``sink_end = min(sink_pages, first)``, so the two ranges never
+    overlap and pages ``[sink_end, first)`` are released."""
+    first = min(first_live_page(history, tokens_per_page, window), allocated)
+    return min(sink_pages(sinks, tokens_per_page), first), first, allocated

@@ -154,9 +154,10 @@ def batch_memory_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int)
 
 
 def pool_group_count(config: CacheConfig) -> int:
-    """How many pool groups ``Storage`` makes of ``config``: one per distinct (window, sparse,
-    page bytes) of its non-zero buffers (STO-1; ``test_storage.py`` checks it against Storage)."""
-    return len({(layer.window, buf.sparse, buf.bytes_per_token)
+    """How many pool groups ``Storage`` makes of ``config``: one per distinct (window, sinks,
+    sparse, page bytes) of its non-zero buffers (STO-1, TIER-3; ``test_storage.py`` checks it
+    against Storage)."""
+    return len({(layer.window, layer.sinks, buf.sparse, buf.bytes_per_token)
                 for layer in config.layers for buf in layer.buffers if buf.bytes_per_token})
 
 

@@ -58,9 +58,9 @@ NUM_COUNTERS = 3  # hits, misses, invalid
 #: resolve's reservation word, zero between resolves (allocate it zeroed); [1] padding.
 MISS_COUNT_WORDS = 4
 #: ``resolve_groups``' group_params per group: (tokens_per_unit, max_inflight_tokens, window,
-#: index into scratch or -1, buffers to fetch); its buffer_params per buffer: (index into
+#: sinks, index into scratch or -1, buffers to fetch); its buffer_params per buffer: (index into
 #: host_pools, position in a slot, index into page_tables).
-GROUP_FIELDS = 5
+GROUP_FIELDS = 6
 BUFFER_FIELDS = 3
 
 
@@ -119,6 +119,7 @@ def resolve(
     scratch: Optional[Tensor] = None,
     write_table: Optional[Tensor] = None,
     write_start: Optional[Tensor] = None,
+    sinks: int = 0,
 ) -> None:
     """OP-RESOLVE for one selection group over every row (REQUIREMENTS §8; docs/DESIGN.md).
 
@@ -132,7 +133,9 @@ def resolve(
     resolve leaves zero); ``counters`` int64[3] (hits, misses, invalid) accumulate; ``history``/``capacity``/``lease`` int32[R] are the published tables.
     ``inflight_slots`` int32[R, ceil(I/U)+1] is overwritten with each row's in-flight slot
     records (as ``locate_inflight`` computes them), which write_indices and flush read.
-    ``window`` is 0 for full attention. ``scratch`` (CUDA only; ignored on CPU) is uint8 of at
+    ``window`` is 0 for full attention; ``sinks`` (tokens, 0 without a window) keeps the units
+    of a windowed group's first ``ceil(sinks / tokens_per_page)`` pages selectable behind the
+    window (TIER-3; csrc/rules.h's RowRange). ``scratch`` (CUDA only; ignored on CPU) is uint8 of at
     least ``R * memory.resolve_scratch_bytes(T'*K)`` bytes: the table region of rows whose
     resolve does not fit shared memory (docs/MTP.md); without it such rows raise.
     ``write_table`` and ``write_start`` (both or neither): also OP-WRITE's outputs, what
@@ -143,7 +146,7 @@ def resolve(
     _ops.resolve(
         resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, selected,
         history, capacity, lease, tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
-        scratch, write_table, write_start,
+        scratch, write_table, write_start, sinks,
     )
 
 
@@ -192,6 +195,7 @@ def resolve_step(
     max_inflight_tokens: int,
     window: int = 0,
     scratch: Optional[Tensor] = None,
+    sinks: int = 0,
 ) -> None:
     """OP-STEP: one selection group's part of a decode step in one call, with the results of
     ``resolve(..., write_table, write_start)`` and then, when ``cells`` is not empty,
@@ -204,7 +208,7 @@ def resolve_step(
         resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
         write_table, write_start, list(cells), selected, history, capacity, lease,
         list(host_pools), list(positions), list(page_tables), tokens_per_unit, tokens_per_page,
-        max_inflight_tokens, window, scratch,
+        max_inflight_tokens, window, scratch, sinks,
     )
 
 
@@ -232,7 +236,7 @@ def resolve_groups(
 ) -> None:
     """OP-STEP for several selection groups in one call: group ``g``'s part is ``resolve_step``
     with ``resident[g]``, ..., ``write_start[g]``, ``selected[g]``, and from
-    ``group_params[5g:5g+5]`` = (tokens_per_unit, max_inflight_tokens, window, s, n):
+    ``group_params[6g:6g+6]`` = (tokens_per_unit, max_inflight_tokens, window, sinks, s, n):
     ``scratch[s]`` (none when s is -1) and the next ``n`` entries of ``cells`` (the groups' runs
     in group order; n = 0: no fetch), cell ``b`` fetched from ``host_pools[i]`` at position
     ``pos`` with ``page_tables[j]`` for ``buffer_params[3b:3b+3]`` = (i, pos, j): each pool and
@@ -526,7 +530,7 @@ def _check_write_indices(out, inflight_start, resident, inflight_slots, history,
 
 def _check_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                    inflight_slots, selected, history, capacity, lease, tokens_per_unit,
-                   tokens_per_page, max_inflight_tokens, window):
+                   tokens_per_page, max_inflight_tokens, window, sinks):
     op = "resolve"
     _int32_2d(resident, op, "resident")
     _int32_2d(recency, op, "recency")
@@ -550,6 +554,8 @@ def _check_resolve(resident, recency, index_table, miss_list, miss_count, counte
            f"{op}: tokens_per_unit must be positive and divide tokens_per_page")
     _check(max_inflight_tokens > 0 and window >= 0,
            f"{op}: max_inflight_tokens must be positive and window non-negative (0 = none)")
+    _check(sinks >= 0 and (sinks == 0 or window > 0),
+           f"{op}: sinks must be non-negative, and 0 without a window (window 0)")
     slots = resident.shape[1]
     units_per_page = tokens_per_page // tokens_per_unit
     _check(slots > 0 and slots % units_per_page == 0, lambda: f"{op}: slots ({slots}) must be a "
@@ -583,14 +589,14 @@ def _check_resolve_write(write_table, write_start, selected, resident, inflight_
 def _fake_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                   inflight_slots, selected, history, capacity, lease, tokens_per_unit,
                   tokens_per_page, max_inflight_tokens, window, scratch=None, write_table=None,
-                  write_start=None):
+                  write_start=None, sinks=0):
     """check_resolve and check_resolve_write, all of them. Left out: the CUDA kernel's own
     checks (csrc/cuda/resolve.cu), which depend on the device or on data pointers: miss_count's
     8-byte alignment, the shared memory a row needs against the device's limit, and ``scratch``
     (its size follows the shared-memory layout; its 16-byte alignment)."""
     _check_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                    inflight_slots, selected, history, capacity, lease, tokens_per_unit,
-                   tokens_per_page, max_inflight_tokens, window)
+                   tokens_per_page, max_inflight_tokens, window, sinks)
     _check_resolve_write(write_table, write_start, selected, resident, inflight_slots, history,
                          capacity, lease, tokens_per_unit, max_inflight_tokens)
 
@@ -671,7 +677,7 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_
            f"({len(cells) * BUFFER_FIELDS}), got {len(buffer_params)}")
     first = 0
     for g in range(n):
-        U, I, window, s, nb = group_params[g * GROUP_FIELDS:(g + 1) * GROUP_FIELDS]
+        U, I, window, sinks, s, nb = group_params[g * GROUP_FIELDS:(g + 1) * GROUP_FIELDS]
         _check(-1 <= s < len(scratch), lambda: f"{op}: group {g}: scratch index {s} outside "
                f"[-1, {len(scratch)})")
         _check(nb >= 0 and first + nb <= len(cells), lambda: f"{op}: group {g}: {nb} buffers from "
@@ -687,7 +693,7 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_
             tables.append(page_tables[j])
         _check_resolve(resident[g], recency[g], index_table[g], miss_list[g], miss_count[g],
                        counters[g], inflight_slots[g], selected[g], history, capacity, lease, U,
-                       tokens_per_page, I, window)
+                       tokens_per_page, I, window, sinks)
         _check_resolve_write(write_table[g], write_start[g], selected[g], resident[g],
                              inflight_slots[g], history, capacity, lease, U, I)
         if nb:
@@ -701,13 +707,13 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_
 @torch.library.register_fake("torch_kvcm2::resolve_step")
 def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, write_table,
       write_start, cells, selected, history, capacity, lease, host_pools, positions, page_tables,
-      tokens_per_unit, tokens_per_page, max_inflight_tokens, window, scratch=None):
+      tokens_per_unit, tokens_per_page, max_inflight_tokens, window, scratch=None, sinks=0):
     """resolve_step's checks (csrc/step.cpp), all of them: resolve's and fetch's, or no host
     pools, positions or page tables without cells. Left out: what resolve's and fetch's fakes
     leave out."""
     _check_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                    inflight_slots, selected, history, capacity, lease, tokens_per_unit,
-                   tokens_per_page, max_inflight_tokens, window)
+                   tokens_per_page, max_inflight_tokens, window, sinks)
     _check_resolve_write(write_table, write_start, selected, resident, inflight_slots, history,
                          capacity, lease, tokens_per_unit, max_inflight_tokens)
     if cells:

@@ -33,6 +33,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import lengths
 from .config import BAD
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,8 @@ class PrefixIndex:
         return n, entries[:n]
 
     def _window_limit(self, entries: np.ndarray, n: int) -> int:
-        """The largest ``m <= n`` whose windowed pages ``[first(m), m)`` all have slots."""
+        """The largest ``m <= n`` whose windowed pages ``[first(m), m)`` and sink pages ``[0,
+        min(sink pages, first(m)))`` (TIER-3) all have slots."""
         if not self.windowed or not n:
             return n
         P = self.tokens_per_page
@@ -188,12 +190,21 @@ class PrefixIndex:
             held = self._slots[entries[:n], g] >= 0
             # run[i] = i + 1 - (index of the last page <= i without a slot, + 1)
             last_gap = np.maximum.accumulate(np.where(held, -1, idx))
-            runs.append((self.groups[g].window, idx - last_gap))
+            from_start = int(np.argmin(held)) if not held.all() else n  # pages held from page 0
+            sinks = lengths.sink_pages(self.groups[g].sinks, P)
+            runs.append((self.groups[g].window, idx - last_gap, sinks, from_start))
         for m in range(n, 0, -1):
-            h = m * P
-            if all(run[m - 1] >= m - (min((h - w) // P, m) if h > w else 0) for w, run in runs):
+            if all(self._covered(m, *run) for run in runs):
                 return m
         return 0
+
+    def _covered(self, m: int, window: int, run: np.ndarray, sinks: int, from_start: int) -> bool:
+        """Whether a windowed group holds what a cache of ``m`` pages needs: pages ``[first,
+        m)`` (``run``: the run of held pages ending at each page) and its sink pages below
+        ``first`` (``from_start``: the pages held from page 0 on)."""
+        P = self.tokens_per_page
+        first = min(lengths.first_live_page(m * P, P, window), m)
+        return run[m - 1] >= m - first and min(sinks, first) <= from_start
 
     def slots_of(self, entries: np.ndarray, group: int) -> np.ndarray:
         return self._slots[entries, group]
@@ -216,7 +227,9 @@ class PrefixIndex:
     # ---- commit ----
     def commit(self, ids: np.ndarray, pages: int, rows: np.ndarray, live: list) -> int:
         """Commit pages ``[0, pages)`` of ``ids`` (int64) held by a cache whose page rows are
-        ``rows`` (int32[G, max_pages]) and live ranges ``live``; returns the number of pages
+        ``rows`` (int32[G, max_pages], BAD where it holds no page: released pages between a
+        windowed group's sink pages and its window, TIER-3) and live ranges ``live`` (per group
+        [first live page, allocated pages)); returns the number of pages
         that took this cache's slots as new entries. A page whose key is taken by an entry of
         other ids (a key collision) ends the commit there: it and the pages after it stay
         private. Raises ValueError, changing nothing, when a page the cache holds is committed
@@ -226,9 +239,9 @@ class PrefixIndex:
             return 0
         G, P = len(self.groups), self.tokens_per_page
         cache_slots = np.full((pages, G), BAD, dtype=np.int32)
-        for g in range(G):
-            lo, hi = min(live[g][0], pages), min(live[g][1], pages)
-            cache_slots[lo:hi, g] = rows[g, lo:hi]
+        for g in range(G):  # the sink pages below the live range included
+            hi = min(live[g][1], pages)
+            cache_slots[:hi, g] = rows[g, :hi]
         keys = self.keys(ids, pages).tolist()
         chain = self._chain(ids, keys)
         entries = np.full(pages, BAD, dtype=np.int64)

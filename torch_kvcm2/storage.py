@@ -99,10 +99,11 @@ class PoolGroup:
     """
 
     def __init__(self, index: int, window: Optional[int], sparse: bool, page_bytes: int,
-                 tier_of: Optional[int] = None):
+                 tier_of: Optional[int] = None, sinks: int = 0):
         self.index = index
         self.tier_of = tier_of
         self.window = window
+        self.sinks = sinks  # tokens a windowed life cycle keeps at the start (TIER-3)
         self.sparse = sparse
         self.page_bytes = page_bytes
         self.buffers: list[tuple[str, str]] = []  # (layer, role) by pos
@@ -346,9 +347,11 @@ class Storage:
                 page_bytes = P * buf.bytes_per_token
                 group, pos = None, 0
                 if page_bytes:
-                    key = (layer.window, buf.sparse, page_bytes)
+                    # a life cycle is (window, sinks): its own release rule (TIER-3)
+                    key = (layer.window, layer.sinks, buf.sparse, page_bytes)
                     if key not in keys:
-                        keys[key] = PoolGroup(len(self.groups), *key)
+                        keys[key] = PoolGroup(len(self.groups), layer.window, buf.sparse,
+                                              page_bytes, sinks=layer.sinks)
                         self.groups.append(keys[key])
                     group_obj = keys[key]
                     pos = group_obj.scale
@@ -467,7 +470,8 @@ class Storage:
                 f"{len(dense)} dense pool groups ({per_slot} bytes) and fit the host budget "
                 f"({self.budget['host']} bytes, {self.reserved['host']} reserved for staging)")
         for g in dense:
-            tier = PoolGroup(g.index, g.window, False, g.page_bytes, tier_of=g.index)
+            tier = PoolGroup(g.index, g.window, False, g.page_bytes, tier_of=g.index,
+                             sinks=g.sinks)
             tier.buffers = list(g.buffers)
             self.tiers[g.index] = tier
         self.tier_bytes = tier_bytes
@@ -623,7 +627,8 @@ class Storage:
             used, shared, cached, free = g.usage()
             committed = min(g.committed_bytes, g.nbytes)
             groups.append({
-                "index": g.index, "medium": g.medium, "window": g.window, "sparse": g.sparse,
+                "index": g.index, "medium": g.medium, "window": g.window, "sinks": g.sinks,
+                "sparse": g.sparse,
                 "page_bytes": g.page_bytes, "scale": g.scale, "buffers": list(g.buffers),
                 "slots": g.num_slots, "used_slots": used, "shared_slots": shared,
                 "cached_slots": cached, "free_slots": free,

@@ -101,7 +101,9 @@ class TableMirror:
                      if name.startswith("staging")]
         self.published_owner: list = [None] * max_rows
         self.active = np.zeros(max_rows, dtype=bool)  # published with an owner (a lease)
-        self.published_live = [[(0, 0)] * self.G for _ in range(max_rows)]
+        # per row and pool group: (sink pages, first live page, allocated pages) as published;
+        # the entries of [0, sink pages) and [first, allocated) hold slots, the others BAD
+        self.published_live = [[(0, 0, 0)] * self.G for _ in range(max_rows)]
         self._length_index = (np.arange(LENGTH_ROWS, dtype=np.int64)[:, None] * max_rows
                               + self.offset)
         # moves on at every publish and every queued read-back of the lengths (advance): the
@@ -136,16 +138,21 @@ class TableMirror:
                 continue
             live = list(self.published_live[row])
             for g in range(self.G):
-                first, end, lowest = owner._live_range(g) if owner is not None else (0, 0, 0)
-                new, old = (first, end), live[g]
+                sinks, first, end, lowest = (owner._live_range(g) if owner is not None
+                                             else (0, 0, 0, 0))
+                new, old = (sinks, first, end), live[g]
                 if owner is previous and new == old and lowest >= end:
                     continue
                 base = (g * self.R + row) * self.P
-                ranges = changed_ranges(old, new, owner is previous)
-                if owner is previous:  # pages freed and taken again since the last publish
-                    lo, hi = max(lowest, old[0], first), min(old[1], end)
-                    if lo < hi:
-                        ranges.append((lo, hi))
+                same = owner is previous
+                # the window's range and the sink pages' (TIER-3), each as a live range
+                ranges = (changed_ranges(old[1:], new[1:], same)
+                          + changed_ranges((0, old[0]), (0, sinks), same))
+                if same:  # pages freed and taken again since the last publish
+                    for lo, hi in ((max(lowest, old[1], first), min(old[2], end)),
+                                   (lowest, min(old[0], sinks))):
+                        if lo < hi:
+                            ranges.append((lo, hi))
                 for lo, hi in ranges:
                     index_parts.append(np.arange(base + lo, base + hi, dtype=np.int64))
                     value_parts.append(owner._page_row(g)[lo:hi] if owner is not None

@@ -173,16 +173,17 @@ class HostTier:
             self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
-    def movable(self, pages: np.ndarray, live: list) -> dict:
-        """Per dense pool group, the page ordinals an offload moves: every live page no other
-        cache references (refs == 1); shared prefix pages stay on the GPU."""
+    def movable(self, pages: np.ndarray, held: list) -> dict:
+        """Per dense pool group, the page ordinals an offload moves: every held page (``held``:
+        per pool group, the ``[lo, hi)`` page ranges the cache holds, its sink pages included,
+        TIER-3) no other cache references (refs == 1); shared prefix pages stay on the GPU."""
         moves = {}
         for group in self.storage.groups:
             if group.sparse:
                 continue
-            first, keep = live[group.index]
-            slots = pages[group.index, first:keep]
-            ordinals = first + np.flatnonzero(group.refs[slots] == 1)
+            parts = [lo + np.flatnonzero(group.refs[pages[group.index, lo:hi]] == 1)
+                     for lo, hi in held[group.index]]
+            ordinals = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             if len(ordinals):
                 moves[group.index] = ordinals.astype(np.int64)
         return moves
@@ -219,12 +220,12 @@ class HostTier:
                 else:
                     gpu[g:g + n].copy_(host[t:t + n], non_blocking=non_blocking)
 
-    def offload(self, pages: np.ndarray, live: list) -> Optional[Offload]:
-        """Copy the movable dense pages of a cache (its page rows ``pages`` and live ranges
-        ``live``) to host tier slots, free their GPU slots (fenced by the copy's event) and set
+    def offload(self, pages: np.ndarray, held: list) -> Optional[Offload]:
+        """Copy the movable dense pages of a cache (its page rows ``pages`` and held page ranges
+        ``held``, as ``movable`` takes them) to host tier slots, free their GPU slots (fenced by the copy's event) and set
         their page entries to BAD. None, with nothing changed, when a tier cannot take them."""
         storage = self.storage
-        moves = self.movable(pages, live)
+        moves = self.movable(pages, held)
         if not moves:
             return Offload({}, {}, None)
         needs = [len(moves.get(g.index, ())) for g in storage.groups]

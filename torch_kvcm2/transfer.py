@@ -20,17 +20,18 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import lengths
 from ._util import refuse_during_capture
 from .config import BAD
 from .prefix import token_array
 
 FORMAT = "torch_kvcm2.CacheRecord"
-VERSION = 1
+VERSION = 2  # 2: sink pages (TIER-3)
 
 
 def fingerprint(config) -> dict:
     """The fields of ``config`` an importing manager must match exactly: ``tokens_per_page``
-    and, per layer in order, its name, window, the ``tokens_per_unit`` of its sparse settings
+    and, per layer in order, its name, window, sinks, the ``tokens_per_unit`` of its sparse settings
     (None for a dense layer) and its buffers' role, bytes_per_token, sparse flag and chunks.
     Budgets, ``max_rows``, the device and the other sparse settings (width, slots, in-flight
     tokens, query tokens, selection ids) shape cells and in-flight ranges, not history bytes:
@@ -40,6 +41,7 @@ def fingerprint(config) -> dict:
         "layers": [{
             "name": layer.name,
             "window": layer.window,
+            "sinks": layer.sinks,
             "tokens_per_unit": None if layer.sparse is None else layer.sparse.tokens_per_unit,
             "buffers": [{"role": b.role, "bytes_per_token": b.bytes_per_token,
                          "sparse": b.sparse, "chunks": b.chunks} for b in layer.buffers],
@@ -57,7 +59,7 @@ def first_mismatch(record: dict, target: dict) -> Optional[str]:
         if a["name"] != b["name"]:
             return f"layer {i} name {a['name']!r} != {b['name']!r}"
         where = f"layer {a['name']!r}"
-        for key in ("window", "tokens_per_unit"):
+        for key in ("window", "sinks", "tokens_per_unit"):
             if a[key] != b[key]:
                 return f"{where} {key} {a[key]} != {b[key]}"
         roles_a = [buf["role"] for buf in a["buffers"]]
@@ -81,10 +83,13 @@ class CacheRecord:
     ``fingerprint``: the exporting config's fields that must match (:func:`fingerprint`).
     ``history``: tokens ``[0, history)``, all final. ``token_ids``: int64[n] CPU tensor or None
     (whatever the caller passed to ``export``). ``pages[layer][role]``: uint8[n, chunks, P,
-    B/chunks] CPU tensor, page ``first_page[layer] + i`` of the buffer at ``[i]`` (a windowed
-    layer's pages behind its window are gone: its first live page; else 0), up to page
+    B/chunks] CPU tensor: the layer's ``sink_pages[layer]`` sink pages (pages ``0 ..
+    sink_pages - 1``, kept by a windowed layer with sink tokens, TIER-3; else none) at ``[0,
+    sink_pages)``, then page ``first_page[layer] + i`` of the buffer at ``[sink_pages + i]`` (a
+    windowed layer's pages behind its window are gone: its first live page; else 0), up to page
     ``ceil(history / P) - 1``; positions at and past ``history`` in the last page are zero.
-    Zero-size buffers have no entry.
+    Zero-size buffers have no entry. Both page counts follow from the history and the config
+    (``lengths.live_pages``); an importer checks them.
     """
 
     fingerprint: dict
@@ -93,6 +98,7 @@ class CacheRecord:
     first_page: dict
     token_ids: Optional[torch.Tensor] = None
     version: int = field(default=VERSION)
+    sink_pages: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +109,8 @@ class CacheRecord:
         """Write the record to ``path`` (plain tensors, ints, strs, lists and dicts only)."""
         torch.save({"format": FORMAT, "version": self.version, "fingerprint": self.fingerprint,
                     "history": self.history, "pages": self.pages,
-                    "first_page": self.first_page, "token_ids": self.token_ids}, path)
+                    "first_page": self.first_page, "sink_pages": self.sink_pages,
+                    "token_ids": self.token_ids}, path)
 
     @classmethod
     def load(cls, path) -> "CacheRecord":
@@ -116,7 +123,7 @@ class CacheRecord:
             raise ValueError(f"CacheRecord.load: format version {data['version']} is not "
                              f"{VERSION}, the one this library reads")
         return cls(data["fingerprint"], data["history"], data["pages"], data["first_page"],
-                   data["token_ids"], data["version"])
+                   data["token_ids"], data["version"], data["sink_pages"])
 
 
 def _synchronize(device: torch.device) -> None:
@@ -148,7 +155,7 @@ def export_record(cache, token_ids=None) -> CacheRecord:
     end = -(-h // P)
     cache._await_pages()  # a resume's copy back from the host tier (TIER-1)
     _synchronize(config.device)
-    pages, first_page = {}, {}
+    pages, first_page, sink_pages = {}, {}, {}
     for layer, buf in _buffers(config):
         idx = cache.host_pages(layer.name, buf.role)[:end]
         place = manager.storage.place(layer.name, buf.role)
@@ -161,29 +168,33 @@ def export_record(cache, token_ids=None) -> CacheRecord:
             tier_slots = tier_slots[:end]
             tier_idx = np.where(tier_slots >= 0, tier_slots * tier_data.shape[1] + place.pos, BAD)
         held = idx >= 0 if tier_idx is None else (idx >= 0) | (tier_idx >= 0)
-        live = np.flatnonzero(held)
-        first = int(live[0]) if len(live) else end
-        first_page.setdefault(layer.name, first)
-        if first != first_page[layer.name] or not held[first:].all():
-            raise AssertionError(f"export: layer {layer.name!r} buffers disagree on live pages")
+        sinks, first, _ = lengths.live_pages(h, end, P, layer.window, layer.sinks)
+        first_page[layer.name], sink_pages[layer.name] = first, sinks
+        ordinals = np.concatenate([np.arange(sinks), np.arange(first, end)]).astype(np.int64)
+        if not held[ordinals].all() or held[sinks:first].any():
+            raise AssertionError(f"export: layer {layer.name!r} holds other pages than its "
+                                 f"sinks [0, {sinks}) and window [{first}, {end})")
+        idx = idx[ordinals]
         view = manager.buffer_view(layer.name, buf.role, device_side=False)
         if tier_idx is None:
-            data = view.index_select(0, torch.from_numpy(idx[first:]).to(view.device)).cpu()
+            data = view.index_select(0, torch.from_numpy(idx).to(view.device)).cpu()
         else:
-            data = torch.empty((end - first, *view.shape[1:]), dtype=torch.uint8)
-            on_gpu = np.flatnonzero(idx[first:] >= 0)
+            tier_idx = tier_idx[ordinals]
+            data = torch.empty((len(ordinals), *view.shape[1:]), dtype=torch.uint8)
+            on_gpu = np.flatnonzero(idx >= 0)
             if len(on_gpu):
-                rows = torch.from_numpy(idx[first:][on_gpu]).to(view.device)
+                rows = torch.from_numpy(idx[on_gpu]).to(view.device)
                 data[torch.from_numpy(on_gpu)] = view.index_select(0, rows).cpu()
-            in_tier = np.flatnonzero(tier_idx[first:] >= 0)
+            in_tier = np.flatnonzero(tier_idx >= 0)
             tier_view = tier_data.view(-1, *view.shape[1:])
-            data[torch.from_numpy(in_tier)] = tier_view[torch.from_numpy(tier_idx[first:][in_tier])]
+            data[torch.from_numpy(in_tier)] = tier_view[torch.from_numpy(tier_idx[in_tier])]
         if h % P and len(data):
             data[-1, :, h % P:] = 0  # a recycled page's tail may hold another request's KV
         pages.setdefault(layer.name, {})[buf.role] = data
     for layer in config.layers:
         first_page.setdefault(layer.name, 0)
-    return CacheRecord(fingerprint(config), h, pages, first_page, ids)
+        sink_pages.setdefault(layer.name, 0)
+    return CacheRecord(fingerprint(config), h, pages, first_page, ids, sink_pages=sink_pages)
 
 
 def _check_record(manager, record: CacheRecord) -> None:
@@ -201,26 +212,22 @@ def _check_record(manager, record: CacheRecord) -> None:
     P = config.tokens_per_page
     end = -(-h // P)
     for layer, buf in _buffers(config):
+        sinks, expected, _ = lengths.live_pages(h, end, P, layer.window, layer.sinks)
         first = record.first_page.get(layer.name)
-        expected = cache_first_page(layer.window, h, P)
         if first != expected:
             raise ValueError(f"import_cache: layer {layer.name!r} first page {first} != "
                              f"{expected} (its window's first live page at history {h})")
+        if record.sink_pages.get(layer.name) != sinks:
+            raise ValueError(f"import_cache: layer {layer.name!r} sink pages "
+                             f"{record.sink_pages.get(layer.name)} != {sinks} (its sink pages "
+                             f"at history {h})")
         data = record.pages.get(layer.name, {}).get(buf.role)
-        shape = (end - first, buf.chunks, P, buf.bytes_per_token // buf.chunks)
+        shape = (sinks + end - first, buf.chunks, P, buf.bytes_per_token // buf.chunks)
         if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or \
                 tuple(data.shape) != shape:
             got = None if not isinstance(data, torch.Tensor) else (data.dtype, tuple(data.shape))
             raise ValueError(f"import_cache: layer {layer.name!r} buffer {buf.role!r} pages "
                              f"must be uint8{list(shape)}, got {got}")
-
-
-def cache_first_page(window: Optional[int], history: int, tokens_per_page: int) -> int:
-    """The first live page of a cache with ``history`` = capacity in a life cycle of ``window``
-    (REQ-3: pages wholly before ``history - window`` are released)."""
-    if window is None or history <= window:
-        return 0
-    return (history - window) // tokens_per_page
 
 
 def import_record(manager, record: CacheRecord, token_ids=None):
@@ -242,7 +249,9 @@ def import_record(manager, record: CacheRecord, token_ids=None):
     def write(cache) -> None:
         _synchronize(manager.config.device)  # recycled slots: a kernel may still use them
         for layer, buf in _buffers(manager.config):
-            idx = cache.host_pages(layer.name, buf.role)[record.first_page[layer.name]:]
+            idx = cache.host_pages(layer.name, buf.role)
+            sinks, first = record.sink_pages[layer.name], record.first_page[layer.name]
+            idx = np.concatenate([idx[:sinks], idx[first:]])
             view = manager.buffer_view(layer.name, buf.role, device_side=False)
             source = record.pages[layer.name][buf.role].to(view.device)
             view.index_copy_(0, torch.from_numpy(idx).to(view.device), source)

@@ -130,7 +130,7 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
                    const at::Tensor& inflight_slots, const at::Tensor& selected,
                    const at::Tensor& history, const at::Tensor& capacity, const at::Tensor& lease,
                    int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
-                   int64_t window) {
+                   int64_t window, int64_t sinks) {
   const char* op = "resolve";
   check_int32_2d(resident, op, "resident");
   check_int32_2d(recency, op, "recency");
@@ -156,6 +156,8 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
               op, ": tokens_per_unit must be positive and divide tokens_per_page");
   TORCH_CHECK(max_inflight_tokens > 0 && window >= 0, op,
               ": max_inflight_tokens must be positive and window non-negative (0 = none)");
+  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), op,
+              ": sinks must be non-negative, and 0 without a window (window 0)");
   const int64_t slots = resident.size(1);
   const int64_t units_per_page = tokens_per_page / tokens_per_unit;
   TORCH_CHECK(slots > 0 && slots % units_per_page == 0, op, ": slots (", slots,

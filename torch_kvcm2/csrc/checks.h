@@ -41,7 +41,8 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
                    const at::Tensor& miss_count, const at::Tensor& counters,
                    const at::Tensor& inflight_slots, const at::Tensor& selected, const at::Tensor& history,
                    const at::Tensor& capacity, const at::Tensor& lease, int64_t tokens_per_unit,
-                   int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window);
+                   int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window,
+                   int64_t sinks);
 
 // cells[b]: [num_cells, chunks, P, bytes_per_token / chunks] uint8, contiguous.
 // host_pools[b], positions[b]: the buffer's pool group and position in a slot (HostPages),

@@ -11,7 +11,7 @@
 namespace torch_kvcm2 {
 
 // Fields per group in resolve_groups' group_params, and per buffer in its buffer_params.
-constexpr int64_t kGroupFields = 5;
+constexpr int64_t kGroupFields = 6;
 constexpr int64_t kBufferFields = 3;
 
 // One group of a resolve_groups call: index g into the per-group lists, its fields, and its
@@ -19,7 +19,7 @@ constexpr int64_t kBufferFields = 3;
 // position and page table (fetch's per-buffer arguments).
 struct StepGroup {
   size_t g;
-  int64_t tokens_per_unit, max_inflight_tokens, window;
+  int64_t tokens_per_unit, max_inflight_tokens, window, sinks;
   std::optional<at::Tensor> scratch;
   size_t first_buffer, buffers;
   std::vector<at::Tensor> host_pools, page_tables;

@@ -37,7 +37,8 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "Tensor(d!) miss_list, Tensor(e!) miss_count, Tensor(f!) counters, "
       "Tensor(g!) inflight_slots, Tensor selected, Tensor history, Tensor capacity, Tensor lease, "
       "int tokens_per_unit, int tokens_per_page, int max_inflight_tokens, int window, "
-      "Tensor(h!)? scratch=None, Tensor(i!)? write_table=None, Tensor(j!)? write_start=None) -> ()");
+      "Tensor(h!)? scratch=None, Tensor(i!)? write_table=None, Tensor(j!)? write_start=None, "
+      "int sinks=0) -> ()");
   // OP-FETCH: layers of one selection group, every missed unit of each of their sparse buffers,
   // host page -> cell. A buffer's host pages are (its pool group's whole pool, its position in a
   // slot): ops never take two views of one pool, which would alias (see HostPages in checks.h).
@@ -52,10 +53,11 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "Tensor(g!) inflight_slots, Tensor(h!) write_table, Tensor(i!) write_start, "
       "Tensor(j!)[] cells, Tensor selected, Tensor history, Tensor capacity, Tensor lease, "
       "Tensor[] host_pools, int[] positions, Tensor[] page_tables, int tokens_per_unit, "
-      "int tokens_per_page, int max_inflight_tokens, int window, Tensor(k!)? scratch=None) -> ()");
+      "int tokens_per_page, int max_inflight_tokens, int window, Tensor(k!)? scratch=None, "
+      "int sinks=0) -> ()");
   // OP-STEP for several selection groups in one call: group g's part is resolve_step's with
-  // resident[g], ..., write_start[g], selected[g], and group_params[5g .. 5g+4] = (tokens_per_unit,
-  // max_inflight_tokens, window, index into scratch or -1, buffers to fetch): its run of cells, in
+  // resident[g], ..., write_start[g], selected[g], and group_params[6g .. 6g+5] = (tokens_per_unit,
+  // max_inflight_tokens, window, sinks, index into scratch or -1, buffers to fetch): its run of cells, in
   // group order, each cell b with buffer_params[3b .. 3b+2] = (index into host_pools, position in
   // a slot, index into page_tables) -- the pools and page tables once each, not once per buffer
   // (every tensor of a list costs the eager call its parsing). The groups share no mutated

@@ -53,13 +53,14 @@ std::vector<StepGroup> check_resolve_groups(
   };
   for (size_t g = 0; g < n; ++g) {
     const int64_t* f = group_params.data() + g * kGroupFields;
-    TORCH_CHECK(f[3] >= -1 && f[3] < static_cast<int64_t>(scratch.size()), op, ": group ", g,
-                ": scratch index ", f[3], " outside [-1, ", scratch.size(), ")");
-    TORCH_CHECK(f[4] >= 0 && buffer + static_cast<size_t>(f[4]) <= cells.size(), op, ": group ",
-                g, ": ", f[4], " buffers from buffer ", buffer, " exceed the ", cells.size(),
+    TORCH_CHECK(f[4] >= -1 && f[4] < static_cast<int64_t>(scratch.size()), op, ": group ", g,
+                ": scratch index ", f[4], " outside [-1, ", scratch.size(), ")");
+    TORCH_CHECK(f[5] >= 0 && buffer + static_cast<size_t>(f[5]) <= cells.size(), op, ": group ",
+                g, ": ", f[5], " buffers from buffer ", buffer, " exceed the ", cells.size(),
                 " given");
-    StepGroup s{g, f[0], f[1], f[2], std::nullopt, buffer, static_cast<size_t>(f[4]), {}, {}, {}};
-    if (f[3] >= 0) s.scratch = scratch[f[3]];
+    StepGroup s{g, f[0], f[1], f[2], f[3], std::nullopt, buffer, static_cast<size_t>(f[5]),
+                {}, {}, {}};
+    if (f[4] >= 0) s.scratch = scratch[f[4]];
     for (size_t b = buffer; b < buffer + s.buffers; ++b) {
       const int64_t* e = buffer_params.data() + b * kBufferFields;
       TORCH_CHECK(e[0] >= 0 && e[0] < static_cast<int64_t>(host_pools.size()) && e[2] >= 0 &&
@@ -73,7 +74,7 @@ std::vector<StepGroup> check_resolve_groups(
     buffer += s.buffers;
     check_resolve(resident[g], recency[g], index_table[g], miss_list[g], miss_count[g],
                   counters[g], inflight_slots[g], selected[g], history, capacity, lease,
-                  s.tokens_per_unit, tokens_per_page, s.max_inflight_tokens, s.window);
+                  s.tokens_per_unit, tokens_per_page, s.max_inflight_tokens, s.window, s.sinks);
     check_resolve_write(write_table[g], write_start[g], selected[g], resident[g],
                         inflight_slots[g], history, capacity, lease, s.tokens_per_unit,
                         s.max_inflight_tokens);
@@ -101,7 +102,7 @@ namespace {
 using T = const at::Tensor&;
 using Opt = const std::optional<at::Tensor>&;
 using ResolveFn = void(T, T, T, T, T, T, T, T, T, T, T, int64_t, int64_t, int64_t, int64_t, Opt,
-                       Opt, Opt);
+                       Opt, Opt, int64_t);
 using FetchFn = void(const at::TensorList&, const at::TensorList&, at::IntArrayRef,
                      const at::TensorList&, T, T, int64_t, int64_t);
 
@@ -133,7 +134,7 @@ void resolve_groups_cpu(const at::TensorList& resident, const at::TensorList& re
     resolve.call(resident[g], recency[g], index_table[g], miss_list[g], miss_count[g],
                  counters[g], inflight_slots[g], selected[g], history, capacity, lease,
                  s.tokens_per_unit, tokens_per_page, s.max_inflight_tokens, s.window, s.scratch,
-                 write_table[g], write_start[g]);
+                 write_table[g], write_start[g], s.sinks);
   }
   for (const StepGroup& s : groups) {
     if (s.buffers == 0) continue;

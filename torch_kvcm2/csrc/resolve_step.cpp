@@ -23,7 +23,7 @@ namespace {
 using T = const at::Tensor&;
 using Opt = const std::optional<at::Tensor>&;
 using ResolveFn = void(T, T, T, T, T, T, T, T, T, T, T, int64_t, int64_t, int64_t, int64_t, Opt,
-                       Opt, Opt);
+                       Opt, Opt, int64_t);
 using FetchFn = void(const at::TensorList&, const at::TensorList&, at::IntArrayRef,
                      const at::TensorList&, T, T, int64_t, int64_t);
 
@@ -37,10 +37,10 @@ void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_coun
                   T selected, T history, T capacity, T lease, const at::TensorList& host_pools,
                   at::IntArrayRef positions, const at::TensorList& page_tables,
                   int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
-                  int64_t window, const std::optional<at::Tensor>& scratch) {
+                  int64_t window, const std::optional<at::Tensor>& scratch, int64_t sinks) {
   check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                 selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
-                max_inflight_tokens, window);
+                max_inflight_tokens, window, sinks);
   check_resolve_write(write_table, write_start, selected, resident, inflight_slots, history,
                       capacity, lease, tokens_per_unit, max_inflight_tokens);
   if (!cells.empty())
@@ -55,7 +55,7 @@ void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_coun
   const c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
   resolve.call(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
-               max_inflight_tokens, window, scratch, write_table, write_start);
+               max_inflight_tokens, window, scratch, write_table, write_start, sinks);
   if (!cells.empty())
     fetch.call(cells, host_pools, positions, page_tables, miss_list, miss_count, resident.size(1),
                tokens_per_unit);

@@ -107,28 +107,42 @@ KVCM2_HD int64_t flush_end(int64_t target, int64_t capacity) {
   return target < capacity ? target : capacity;
 }
 
+// The pages a windowed life cycle keeps (REQ-3, TIER-3): the first ceil(sinks / P) pages (the
+// sink pages) forever, and every page p with (p + 1) * P > h - window; pages between them are
+// released. first_live_page is the first page of the window's part (0 without a window);
+// torch_kvcm2/lengths.py's sink_pages / first_live_page are the Python side.
+KVCM2_HD int64_t sink_pages(int64_t sinks, int64_t P) { return sinks > 0 ? ceil_div(sinks, P) : 0; }
+
+KVCM2_HD int64_t first_live_page(int64_t h, int64_t P, int64_t window) {
+  return (window > 0 && h - window > 0) ? floor_div(h - window, P) : 0;
+}
+
 // What one row's published lengths make of its units (REQUIREMENTS §2, OP-RESOLVE).
 struct RowRange {
   int64_t history;         // h
   int64_t capacity;        // c
   int64_t inflight_start;  // s0: inflight_start(h, c, U, I)
   int64_t tokens_per_unit; // U
-  int64_t first_live_unit; // units below it sit on pages released by the window (REQ-3)
+  // Units in [sink_units, first_live_unit) sit on pages released by the window (REQ-3); units
+  // below sink_units are on the sink pages, kept (TIER-3).
+  int64_t sink_units, first_live_unit;
   // In-flight units [first_inflight, end_inflight): floor(s0/U) .. ceil(c/U), empty when s0 = c.
   // Kept as fields: kernels test thousands of units per row against them.
   int64_t first_inflight, end_inflight;
 
   RowRange() = default;
-  // The lengths as clamp_lengths reads them.
-  KVCM2_HD RowRange(int64_t h, int64_t c, int64_t U, int64_t P, int64_t I, int64_t window)
+  // The lengths as clamp_lengths reads them. window 0: full attention (sinks then 0).
+  KVCM2_HD RowRange(int64_t h, int64_t c, int64_t U, int64_t P, int64_t I, int64_t window,
+                    int64_t sinks)
       : tokens_per_unit(U) {
     const Lengths l = clamp_lengths(h, c);
     history = l.history;
     capacity = l.capacity;
     inflight_start = torch_kvcm2::inflight_start(l.history, l.capacity, U, I);
-    // A page p is released once it lies wholly before h - window: (p + 1) * P <= h - window.
-    first_live_unit = (window > 0 && history - window > 0)
-                          ? floor_div(history - window, P) * (P / U) : 0;
+    // A page p >= the sink pages is released once it lies wholly before h - window:
+    // (p + 1) * P <= h - window.
+    first_live_unit = first_live_page(history, P, window) * (P / U);
+    sink_units = window > 0 ? sink_pages(sinks, P) * (P / U) : 0;
     first_inflight = floor_div(inflight_start, U);
     end_inflight = inflight_start < capacity ? ceil_div(capacity, U) : first_inflight;
   }
@@ -140,7 +154,7 @@ struct RowRange {
   KVCM2_HD bool inflight(int64_t u) const { return u >= first_inflight && u < end_inflight; }
   // Wholly history, or overlapping the in-flight range, and on a live page.
   KVCM2_HD bool selectable(int64_t u) const {
-    if (u < 0 || u < first_live_unit) return false;
+    if (u < 0 || (u >= sink_units && u < first_live_unit)) return false;
     return (u + 1) * tokens_per_unit <= history || inflight(u);
   }
   // A partly written head unit must be fetched so its history part is present.

@@ -6,6 +6,9 @@
 //     with shapes a sequence of (tokens_per_unit, max_inflight_tokens) pairs; the outcome is
 //     advance_row's: 0 moved, 1 refused, 2 short.
 //   length_row_order() -> {"HISTORY": 0, ..., "ALLOCATED": 5}, LengthRow's values.
+//   window_rules(h, c, U, P, I, window, sinks, units) -> (sink_pages, first_live_page,
+//       (RowRange::selectable(u) for u in units)): the pages a windowed life cycle keeps and
+//       what one row may select (TIER-3).
 // Every length is an int32 (device data); tokens_per_unit >= 1; a non-int argument raises
 // TypeError, one out of range OverflowError or ValueError.
 #include <Python.h>
@@ -113,6 +116,48 @@ PyObject* length_row_order(PyObject*, PyObject* const*, Py_ssize_t n) {
                        "ALLOCATED", kAllocated, "ROWS", kLengthRows);
 }
 
+PyObject* window_rules(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  static const char* const names[] = {"h", "c", "tokens_per_unit", "tokens_per_page",
+                                      "max_inflight_tokens", "window", "sinks"};
+  static const int64_t lows[] = {kInt32Min, kInt32Min, 1, 1, 0, 0, 0};
+  constexpr int kScalars = 7;
+  if (n != kScalars + 1) {
+    PyErr_SetString(PyExc_TypeError, "window_rules(h, c, U, P, I, window, sinks, units)");
+    return nullptr;
+  }
+  int64_t v[kScalars];
+  for (int i = 0; i < kScalars; ++i)
+    if (!int_arg(args[i], names[i], lows[i], kInt32Max, v[i])) return nullptr;
+  if (v[3] % v[2] != 0) {
+    PyErr_SetString(PyExc_ValueError, "window_rules: tokens_per_unit must divide tokens_per_page");
+    return nullptr;
+  }
+  PyObject* units = args[kScalars];
+  const Py_ssize_t count = PySequence_Check(units) ? PySequence_Size(units) : -1;
+  if (count < 0) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError, "window_rules: units must be a sequence of ints");
+    return nullptr;
+  }
+  PyObject* selectable = PyTuple_New(count);
+  const RowRange range(v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
+  for (Py_ssize_t i = 0; selectable != nullptr && i < count; ++i) {
+    PyObject* item = PySequence_GetItem(units, i);
+    int64_t u = 0;
+    const bool ok = item != nullptr && int_arg(item, "unit", kInt32Min, kInt32Max, u);
+    Py_XDECREF(item);
+    if (!ok) {
+      Py_CLEAR(selectable);
+      break;
+    }
+    PyTuple_SetItem(selectable, i, PyBool_FromLong(range.selectable(u)));
+  }
+  if (selectable == nullptr) return nullptr;
+  return Py_BuildValue("(LLN)", static_cast<long long>(v[5] > 0 ? sink_pages(v[6], v[3]) : 0),
+                       static_cast<long long>(first_live_page(range.history, v[3], v[5])),
+                       selectable);
+}
+
 template <PyObject* (*fn)(PyObject*, PyObject* const*, Py_ssize_t)>
 PyCFunction fastcall() {
   return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn));
@@ -126,6 +171,8 @@ PyMethodDef* rules_methods() {
        "rules.h's length rules of one row (tests/test_rules.py)."},
       {"length_row_order", fastcall<length_row_order>(), METH_FASTCALL,
        "rules.h's LengthRow values by memory.py's names."},
+      {"window_rules", fastcall<window_rules>(), METH_FASTCALL,
+       "rules.h's sink pages, first live page and selectable units of one row (TIER-3)."},
       {nullptr, nullptr, 0, nullptr}};
   return methods;
 }

@@ -37,7 +37,7 @@ void flush_cpu(const at::Tensor& host_pool, at::IntArrayRef positions, const at:
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t l = own[r];
       if (l < 0 || l >= leases) continue;
-      const RowRange range(hist[r], cap[r], U, P, I, 0);
+      const RowRange range(hist[r], cap[r], U, P, I, 0, 0);
       const int64_t lo = range.inflight_start;
       const int64_t hi = flush_end(target[r], range.capacity);
       for (int64_t u = range.first_inflight_unit(); lo < hi && u * U < hi; ++u) {

@@ -29,7 +29,7 @@ void locate_inflight_cpu(const at::Tensor& inflight_slots, const at::Tensor& res
     const int64_t l = lease.data_ptr<int32_t>()[r];
     if (l < 0 || l >= leases) continue;
     const RowRange range(history.data_ptr<int32_t>()[r], capacity.data_ptr<int32_t>()[r],
-                         tokens_per_unit, tokens_per_unit, max_inflight_tokens, 0);
+                         tokens_per_unit, tokens_per_unit, max_inflight_tokens, 0, 0);
     record_inflight(res + l * S, S, range, row_out, miu);
   }
 }

@@ -124,10 +124,10 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
                  int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
                  int64_t window, const std::optional<at::Tensor>& /*scratch: CUDA's only*/,
                  const std::optional<at::Tensor>& write_table,
-                 const std::optional<at::Tensor>& write_start) {
+                 const std::optional<at::Tensor>& write_start, int64_t sinks) {
   check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                 selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
-                max_inflight_tokens, window);
+                max_inflight_tokens, window, sinks);
   const bool writes = check_resolve_write(write_table, write_start, selected, resident,
                                           inflight_slots, history, capacity, lease,
                                           tokens_per_unit, max_inflight_tokens);
@@ -164,7 +164,7 @@ void resolve_cpu(const at::Tensor& resident, const at::Tensor& recency,
       continue;
     }
     const RowRange range(hist[r], cap[r], tokens_per_unit, tokens_per_page, max_inflight_tokens,
-                         window);
+                         window, sinks);
     resolve_row(res + l * S, rec + l * S, out + r * K, sel + r * K, K, S, l, r, range,
                 miss_list.data_ptr<int32_t>(), count, c);
     record_inflight(res + l * S, S, range, located + r * miu, miu);  // after the row's resolve

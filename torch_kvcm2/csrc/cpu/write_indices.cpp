@@ -37,7 +37,7 @@ void write_indices_cpu(const at::Tensor& out, const at::Tensor& inflight_start,
       continue;
     }
     // tokens_per_page does not enter the in-flight range: pass U so first_live_unit stays 0.
-    const RowRange range(hist[r], cap[r], U, U, max_inflight_tokens, 0);
+    const RowRange range(hist[r], cap[r], U, U, max_inflight_tokens, 0, 0);
     start[r] = write_row(res + l * S, S, l, range, slots + r * miu, miu, dst + r * width, width);
   }
 }

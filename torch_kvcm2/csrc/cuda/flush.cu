@@ -61,7 +61,7 @@ __global__ __launch_bounds__(kFlushThreads, 5) void flush_kernel(const __grid_co
     const int64_t l = p.lease[r];
     if (l < 0 || l >= b.leases) continue;
     const int64_t U = b.tokens_per_unit, E = P / U;
-    const RowRange range(p.history[r], p.capacity[r], U, P, b.max_inflight_tokens, 0);
+    const RowRange range(p.history[r], p.capacity[r], U, P, b.max_inflight_tokens, 0, 0);
     const int64_t lo = range.inflight_start;
     const int64_t hi = flush_end(p.new_history[r], range.capacity);
     const int64_t u = range.first_inflight_unit() + k;

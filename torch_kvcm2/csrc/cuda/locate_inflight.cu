@@ -31,7 +31,7 @@ __global__ void locate_inflight_kernel(int32_t* __restrict__ out,
   for (int64_t k = threadIdx.x; k < miu; k += blockDim.x) row_out[k] = seated ? INT32_MAX : BAD;
   if (!seated) return;  // uniform per block
   __syncthreads();
-  const RowRange range(history[r], capacity[r], U, U, I, 0);
+  const RowRange range(history[r], capacity[r], U, U, I, 0, 0);
   const int32_t* res = resident + l * S;
   for (int64_t s = threadIdx.x; s < S && range.has_inflight(); s += blockDim.x) {
     const int64_t u = res[s];

@@ -68,12 +68,13 @@ __shared__ int32_t s_erased;  // place hid a unit's surviving slot (bad data): r
 // (Scalars, not the parameter struct: a reference to a kernel parameter would copy it to local
 // memory.)
 __device__ __noinline__ RowRange row_range(int32_t h, int32_t c, int64_t U, int64_t P, int64_t I,
-                                           int64_t window) {
-  return RowRange(h, c, U, P, I, window);
+                                           int64_t window, int64_t sinks) {
+  return RowRange(h, c, U, P, I, window, sinks);
 }
 
 __device__ __forceinline__ RowRange range_of(const ResolveParams& p, int32_t h, int32_t c) {
-  return row_range(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens, p.window);
+  return row_range(h, c, p.tokens_per_unit, p.tokens_per_page, p.max_inflight_tokens, p.window,
+                   p.sinks);
 }
 
 // ---- preamble, before the PDL wait (launch.cuh), so under PDL it overlaps the previous kernel of
@@ -199,10 +200,10 @@ __device__ __forceinline__ bool load_rows(const ResolveParams& p, const Arrays& 
 
     fill_words(A.infl, row.nF, kNoSlot);
     // The direct unit table covers [unit0, end): every selectable unit, and the non-selectable
-    // gap between history and the in-flight range. A row takes it when the range fits the table
-    // region and every selected ordinal >= 0 lies in it; else (long live ranges, bad ordinals)
-    // the hash.
-    row.unit0 = row.rules.live;
+    // gaps between the sink units and the window (TIER-3) and between history and the in-flight
+    // range. A row takes it when the range fits the table region and every selected ordinal >= 0
+    // lies in it; else (long live ranges, bad ordinals) the hash.
+    row.unit0 = row.rules.first_selectable();
     row.end = row.rules.settled > row.range.end_inflight ? row.rules.settled : row.range.end_inflight;
     const int32_t unit0 = row.unit0;
     const int64_t end = row.end;

@@ -95,7 +95,7 @@ struct ResolveParams {
   const int32_t* history;
   const int32_t* capacity;
   const int32_t* lease;
-  int64_t leases, tokens_per_unit, tokens_per_page, max_inflight_tokens, window;
+  int64_t leases, tokens_per_unit, tokens_per_page, max_inflight_tokens, window, sinks;
   int32_t rows, S, K, MI;
   int32_t hash_bits;  // hash table of 1 << hash_bits entries, >= 2K: load factor <= 1/2
   // The table regions of wide rows, L.table_bytes per CTA (ResolveLayout's global_table), read
@@ -252,6 +252,7 @@ __device__ __forceinline__ void publish_if_last(const ResolveParams& p, unsigned
 // so the answers equal RowRange's for every int32 u.
 struct UnitRules {
   int32_t live;     // max(first_live_unit, 0)
+  int32_t sink;     // sink_units: units below it are on the kept sink pages (TIER-3)
   int32_t settled;  // floor(h / U): units wholly history
   int32_t first_inflight;
   uint32_t n_inflight;
@@ -259,6 +260,7 @@ struct UnitRules {
   UnitRules() = default;
   __device__ explicit UnitRules(const RowRange& r)
       : live(static_cast<int32_t>(r.first_live_unit > 0 ? r.first_live_unit : 0)),
+        sink(static_cast<int32_t>(r.sink_units)),
         settled(static_cast<int32_t>(floor_div(r.history, r.tokens_per_unit))),  // h >= 0
         first_inflight(static_cast<int32_t>(r.first_inflight)),
         n_inflight(static_cast<uint32_t>(r.end_inflight - r.first_inflight)) {}
@@ -267,10 +269,14 @@ struct UnitRules {
   __device__ __forceinline__ bool inflight(int32_t u) const {
     return static_cast<uint32_t>(u) - static_cast<uint32_t>(first_inflight) < n_inflight;
   }
-  // Bitwise, not short-circuit: three compares and no branches in the loops over S and K.
+  // Bitwise, not short-circuit: four compares and no branches in the loops over S and K. A
+  // negative u wraps to >= 2^31 > sink (unsigned), and is below live >= 0.
   __device__ __forceinline__ bool selectable(int32_t u) const {
-    return (u >= live) & ((u < settled) | inflight(u));
+    return ((static_cast<uint32_t>(u) < static_cast<uint32_t>(sink)) | (u >= live)) &
+           ((u < settled) | inflight(u));
   }
+  // The lowest selectable unit's bound: 0 with sink units, else the window's first live unit.
+  __device__ __forceinline__ int32_t first_selectable() const { return sink > 0 ? 0 : live; }
 };
 
 __device__ __forceinline__ int hash_home(int32_t u, int bits) {

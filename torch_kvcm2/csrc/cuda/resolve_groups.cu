@@ -41,7 +41,7 @@ void resolve_groups_cuda(const at::TensorList& resident, const at::TensorList& r
                                  miss_count[g], counters[g], inflight_slots[g], selected[g],
                                  history, capacity, lease, s.tokens_per_unit, tokens_per_page,
                                  s.max_inflight_tokens, s.window, s.scratch, write_table[g],
-                                 write_start[g]));
+                                 write_start[g], s.sinks));
     if (s.buffers > 0)
       fetches.push_back({cells.slice(s.first_buffer, s.buffers), s.host_pools, s.page_tables,
                          s.positions, &miss_list[g], &miss_count[g], resident[g].size(1),

@@ -37,7 +37,7 @@ ResolvePlan plan_resolve(const at::Tensor& resident, const at::Tensor& recency,
                   int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
                   int64_t window, const std::optional<at::Tensor>& scratch,
                   const std::optional<at::Tensor>& write_table,
-                  const std::optional<at::Tensor>& write_start) {
+                  const std::optional<at::Tensor>& write_start, int64_t sinks) {
   const bool writes = write_table.has_value() && write_table->defined();
   ResolvePlan plan;
   // K: a row's columns over all its query tokens ([rows, T', K] is [rows, T'*K] in memory); the
@@ -115,6 +115,7 @@ ResolvePlan plan_resolve(const at::Tensor& resident, const at::Tensor& recency,
   p.tokens_per_page = tokens_per_page;
   p.max_inflight_tokens = max_inflight_tokens;
   p.window = window;
+  p.sinks = sinks;
   p.rows = static_cast<int32_t>(rows);
   p.S = static_cast<int32_t>(S);
   p.K = static_cast<int32_t>(K);
@@ -187,17 +188,17 @@ void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                   int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
                   int64_t window, const std::optional<at::Tensor>& scratch,
                   const std::optional<at::Tensor>& write_table,
-                  const std::optional<at::Tensor>& write_start) {
+                  const std::optional<at::Tensor>& write_start, int64_t sinks) {
   check_resolve(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
                 selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
-                max_inflight_tokens, window);
+                max_inflight_tokens, window, sinks);
   check_resolve_write(write_table, write_start, selected, resident, inflight_slots, history,
                       capacity, lease, tokens_per_unit, max_inflight_tokens);
   const c10::cuda::CUDAGuard guard(resident.device());
   launch_resolve(plan_resolve(resident, recency, index_table, miss_list, miss_count, counters,
                               inflight_slots, selected, history, capacity, lease,
                               tokens_per_unit, tokens_per_page, max_inflight_tokens, window,
-                              scratch, write_table, write_start),
+                              scratch, write_table, write_start, sinks),
                  c10::cuda::getCurrentCUDAStream());
 }
 

@@ -35,7 +35,7 @@ ResolvePlan plan_resolve(const at::Tensor& resident, const at::Tensor& recency,
                          int64_t tokens_per_page, int64_t max_inflight_tokens, int64_t window,
                          const std::optional<at::Tensor>& scratch,
                          const std::optional<at::Tensor>& write_table,
-                         const std::optional<at::Tensor>& write_start);
+                         const std::optional<at::Tensor>& write_start, int64_t sinks);
 void launch_resolve(const ResolvePlan& plan, cudaStream_t stream);
 // Every plan in one launch of resolve_groups_kernel (more when they differ in instantiation or
 // outnumber kMaxResolveGroups).

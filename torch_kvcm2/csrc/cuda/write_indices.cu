@@ -32,7 +32,7 @@ __global__ void write_indices_kernel(int32_t* __restrict__ out, int32_t* __restr
     if (threadIdx.x == 0) start[r] = BAD;
     return;
   }
-  const RowRange range(history[r], capacity[r], U, U, I, 0);
+  const RowRange range(history[r], capacity[r], U, U, I, 0, 0);
   if (threadIdx.x == 0) start[r] = static_cast<int32_t>(range.inflight_start);
   for (int64_t j = threadIdx.x; j < width; j += blockDim.x) {
     const int64_t t = range.inflight_start + j;
