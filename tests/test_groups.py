@@ -32,7 +32,8 @@ def test_step_groups_equals_per_group_steps(device):
 
 def mixed_config(device):
     """Three selection groups: one-token units; two-token units with two query tokens per row
-    (MTP); a windowed group with sink tokens (REQ-3, TIER-3). Sparse latents of 8 bytes per token, a dense buffer beside."""
+    (MTP); a windowed group with sink tokens (REQ-3, TIER-3). Sparse latents of 8 bytes per
+    token, a dense buffer beside."""
     plain = kv.SparseSpec(tokens_per_unit=1, width=5, slots=16, max_inflight_tokens=2,
                           selection_id="plain")
     mtp = kv.SparseSpec(tokens_per_unit=2, width=3, slots=12, max_inflight_tokens=4,
