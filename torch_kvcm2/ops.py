@@ -708,7 +708,7 @@ def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_
 def _(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots, write_table,
       write_start, cells, selected, history, capacity, lease, host_pools, positions, page_tables,
       tokens_per_unit, tokens_per_page, max_inflight_tokens, window, scratch=None, sinks=0):
-    """resolve_step's checks (csrc/step.cpp), all of them: resolve's and fetch's, or no host
+    """resolve_step's checks (csrc/resolve_step.cpp), all of them: resolve's and fetch's, or no host
     pools, positions or page tables without cells. Left out: what resolve's and fetch's fakes
     leave out."""
     _check_resolve(resident, recency, index_table, miss_list, miss_count, counters,

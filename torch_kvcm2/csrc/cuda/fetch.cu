@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "../checks.h"
@@ -607,9 +608,18 @@ void fetch_cuda(const at::TensorList& cells, const at::TensorList& host_pools,
 
 }  // namespace
 
-void launch_fetch_groups(const std::vector<FetchGroupArgs>& groups, cudaStream_t stream) {
+struct FetchPlan {
   std::vector<FetchParams> parts;
-  for (const FetchGroupArgs& a : groups) plan_fetch(a, parts);
+};
+
+std::shared_ptr<const FetchPlan> plan_fetch_groups(const std::vector<FetchGroupArgs>& groups) {
+  auto plan = std::make_shared<FetchPlan>();
+  for (const FetchGroupArgs& a : groups) plan_fetch(a, plan->parts);
+  return plan;
+}
+
+void launch_fetch_groups(const FetchPlan& plan, cudaStream_t stream) {
+  const std::vector<FetchParams>& parts = plan.parts;
   if (parts.empty()) return;
   const int device = c10::cuda::current_device();
 #ifdef KVCM2_DEV
@@ -628,9 +638,7 @@ void launch_fetch_groups(const std::vector<FetchGroupArgs>& groups, cudaStream_t
     const void* kernel = sweep ? kernel_id(fetch_groups_kernel<kFetchIlp>)
                                : kernel_id(fetch_warp_groups_kernel);
     const int threads = sweep ? kFetchThreads : kWarpThreads;
-    const int grid = grid_of(sweep ? kernel_id(fetch_kernel<kFetchIlp>)
-                                   : kernel_id(fetch_warp_kernel<false, false>),
-                             device, threads);
+    const int grid = grid_of(kernel, device, threads);
     std::vector<const FetchParams*> mine;
     for (const FetchParams& p : parts)
       if (sweeps(p) == sweep) mine.push_back(&p);

@@ -47,8 +47,9 @@ void resolve_groups_cuda(const at::TensorList& resident, const at::TensorList& r
                          s.positions, &miss_list[g], &miss_count[g], resident[g].size(1),
                          s.tokens_per_unit});
   }
+  const std::shared_ptr<const FetchPlan> fetch = plan_fetch_groups(fetches);  // its checks first
   launch_resolve_groups(plans, stream);
-  launch_fetch_groups(fetches, stream);
+  launch_fetch_groups(*fetch, stream);
 }
 
 }  // namespace

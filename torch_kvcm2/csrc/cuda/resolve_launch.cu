@@ -160,6 +160,10 @@ void launch_resolve_groups(const std::vector<ResolvePlan>& plans, cudaStream_t s
       const ResolveGroupsKernel kernel = resolve_groups_kernel_of(global, writes);
       auto launch = [&]() {
         if (n == 0) return;
+        // the plans checked their layouts against resolve_kernel's static shared memory
+        TORCH_CHECK(static_smem(kernel_id(kernel), device) ==
+                        static_smem(kernel_id(resolve_kernel_of(global, writes)), device),
+                    "resolve_groups: the kernels' static shared memory differs");
         allow_dynamic_smem(kernel_id(kernel), device, smem);
         launch_kernel(kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(n)),
                       dim3(kResolveThreads), smem, stream, ps);

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -49,8 +50,12 @@ struct FetchGroupArgs {
   const at::Tensor* miss_count;
   int64_t slots, tokens_per_unit;
 };
-// Every group's fetch in one launch per kernel (the vector sweep, one warp per miss) and per
-// kMaxFetchGroups launch parts, each part a group's buffers in sets of up to 8.
-void launch_fetch_groups(const std::vector<FetchGroupArgs>& groups, cudaStream_t stream);
+// Every group's fetch as launch parts, each a group's buffers in sets of up to 8 (fetch.cu);
+// planned, with its checks, before anything of the step is launched.
+struct FetchPlan;
+std::shared_ptr<const FetchPlan> plan_fetch_groups(const std::vector<FetchGroupArgs>& groups);
+// The plan in one launch per kernel (the vector sweep, one warp per miss) and per
+// kMaxFetchGroups parts.
+void launch_fetch_groups(const FetchPlan& plan, cudaStream_t stream);
 
 }  // namespace torch_kvcm2
