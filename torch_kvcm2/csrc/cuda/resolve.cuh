@@ -82,7 +82,9 @@ struct ResolveLayout {
   }
 };
 
-struct ResolveParams {
+// 16-byte aligned, so that every group's entry in ResolveGroupParams is: the compiler may load
+// neighbouring fields with vector loads, which fault at an 8-byte offset (resolve_groups_kernel).
+struct alignas(16) ResolveParams {
   int32_t* resident;   // [leases, S]
   int32_t* recency;    // [leases, S]
   int32_t* index_table;  // [rows, K]
@@ -122,6 +124,7 @@ struct ResolveGroupParams {
   ResolveParams group[kMaxResolveGroups];
 };
 static_assert(sizeof(ResolveGroupParams) <= 32000, "resolve_groups: parameters over 32 KB");
+static_assert(sizeof(ResolveParams) % 16 == 0, "resolve_groups: a group's parameters unaligned");
 
 constexpr int kResolveWarps = kResolveThreads / 32;
 constexpr unsigned kAll = 0xffffffffu;
