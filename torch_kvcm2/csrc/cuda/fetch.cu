@@ -228,11 +228,15 @@ template <int ILP>
 __global__ __launch_bounds__(kFetchThreads) void fetch_groups_kernel(
     const __grid_constant__ FetchGroupParams ps) {
   __shared__ int64_t s_end[kMaxFetchGroups];  // items of parts 0..p
+  extern __shared__ __align__(16) unsigned char s_raw[];  // the n parts' parameters (launch)
+  FetchParams* const parts = reinterpret_cast<FetchParams*>(s_raw);
+  stage_words(parts, ps.part, ps.n * static_cast<int>(sizeof(FetchParams) / 4));
   pdl_enter();
+  __syncthreads();
   if (threadIdx.x < 32) {  // one warp: each part's items, then an inclusive scan
     int64_t items = 0;
     if (static_cast<int>(threadIdx.x) < ps.n) {
-      const FetchParams& P = ps.part[threadIdx.x];
+      const FetchParams& P = parts[threadIdx.x];
       items = min(max(static_cast<int64_t>(*P.miss_count), int64_t{0}), P.list_rows) * P.per_miss;
     }
     for (int d = 1; d < 32; d <<= 1) {
@@ -260,7 +264,7 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_groups_kernel(
       while (s_end[at] <= v) ++at;
       if (i == 0) part = at;
       q[i] = at;
-      const FetchParams& P = ps.part[at];
+      const FetchParams& P = parts[at];
       int64_t m;
       split_item(P, v - (at > 0 ? s_end[at - 1] : 0), m, b[i], w[i]);
       e[i] = load_entry(P, m);
@@ -269,7 +273,7 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_groups_kernel(
 #pragma unroll
     for (int i = 0; i < ILP; ++i)
       if (host_slot[i] == 0) {
-        const FetchParams& P = ps.part[q[i]];
+        const FetchParams& P = parts[q[i]];
         host_slot[i] = host_slot_of(P, P.buf[b[i]], e[i]);
       }
     uint4 val[ILP];
@@ -280,7 +284,7 @@ __global__ __launch_bounds__(kFetchThreads) void fetch_groups_kernel(
       dst[i] = nullptr;
       vec[i] = 16;
       if (host_slot[i] < 0) continue;
-      const FetchParams& P = ps.part[q[i]];
+      const FetchParams& P = parts[q[i]];
       const FetchBuffer& B = P.buf[b[i]];
       vec[i] = B.vec;
       const int64_t inner = part_offset(B, w[i]);
@@ -500,7 +504,10 @@ __global__ __launch_bounds__(kWarpThreads) void fetch_warp_kernel(const __grid_c
 
 __global__ __launch_bounds__(kWarpThreads) void fetch_warp_groups_kernel(
     const __grid_constant__ FetchGroupParams ps) {
-  fetch_warp<false, false>(ps.part[blockIdx.y]);
+  __shared__ FetchParams s_part;
+  stage_words(&s_part, &ps.part[blockIdx.y], sizeof(FetchParams) / 4);
+  __syncthreads();
+  fetch_warp<false, false>(s_part);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -572,8 +579,8 @@ bool sweeps(const FetchParams& p) {
 
 // The fixed grid of a kernel: every CTA of `threads` threads that fits on each SM (or the
 // development knob's number, at most).
-int grid_of(const void* kernel, int device, int threads) {
-  const int fit = std::max(1, blocks_per_sm(kernel, device, threads, 0));
+int grid_of(const void* kernel, int device, int threads, size_t dynamic_smem = 0) {
+  const int fit = std::max(1, blocks_per_sm(kernel, device, threads, dynamic_smem));
   const int per_sm = tuning().fetch_blocks_per_sm > 0 ? std::min(tuning().fetch_blocks_per_sm, fit)
                                                       : fit;
   return device_info(device).sms * per_sm;
@@ -708,7 +715,8 @@ void launch_fetch_groups(const FetchPlan& plan, cudaStream_t stream) {
     const void* kernel = sweep ? kernel_id(fetch_groups_kernel<kFetchIlp>)
                                : kernel_id(fetch_warp_groups_kernel);
     const int threads = sweep ? kFetchThreads : kWarpThreads;
-    const int grid = grid_of(kernel, device, threads);
+    const int grid =
+        grid_of(kernel, device, threads, sweep ? kMaxFetchGroups * sizeof(FetchParams) : 0);
     std::vector<const FetchParams*> mine;
     for (const FetchParams& p : parts)
       if (sweeps(p) == sweep) mine.push_back(&p);
@@ -718,7 +726,8 @@ void launch_fetch_groups(const FetchPlan& plan, cudaStream_t stream) {
       for (int y = 0; y < n; ++y) ps.part[y] = *mine[first + y];
       ps.n = n;
       if (sweep)  // one item space: the whole grid
-        launch_kernel(fetch_groups_kernel<kFetchIlp>, dim3(grid), dim3(threads), 0, stream, ps);
+        launch_kernel(fetch_groups_kernel<kFetchIlp>, dim3(grid), dim3(threads),
+                      n * sizeof(FetchParams), stream, ps);
       else  // part y in CTAs (x, y): the grid shared between the parts
         launch_kernel(fetch_warp_groups_kernel,
                       dim3(static_cast<unsigned>(std::max(4, grid / n)), static_cast<unsigned>(n)),

@@ -115,6 +115,16 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// `words` 4-byte words of `src` (a kernel parameter: one group's entry of a __grid_constant__
+// array) into shared memory at `dst`, by the CTA's threads (then __syncthreads). The kernels of
+// several groups read their group's parameters there: read in place, indexed by blockIdx.y
+// through the parameter's generic address, they faulted on a misaligned access (H100,
+// 2026-12-06, groups of different shapes).
+__device__ __forceinline__ void stage_words(void* dst, const void* src, int words) {
+  for (int i = threadIdx.x; i < words; i += blockDim.x)
+    static_cast<uint32_t*>(dst)[i] = static_cast<const uint32_t*>(src)[i];
+}
+
 // The kernel's preamble is done: wait for the previous kernel, then let the next one launch.
 __device__ __forceinline__ void pdl_enter() {
   pdl_wait();

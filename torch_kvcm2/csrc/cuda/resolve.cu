@@ -37,10 +37,9 @@
 //             hide its latency; no memset before launch), then recency.
 // Scans run over blocked per-thread ranges of whole 4/8/16-byte chunks (load_chunk / store_chunk):
 // no bank conflicts. Every phase function is __forceinline__: one function, as if in one piece.
-// Compiled per memory space of the table region (resolve_kernel<kGlobalTable, ...>): shared
-// memory for rows that fit, a global scratch for wide (multi-token) rows; with and without
-// OP-WRITE's outputs (kWrites); and as resolve_groups_kernel, every group of a step in one launch.
-// resolve_launch.cu sizes the layout and picks the instantiation (resolve_kernel_of).
+// Compiled per table region (kGlobalTable: shared memory, or a global scratch for wide rows),
+// with and without OP-WRITE's outputs (kWrites), and as resolve_groups_kernel (every group of a
+// step in one launch); resolve_launch.cu sizes the layout and picks the instantiation.
 #include <cuda_pipeline.h>
 
 #include <algorithm>
@@ -875,12 +874,13 @@ __global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const Resol
   resolve_cta<kGlobalTable, kWrites>(p, blockIdx.x);
 }
 
-// Every group of a step in one launch: CTA (x, y) is resolve_kernel's CTA x of group y alone (no
-// shared state). The parameters stay in the constant bank, indexed by blockIdx.y.
+// Every group of a step in one launch: CTA (x, y) is resolve_kernel's CTA x of group y alone,
+// reading its group's parameters from shared memory (stage_words).
 template <bool kGlobalTable, bool kWrites>
 __global__ __launch_bounds__(kResolveThreads, 1) void resolve_groups_kernel(
     const __grid_constant__ ResolveGroupParams ps) {
-  const ResolveParams& p = ps.group[blockIdx.y];
+  __shared__ ResolveParams p;
+  stage_words(&p, &ps.group[blockIdx.y], sizeof(ResolveParams) / 4), __syncthreads();
   if (static_cast<int32_t>(blockIdx.x) < p.rows) resolve_cta<kGlobalTable, kWrites>(p, blockIdx.x);
   else pdl_enter();  // a group of fewer rows than the grid
 }

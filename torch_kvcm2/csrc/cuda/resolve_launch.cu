@@ -160,10 +160,13 @@ void launch_resolve_groups(const std::vector<ResolvePlan>& plans, cudaStream_t s
       const ResolveGroupsKernel kernel = resolve_groups_kernel_of(global, writes);
       auto launch = [&]() {
         if (n == 0) return;
-        // the plans checked their layouts against resolve_kernel's static shared memory
-        TORCH_CHECK(static_smem(kernel_id(kernel), device) ==
-                        static_smem(kernel_id(resolve_kernel_of(global, writes)), device),
-                    "resolve_groups: the kernels' static shared memory differs");
+        // the plans checked their layouts with resolve_kernel's static shared memory; this
+        // kernel's holds a group's parameters more
+        TORCH_CHECK(smem + static_smem(kernel_id(kernel), device) <=
+                        static_cast<size_t>(device_info(device).smem_optin),
+                    "resolve_groups: ", smem, " bytes of shared memory per row and ",
+                    static_smem(kernel_id(kernel), device), " of the kernel's own exceed the ",
+                    device_info(device).smem_optin, " the device allows; resolve per group");
         allow_dynamic_smem(kernel_id(kernel), device, smem);
         launch_kernel(kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(n)),
                       dim3(kResolveThreads), smem, stream, ps);
