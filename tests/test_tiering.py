@@ -470,6 +470,28 @@ def test_a_row_seated_with_pieces_left_gets_them_all_at_its_publish(device):
     manager.close()
 
 
+def test_pieces_pack_whole_slots_of_several_pool_groups_within_the_budget():
+    """Restore.take cuts a copy back into pieces of whole slots, pool group by pool group, of at
+    most the budget; only a piece that could otherwise take nothing takes one slot over it."""
+    from types import SimpleNamespace
+
+    from torch_kvcm2.tiers import Restore
+
+    storage = SimpleNamespace(groups=[SimpleNamespace(slot_bytes=100),
+                                      SimpleNamespace(slot_bytes=300)])
+    slots = lambda *xs: np.array(xs, dtype=np.int64)  # noqa: E731
+    restore = Restore({0: (slots(1, 2, 3), slots(11, 12, 13)), 1: (slots(5, 6), slots(15, 16))})
+    assert restore.pending_bytes(storage) == 900
+    piece = restore.take(450, storage)  # the three 100-B slots, then no 300-B slot fits 150
+    assert [(g, gpu.tolist(), tier.tolist()) for g, gpu, tier in piece] == \
+        [(0, [1, 2, 3], [11, 12, 13])]
+    assert restore.take(250, storage, at_least_one=False) == []  # a 300-B slot over 250
+    piece = restore.take(250, storage)  # forced: one slot, over the budget
+    assert [(g, gpu.tolist()) for g, gpu, _ in piece] == [(1, [5])]
+    assert [(g, gpu.tolist()) for g, gpu, _ in restore.take(None, storage)] == [(1, [6])]
+    assert restore.parts == {} and restore.pending_bytes(storage) == 0
+
+
 def test_resume_piece_bytes_zero_copies_back_whole_and_bad_values_are_refused():
     manager = tiered_manager("cpu", resume_piece_bytes=0)
     cache = import_history(manager.create_cache(), 40)

@@ -476,9 +476,9 @@ class KVCache:
         first now, one per ``Batch.publish`` after, the rest at once when the pages are first
         read. On CUDA the copies run on the copy stream and the publish that first seats the
         row makes the current stream wait for the last piece (as do ``host_pages``, ``pages``,
-        ``commit``, ``export``, a shrink and ``close``): no host wait. Returns True once resumed; False, with nothing changed, when the GPU pools cannot
-        supply the slots (``KVCacheManager.can_fit(tokens, resuming=[cache])`` says so
-        beforehand). Raises RuntimeError when not suspended or during stream capture."""
+        ``commit``, ``export``, a shrink and ``close``): no host wait. Returns True once
+        resumed; False, with nothing changed, when the GPU pools cannot supply the slots
+        (``KVCacheManager.can_fit(tokens, resuming=[cache])`` says so beforehand). Raises RuntimeError when not suspended or during stream capture."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.resume")
         if not self.suspended:

@@ -123,17 +123,17 @@ class Restore:
         part = self.parts.get(group)
         return part[1] if part is not None else np.zeros(0, dtype=np.int64)
 
-    def take(self, budget: Optional[int], storage) -> list:
+    def take(self, budget: Optional[int], storage, at_least_one: bool = True) -> list:
         """Remove and return the next piece: ``(group index, GPU slots, tier slots)`` of whole
-        slots, pool group by pool group, of at most ``budget`` bytes (None: everything) and at
-        least one slot."""
+        slots, pool group by pool group, of at most ``budget`` bytes (None: everything) and,
+        with ``at_least_one``, at least one slot (a slot larger than the budget still moves)."""
         piece = []
         for g in list(self.parts):
             gpu, tier = self.parts[g]
             size = storage.groups[g].slot_bytes
             n = len(gpu) if budget is None else min(len(gpu), budget // size)
-            if n == 0 and not piece:
-                n = 1  # a slot larger than the budget still moves
+            if n == 0 and not piece and at_least_one:
+                n = 1
             if n == 0:
                 break
             piece.append((g, gpu[:n], tier[:n]))
@@ -274,11 +274,14 @@ class HostTier:
     def progress(self) -> None:
         """Issue the next ``piece_bytes`` of the copies back still pending, oldest first (called
         by every ``Batch.publish``: one piece per step)."""
-        budget = self.piece_bytes
+        budget, first = self.piece_bytes, True
         while self._pending and budget > 0:
             restore = self._pending[0]
             before = restore.pending_bytes(self.storage)
-            self._issue(restore, budget)
+            # only the step's first piece may exceed the budget (a slot larger than it)
+            if not self._issue(restore, budget, at_least_one=first):
+                break
+            first = False
             budget -= before - restore.pending_bytes(self.storage)
             if not restore.parts:
                 self._pending.pop(0)
@@ -291,10 +294,13 @@ class HostTier:
             self._pending.remove(restore)
         return restore.event
 
-    def _issue(self, restore: Restore, budget: Optional[int]) -> None:
+    def _issue(self, restore: Restore, budget: Optional[int], at_least_one: bool = True) -> bool:
         """Queue the next piece of ``restore`` (at most ``budget`` bytes, None: all of it) and
-        release the tier slots it reads: later writers of them are on the copy stream too."""
-        piece = restore.take(budget, self.storage)
+        release the tier slots it reads: later writers of them are on the copy stream too.
+        False when the piece is empty (no slot fits the budget and none is forced)."""
+        piece = restore.take(budget, self.storage, at_least_one)
+        if not piece:
+            return False
         pairs = [(self.storage.groups[g], self.storage.tiers[g], gpu, tier)
                  for g, gpu, tier in piece]
         event = self._copy(pairs, to_host=False)
@@ -302,6 +308,7 @@ class HostTier:
             restore.event = event
         for g, _, tier in piece:
             self.storage.tiers[g].release(tier)
+        return True
 
     def discard(self, offload: Offload) -> None:
         """Free an offload's tier slots (the cache closes while suspended). The copy stream is
