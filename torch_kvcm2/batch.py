@@ -339,7 +339,10 @@ class Batch:
         is most of a small batch's step (P-STEP-1); on the host one call instead of one per
         group. It suits an engine that knows every group's selection before the step's
         attention (an indexer computed up front, or a step replayed with the selections of the
-        last one); a model whose indexer runs layer by layer resolves per group as it goes."""
+        last one); a model whose indexer runs layer by layer resolves per group as it goes.
+        From about 64 rows the per-group calls are faster on the GPU (P-STEP-1). On CUDA one
+        random-sequence test of it is still open (an illegal memory access, docs/DESIGN.md
+        "Known limits")."""
         step = self._step
         if not isinstance(selected, (list, tuple)) or len(selected) != len(step.groups):
             raise TypeError(f"Batch.resolve_groups: selected must be a list with one entry (a "
