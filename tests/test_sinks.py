@@ -81,14 +81,18 @@ def decode(batch, cache, steps):
             K = group.sparse.width
             if group.window is None:
                 units = list(range(max(0, t - K), t))
-            else:  # the first sink unit and the window's newest units (U = 1)
+            else:  # the first sink unit, a released one, the window's newest units (U = 1)
                 low = max(0, t - group.window)
-                units = [0] + list(range(max(low, t - K + 1), t))
+                sink_end = -(-group.sinks // P) * P  # the sink pages' end
+                gap = [sink_end] if low // P * P > sink_end else []  # a page released between
+                units = [0] + gap + list(range(max(low, t - K + 1 + len(gap)), t))
+            released = torch.tensor(units[:K]) == (gap[0] if group.window and gap else -2)
             units = torch.tensor((units + [-1] * K)[:K], dtype=torch.int32)
             selected = torch.full((batch.max_rows, K), -1, dtype=torch.int32)
             selected[row] = units
             index = batch.resolve(group.index, selected.to(config.device)).cpu()
-            valid = units >= 0
+            assert (index[row][released] == kv.BAD).all(), (group.name, t, units, index[row])
+            valid = (units >= 0) & ~released
             assert (index[row][valid] >= 0).all(), (group.name, t, units, index[row])
             table, start = batch.write_indices(group.index)
             at = int(table[row, t - int(start[row])])
