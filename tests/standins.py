@@ -83,3 +83,20 @@ def check_tokens(cache, end, source=None):
                                             read_tokens(source, layer, role, old)), (layer, role)
         checked += len(positions)
     return checked
+
+
+def write_cell(cells, at, key, t, nbytes):
+    """Token ``t``'s stand-in bytes into cell token index ``at`` of ``cells``."""
+    P = cells.shape[2]
+    cells[at // P, :, at % P] = standin(key, [t], nbytes).view(cells.shape[1], -1).to(cells.device)
+
+
+def finish_token(batch, cache, keys, t):
+    """The end of a stand-in decode step of token ``t``: its dense buffers' bytes straight to
+    their pages (``keys``: (layer, role) -> (key, nbytes)), the flush, and history t + 1."""
+    storage = batch.manager.storage
+    for (layer, role), (key, nbytes) in keys.items():
+        if not storage.place(layer, role).sparse:
+            write_tokens(cache, layer, role, [t], standin(key, [t], nbytes))
+    batch.flush()
+    assert cache.resize(history=t + 1)

@@ -152,6 +152,16 @@ def run(driver, fn, steps):
     return outputs
 
 
+def mirror_inputs(driver, static_selected, static_tokens):
+    """The driver's next inputs copied into a captured step's static input tensors (a twin
+    driver of the same seed draws the same values)."""
+    selected, tokens = driver.inputs()
+    for dst, src in zip(static_selected, selected):
+        dst.copy_(src)
+    for name, src in tokens.items():
+        static_tokens[name].copy_(src)
+
+
 def assert_same_state(a, b):
     """Every state tensor equal, except that a miss list is compared as a set of entries: its
     order follows the CTAs' atomics on CUDA (INT-4), and a host pool only over its committed

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from stepping import Driver, assert_same_state, step
+from stepping import Driver, assert_same_state, mirror_inputs, step
 
 pytestmark = pytest.mark.cuda
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,11 +32,7 @@ def test_captured_step_replays_bit_identical_to_eager_across_membership_changes(
     for number in range(24):
         selected, tokens = eager.inputs()
         expected = step(eager.batch, selected, tokens)
-        mirrored, mirrored_tokens = captured.inputs()  # same generator state: same values
-        for dst, src in zip(static_selected, mirrored):
-            dst.copy_(src)
-        for name, src in mirrored_tokens.items():
-            static_tokens[name].copy_(src)
+        mirror_inputs(captured, static_selected, static_tokens)  # same values as the twin's
         graph.replay()
         captured.batch.record_flush()  # the host bookkeeping the replay cannot do
         for a, b in zip(expected, static_outputs):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_kvcm2 as kv
-from stepping import Driver, assert_same_state, run, step, step_groups
+from stepping import Driver, assert_same_state, mirror_inputs, run, step, step_groups
 
 I32 = torch.int32
 P = 4  # tokens per page
@@ -299,11 +299,7 @@ def test_groups_captured_graph_replays_equal_per_group_eager():
     for number in range(12):
         selected, tokens = eager.inputs()
         expected = step(eager.batch, selected, tokens)
-        mirrored, mirrored_tokens = captured.inputs()
-        for dst, src in zip(static_selected, mirrored):
-            dst.copy_(src)
-        for name, src in mirrored_tokens.items():
-            static_tokens[name].copy_(src)
+        mirror_inputs(captured, static_selected, static_tokens)  # same values as the twin's
         graph.replay()
         captured.batch.record_flush()
         for a, b in zip(expected, static_outputs):

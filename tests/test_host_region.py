@@ -463,11 +463,7 @@ def test_a_captured_step_stays_valid_on_pages_of_chunks_committed_after_capture(
     for number in range(24):
         selected, tokens = eager.inputs()
         expected = stepping.step(eager.batch, selected, tokens)
-        mirrored, mirrored_tokens = captured.inputs()
-        for dst, src in zip(static_selected, mirrored):
-            dst.copy_(src)
-        for name, src in mirrored_tokens.items():
-            static_tokens[name].copy_(src)
+        stepping.mirror_inputs(captured, static_selected, static_tokens)  # the twin's values
         graph.replay()
         captured.batch.record_flush()
         for a, b in zip(expected, static_outputs):

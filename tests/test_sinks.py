@@ -10,7 +10,7 @@ import torch
 
 import torch_kvcm2 as kv
 from conftest import DEVICE_PARAMS
-from standins import buffers, check_tokens, prefilled, standin, write_tokens
+from standins import buffers, check_tokens, finish_token, prefilled, standin, write_cell
 
 P, WINDOW = 4, 8
 SINKS = {"swa": 5, "swa_sparse": 3}  # two sink pages, one sink page
@@ -105,13 +105,8 @@ def decode(batch, cache, steps):
                     got = cells[entries // P, :, entries % P].reshape(len(entries), -1).cpu()
                     assert torch.equal(got, standin(key, units[valid].long(), nbytes)), layer
                     checked += len(entries)
-                    cells[at // P, :, at % P] = standin(key, [t], nbytes).view(
-                        cells.shape[1], -1).to(cells.device)
-        for (layer, role), (key, nbytes) in keys.items():
-            if not manager.storage.place(layer, role).sparse:
-                write_tokens(cache, layer, role, [t], standin(key, [t], nbytes))
-        batch.flush()
-        assert cache.resize(history=t + 1)
+                    write_cell(cells, at, key, t, nbytes)
+        finish_token(batch, cache, keys, t)
     return checked
 
 

@@ -15,7 +15,7 @@ import torch
 
 import torch_kvcm2 as kv
 from conftest import DEVICE_PARAMS
-from stepping import Driver, assert_same_state, attend, step, write_tokens
+from stepping import Driver, assert_same_state, attend, mirror_inputs, step, write_tokens
 
 SLEEP = 20_000_000  # cycles: ~10 ms, far longer than any op of the step
 WHERE = ("side_before_fetch", "current_before_resolve", "current_before_attention")
@@ -190,11 +190,7 @@ def captured_run(where, steps=6, skip_wait=False):
     for number in range(steps):
         selected, tokens = eager.inputs()
         expected = step(eager.batch, selected, tokens)
-        mirrored, mirrored_tokens = captured.inputs()
-        for dst, src in zip(static_selected, mirrored):
-            dst.copy_(src)
-        for name, src in mirrored_tokens.items():
-            static_tokens[name].copy_(src)
+        mirror_inputs(captured, static_selected, static_tokens)  # same values as the twin's
         graph.replay()
         captured.batch.record_flush()
         bad += mismatches([expected], [static_outputs])

@@ -15,7 +15,8 @@ import torch
 import torch_kvcm2 as kv
 from configs import dsa_config
 from conftest import DEVICE_PARAMS
-from standins import HISTORY, buffers, check_tokens, prefilled, standin, write_tokens
+from standins import (HISTORY, buffers, check_tokens, finish_token, prefilled, standin,
+                      write_cell)
 from torch_kvcm2.transfer import CacheRecord
 
 
@@ -33,7 +34,7 @@ def decode(batch, cache, steps):
     (checking the cells against the stand-in bytes: they come from the imported host pages),
     writes the new token's KV (sparse buffers into cells, dense straight to pages), flushes and
     advances history."""
-    manager, config = batch.manager, batch.config
+    config = batch.config
     row, P = batch.row_of(cache), config.tokens_per_page
     keys = {(layer, role): (key, nbytes) for key, layer, role, nbytes in buffers(config)}
     checked = 0
@@ -62,13 +63,8 @@ def decode(batch, cache, steps):
                     positions = (units.long()[:, None] * U + torch.arange(U)).flatten()
                     assert torch.equal(got, standin(key, positions, nbytes)), (layer, role)
                     checked += len(tokens)
-                    cells[at // P, :, at % P] = standin(key, [t], nbytes).view(
-                        cells.shape[1], -1).to(cells.device)
-        for (layer, role), (key, nbytes) in keys.items():
-            if not manager.storage.place(layer, role).sparse:
-                write_tokens(cache, layer, role, [t], standin(key, [t], nbytes))
-        batch.flush()
-        assert cache.resize(history=t + 1)
+                    write_cell(cells, at, key, t, nbytes)
+        finish_token(batch, cache, keys, t)
     return checked
 
 

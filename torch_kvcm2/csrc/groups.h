@@ -26,17 +26,21 @@ struct StepGroup {
   std::vector<int64_t> positions;
 };
 
+// resolve_groups' arguments, in schema order (csrc/ops.cpp).
+struct GroupLists {
+  const at::TensorList &resident, &recency, &index_table, &miss_list, &miss_count, &counters,
+      &inflight_slots, &write_table, &write_start, &cells, &scratch, &selected;
+  const at::Tensor &history, &capacity, &lease;
+  const at::TensorList &host_pools, &page_tables;
+  int64_t tokens_per_page;
+  at::IntArrayRef group_params, buffer_params;
+};
+
 // Every check of resolve_step for every group (so a bad argument changes nothing), the lists'
-// lengths, the group fields, and that no two groups share a tensor they mutate.
-std::vector<StepGroup> check_resolve_groups(
-    const at::TensorList& resident, const at::TensorList& recency,
-    const at::TensorList& index_table, const at::TensorList& miss_list,
-    const at::TensorList& miss_count, const at::TensorList& counters,
-    const at::TensorList& inflight_slots, const at::TensorList& write_table,
-    const at::TensorList& write_start, const at::TensorList& cells,
-    const at::TensorList& scratch, const at::TensorList& selected, const at::Tensor& history,
-    const at::Tensor& capacity, const at::Tensor& lease, const at::TensorList& host_pools,
-    const at::TensorList& page_tables, int64_t tokens_per_page, at::IntArrayRef group_params,
-    at::IntArrayRef buffer_params);
+// lengths, the group and buffer fields, and that no two groups share a tensor they mutate.
+std::vector<StepGroup> check_resolve_groups(const GroupLists& a);
+
+// The CUDA launches of checked groups (cuda/resolve_groups.cu).
+void run_groups_cuda(const GroupLists& a, const std::vector<StepGroup>& groups);
 
 }  // namespace torch_kvcm2

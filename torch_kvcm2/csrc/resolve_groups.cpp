@@ -1,12 +1,11 @@
 // OP-STEP for several selection groups in one call (resolve_groups): each group's part equals
 // resolve_step's for that group, bit for bit. The groups share no mutated state, so the order
-// between them is free: the CPU wrapper runs every group's resolve, then every group's fetch,
-// through the dispatcher like resolve_step; the CUDA wrapper (cuda/resolve_groups.cu) launches
-// every group's resolve as one kernel and every fetch as one more. What it saves: the host's
+// between them is free: on CPU every group's resolve, then every group's fetch, through the
+// dispatcher like resolve_step; on CUDA (cuda/resolve_groups.cu) every group's resolve as one
+// launch and every fetch as one more. Both backends register the one wrapper below. What it saves: the host's
 // calls and launches per group, and on the GPU the latency of a resolve and a fetch per group
 // one after the other, which is most of a small batch's step (benchmarks/NOTES.md, P-STEP-1).
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -16,19 +15,14 @@
 
 #include "checks.h"
 #include "groups.h"
+#include "parts.h"
 
 namespace torch_kvcm2 {
 
-std::vector<StepGroup> check_resolve_groups(
-    const at::TensorList& resident, const at::TensorList& recency,
-    const at::TensorList& index_table, const at::TensorList& miss_list,
-    const at::TensorList& miss_count, const at::TensorList& counters,
-    const at::TensorList& inflight_slots, const at::TensorList& write_table,
-    const at::TensorList& write_start, const at::TensorList& cells,
-    const at::TensorList& scratch, const at::TensorList& selected, const at::Tensor& history,
-    const at::Tensor& capacity, const at::Tensor& lease, const at::TensorList& host_pools,
-    const at::TensorList& page_tables, int64_t tokens_per_page, at::IntArrayRef group_params,
-    at::IntArrayRef buffer_params) {
+std::vector<StepGroup> check_resolve_groups(const GroupLists& a) {
+  const auto& [resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
+               write_table, write_start, cells, scratch, selected, history, capacity, lease,
+               host_pools, page_tables, tokens_per_page, group_params, buffer_params] = a;
   const char* op = "resolve_groups";
   const size_t n = resident.size();
   for (const at::TensorList* list : {&recency, &index_table, &miss_list, &miss_count, &counters,
@@ -99,52 +93,53 @@ std::vector<StepGroup> check_resolve_groups(
 
 namespace {
 
-using T = const at::Tensor&;
-using Opt = const std::optional<at::Tensor>&;
-using ResolveFn = void(T, T, T, T, T, T, T, T, T, T, T, int64_t, int64_t, int64_t, int64_t, Opt,
-                       Opt, Opt, int64_t);
-using FetchFn = void(const at::TensorList&, const at::TensorList&, at::IntArrayRef,
-                     const at::TensorList&, T, T, int64_t, int64_t);
-
-template <typename Fn>
-c10::TypedOperatorHandle<Fn> handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
-
-void resolve_groups_cpu(const at::TensorList& resident, const at::TensorList& recency,
-                        const at::TensorList& index_table, const at::TensorList& miss_list,
-                        const at::TensorList& miss_count, const at::TensorList& counters,
-                        const at::TensorList& inflight_slots, const at::TensorList& write_table,
-                        const at::TensorList& write_start, const at::TensorList& cells,
-                        const at::TensorList& scratch, const at::TensorList& selected,
-                        const at::Tensor& history, const at::Tensor& capacity,
-                        const at::Tensor& lease, const at::TensorList& host_pools,
-                        const at::TensorList& page_tables, int64_t tokens_per_page,
-                        at::IntArrayRef group_params, at::IntArrayRef buffer_params) {
-  const std::vector<StepGroup> groups = check_resolve_groups(
-      resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
-      write_table, write_start, cells, scratch, selected, history, capacity, lease, host_pools,
-      page_tables, tokens_per_page, group_params, buffer_params);
-  static const auto resolve = handle<ResolveFn>("torch_kvcm2::resolve");
-  static const auto fetch = handle<FetchFn>("torch_kvcm2::fetch");
-  // The parts are this op's implementation, not calls of their own: straight to the backend.
+// The CPU parts: every group's resolve, then every group's fetch, through the dispatcher.
+void run_groups_cpu(const GroupLists& a, const std::vector<StepGroup>& groups) {
   const c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
   for (const StepGroup& s : groups) {
     const size_t g = s.g;
-    resolve.call(resident[g], recency[g], index_table[g], miss_list[g], miss_count[g],
-                 counters[g], inflight_slots[g], selected[g], history, capacity, lease,
-                 s.tokens_per_unit, tokens_per_page, s.max_inflight_tokens, s.window, s.scratch,
-                 write_table[g], write_start[g], s.sinks);
+    parts::resolve().call(a.resident[g], a.recency[g], a.index_table[g], a.miss_list[g],
+                          a.miss_count[g], a.counters[g], a.inflight_slots[g], a.selected[g],
+                          a.history, a.capacity, a.lease, s.tokens_per_unit, a.tokens_per_page,
+                          s.max_inflight_tokens, s.window, s.scratch, a.write_table[g],
+                          a.write_start[g], s.sinks);
   }
   for (const StepGroup& s : groups) {
     if (s.buffers == 0) continue;
-    fetch.call(cells.slice(s.first_buffer, s.buffers), s.host_pools, s.positions, s.page_tables,
-               miss_list[s.g], miss_count[s.g], resident[s.g].size(1), s.tokens_per_unit);
+    parts::fetch().call(a.cells.slice(s.first_buffer, s.buffers), s.host_pools, s.positions,
+                        s.page_tables, a.miss_list[s.g], a.miss_count[s.g],
+                        a.resident[s.g].size(1), s.tokens_per_unit);
   }
+}
+
+// The op for both backends: its arguments as GroupLists, checked, then the backend's run.
+template <void (*run)(const GroupLists&, const std::vector<StepGroup>&)>
+void resolve_groups(const at::TensorList& resident, const at::TensorList& recency,
+                    const at::TensorList& index_table, const at::TensorList& miss_list,
+                    const at::TensorList& miss_count, const at::TensorList& counters,
+                    const at::TensorList& inflight_slots, const at::TensorList& write_table,
+                    const at::TensorList& write_start, const at::TensorList& cells,
+                    const at::TensorList& scratch, const at::TensorList& selected,
+                    const at::Tensor& history, const at::Tensor& capacity,
+                    const at::Tensor& lease, const at::TensorList& host_pools,
+                    const at::TensorList& page_tables, int64_t tokens_per_page,
+                    at::IntArrayRef group_params, at::IntArrayRef buffer_params) {
+  const GroupLists a{resident, recency, index_table, miss_list, miss_count, counters,
+                     inflight_slots, write_table, write_start, cells, scratch, selected,
+                     history, capacity, lease, host_pools, page_tables, tokens_per_page,
+                     group_params, buffer_params};
+  run(a, check_resolve_groups(a));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) { m.impl("resolve_groups", &resolve_groups_cpu); }
+TORCH_LIBRARY_IMPL(torch_kvcm2, CPU, m) {
+  m.impl("resolve_groups", &resolve_groups<run_groups_cpu>);
+}
+#ifdef TORCH_KVCM2_WITH_CUDA
+TORCH_LIBRARY_IMPL(torch_kvcm2, CUDA, m) {
+  m.impl("resolve_groups", &resolve_groups<run_groups_cuda>);
+}
+#endif
 
 }  // namespace torch_kvcm2

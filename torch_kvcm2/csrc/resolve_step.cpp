@@ -7,7 +7,6 @@
 // (docs/HOST_PATH.md). Every argument is checked before any part runs, so a bad one changes
 // nothing.
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -15,22 +14,13 @@
 #include <optional>
 
 #include "checks.h"
+#include "parts.h"
 #include "rules.h"
 
 namespace torch_kvcm2 {
 namespace {
 
 using T = const at::Tensor&;
-using Opt = const std::optional<at::Tensor>&;
-using ResolveFn = void(T, T, T, T, T, T, T, T, T, T, T, int64_t, int64_t, int64_t, int64_t, Opt,
-                       Opt, Opt, int64_t);
-using FetchFn = void(const at::TensorList&, const at::TensorList&, at::IntArrayRef,
-                     const at::TensorList&, T, T, int64_t, int64_t);
-
-template <typename Fn>
-c10::TypedOperatorHandle<Fn> handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
 
 void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_count, T counters,
                   T inflight_slots, T write_table, T write_start, const at::TensorList& cells,
@@ -49,16 +39,15 @@ void resolve_step(T resident, T recency, T index_table, T miss_list, T miss_coun
   else
     TORCH_CHECK(host_pools.empty() && positions.empty() && page_tables.empty(),
                 "resolve_step: no cells, so no host pools, positions or page tables either");
-  static const auto resolve = handle<ResolveFn>("torch_kvcm2::resolve");
-  static const auto fetch = handle<FetchFn>("torch_kvcm2::fetch");
   // The parts are this op's implementation, not calls of their own: straight to the backend.
   const c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
-  resolve.call(resident, recency, index_table, miss_list, miss_count, counters, inflight_slots,
-               selected, history, capacity, lease, tokens_per_unit, tokens_per_page,
-               max_inflight_tokens, window, scratch, write_table, write_start, sinks);
+  parts::resolve().call(resident, recency, index_table, miss_list, miss_count, counters,
+                        inflight_slots, selected, history, capacity, lease, tokens_per_unit,
+                        tokens_per_page, max_inflight_tokens, window, scratch, write_table,
+                        write_start, sinks);
   if (!cells.empty())
-    fetch.call(cells, host_pools, positions, page_tables, miss_list, miss_count, resident.size(1),
-               tokens_per_unit);
+    parts::fetch().call(cells, host_pools, positions, page_tables, miss_list, miss_count,
+                        resident.size(1), tokens_per_unit);
 }
 
 }  // namespace
