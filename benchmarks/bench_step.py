@@ -35,6 +35,7 @@ def run_step(timer, device, quick, groups, seed, rows=None, modes=("layer", "non
                            layers=L, inflight=16, tokens_per_row=H + 64, groups=groups)
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
+    batch.one_launch_groups = True  # "all" times the one-launch op (off by default on CUDA)
     seat(manager, batch, R, H, capacity=H + 1)  # token H is in flight
     pool = manager.storage.groups[0]
     assert len(manager.storage.groups) == 1 and len(bound_launches(batch).flush) == 1
