@@ -6,9 +6,10 @@ documented order: resolve, write_indices, per layer fetch, write the new token i
 an integer "attention" that reads every selected unit's tokens from the cells; then flush
 (``step_groups``: the same with every group resolved and fetched in one call). All
 of it is tensor code with fixed shapes, so it can be traced with fullgraph=True and captured.
-``run`` drives it over steps with a membership change; ``assert_same_state`` compares two
-batches' state tensors (eager and compiled or captured twins); ``op_samples`` gives one realistic
-argument set per per-step op.
+``run`` drives it over steps with a membership change; ``CapturedTwins`` replays it captured
+in a CUDA graph against an eager twin; ``assert_same_state`` compares two batches' state tensors
+(eager and compiled or captured twins); ``op_samples`` gives one realistic argument set per
+per-step op.
 """
 import random
 
@@ -160,6 +161,53 @@ def mirror_inputs(driver, static_selected, static_tokens):
         dst.copy_(src)
     for name, src in tokens.items():
         static_tokens[name].copy_(src)
+
+
+class CapturedTwins:
+    """INT-3's twins: ``fn`` (``step`` or ``step_groups``) of one driver's batch captured once
+    as a CUDA graph on static inputs, against an eager twin driver of the same seed running
+    ``eager_fn``. A warm-up driver makes the first launches (kernel attributes) outside any
+    capture; ``prepare`` runs on the warm-up and the captured driver before anything else."""
+
+    def __init__(self, seed, fn=step, eager_fn=step, prepare=lambda driver: None):
+        warm = Driver("cuda", seed=1)
+        prepare(warm)
+        warm.batch.publish()
+        fn(warm.batch, *warm.inputs())
+        torch.cuda.synchronize()
+        self.eager, self.captured = Driver("cuda", seed=seed), Driver("cuda", seed=seed)
+        prepare(self.captured)
+        self.eager_fn = eager_fn
+        self.eager.batch.publish()
+        self.captured.batch.publish()
+        shapes_selected, shapes_tokens = warm.inputs()  # the shapes; the twins' generators untouched
+        self.selected = [torch.zeros_like(t) for t in shapes_selected]  # addresses the graph reads
+        self.tokens = {name: torch.zeros_like(t) for name, t in shapes_tokens.items()}
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = fn(self.captured.batch, self.selected, self.tokens)
+
+    def replay(self, steps, churn):
+        """``steps`` steps: the eager twin's step, then the graph replayed on the same inputs,
+        outputs equal bit for bit; membership changes on both after the steps in ``churn``;
+        finally every state tensor equal."""
+        eager, captured = self.eager, self.captured
+        for number in range(steps):
+            selected, tokens = eager.inputs()
+            expected = self.eager_fn(eager.batch, selected, tokens)
+            mirror_inputs(captured, self.selected, self.tokens)  # same values as the twin's
+            self.graph.replay()
+            captured.batch.record_flush()  # the host bookkeeping the replay cannot do
+            for a, b in zip(expected, self.outputs):
+                assert torch.equal(a, b), number
+            eager.advance()
+            captured.advance()
+            if number in churn:  # membership changes between replays, same tables
+                for driver in (eager, captured):
+                    driver.leave()
+                    driver.join()
+                    driver.batch.publish()
+        assert_same_state(eager.batch, captured.batch)
 
 
 def assert_same_state(a, b):

@@ -6,46 +6,18 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from stepping import Driver, assert_same_state, mirror_inputs, step
+from stepping import CapturedTwins
 
 pytestmark = pytest.mark.cuda
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_captured_step_replays_bit_identical_to_eager_across_membership_changes():
-    warm = Driver("cuda", seed=1)  # first launches (kernel attributes) outside any capture
-    warm.batch.publish()
-    step(warm.batch, *warm.inputs())
-    torch.cuda.synchronize()
-
-    eager, captured = Driver("cuda", seed=5), Driver("cuda", seed=5)
-    eager.batch.publish()
-    captured.batch.publish()
-    shapes_selected, shapes_tokens = warm.inputs()  # same shapes; leaves the twins' generators
-    static_selected = [torch.zeros_like(t) for t in shapes_selected]  # addresses the graph reads
-    static_tokens = {name: torch.zeros_like(t) for name, t in shapes_tokens.items()}
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_outputs = step(captured.batch, static_selected, static_tokens)
-    for number in range(24):
-        selected, tokens = eager.inputs()
-        expected = step(eager.batch, selected, tokens)
-        mirror_inputs(captured, static_selected, static_tokens)  # same values as the twin's
-        graph.replay()
-        captured.batch.record_flush()  # the host bookkeeping the replay cannot do
-        for a, b in zip(expected, static_outputs):
-            assert torch.equal(a, b), number
-        eager.advance()
-        captured.advance()
-        if number in (7, 15):  # membership changes between replays, same tables
-            for driver in (eager, captured):
-                driver.leave()
-                driver.join()
-                driver.batch.publish()
-    assert_same_state(eager.batch, captured.batch)
-    assert [c.history_length for c in eager.caches] == [c.history_length for c in captured.caches]
+    twins = CapturedTwins(seed=5)
+    twins.replay(24, churn=(7, 15))
+    assert ([c.history_length for c in twins.eager.caches]
+            == [c.history_length for c in twins.captured.caches])
 
 
 REDUCE_OVERHEAD = r"""

@@ -441,40 +441,13 @@ def test_a_captured_step_stays_valid_on_pages_of_chunks_committed_after_capture(
     import functools
 
     import stepping
-    from stepping import assert_same_state
 
     monkeypatch.setattr(kv, "KVCacheManager",
                         functools.partial(kv.KVCacheManager, host_chunk_bytes=PAGE_SIZE))
-    warm = stepping.Driver("cuda", seed=1)
-    warm.batch.publish()
-    stepping.step(warm.batch, *warm.inputs())
-    torch.cuda.synchronize()
-    eager, captured = stepping.Driver("cuda", seed=5), stepping.Driver("cuda", seed=5)
-    eager.batch.publish()
-    captured.batch.publish()
-    shapes_selected, shapes_tokens = warm.inputs()
-    static_selected = [torch.zeros_like(t) for t in shapes_selected]
-    static_tokens = {name: torch.zeros_like(t) for name, t in shapes_tokens.items()}
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_outputs = stepping.step(captured.batch, static_selected, static_tokens)
+    twins = stepping.CapturedTwins(seed=5)
+    captured = twins.captured
     region, host = captured.manager.storage.region, captured.manager.storage.groups[0]
     commits, limit = region.commits, host.committed_slots
-    for number in range(24):
-        selected, tokens = eager.inputs()
-        expected = stepping.step(eager.batch, selected, tokens)
-        stepping.mirror_inputs(captured, static_selected, static_tokens)  # the twin's values
-        graph.replay()
-        captured.batch.record_flush()
-        for a, b in zip(expected, static_outputs):
-            assert torch.equal(a, b), number
-        eager.advance()
-        captured.advance()
-        if number in (7, 15):
-            for driver in (eager, captured):
-                driver.leave()
-                driver.join()
-                driver.batch.publish()
-    assert_same_state(eager.batch, captured.batch)
+    twins.replay(24, churn=(7, 15))
     assert region.commits > commits and region.registered_bytes == region.committed_bytes
     assert any(slot >= limit for cache in captured.caches for slot in cache.pages(0) if slot >= 0)
