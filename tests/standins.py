@@ -4,6 +4,7 @@ straight to a cache's pages and read back through its views."""
 import numpy as np
 import torch
 
+import torch_kvcm2 as kv
 from configs import import_history
 
 HISTORY = 30
@@ -100,3 +101,47 @@ def finish_token(batch, cache, keys, t):
             write_tokens(cache, layer, role, [t], standin(key, [t], nbytes))
     batch.flush()
     assert cache.resize(history=t + 1)
+
+
+def decode(batch, cache, steps, choose, after_publish=lambda: None):
+    """``steps`` stand-in decode steps of ``cache`` in ``batch``. Per selection group,
+    ``choose(group, t)`` gives the unit ordinals to select (int32[K], -1 padding) and a bool[K]
+    of those whose entries must read BAD (released units); every other selected unit's cells
+    must hold its stand-in bytes after the fetch. The new token's KV goes into the cells
+    (sparse) or straight to its pages (dense), then flush and history t + 1 (``finish_token``).
+    ``after_publish()`` runs after each step's publish. Returns the tokens checked in cells."""
+    config = batch.config
+    row, P = batch.row_of(cache), config.tokens_per_page
+    keys = {(layer, role): (key, nbytes) for key, layer, role, nbytes in buffers(config)}
+    checked = 0
+    for _ in range(steps):
+        t = cache.history_length
+        assert cache.resize(capacity=t + 1)
+        batch.publish()
+        after_publish()
+        for group in config.selection_groups:
+            U, K = group.sparse.tokens_per_unit, group.sparse.width
+            units, released = choose(group, t)
+            selected = torch.full((batch.max_rows, K), -1, dtype=torch.int32)
+            selected[row] = units
+            index = batch.resolve(group.index, selected.to(config.device)).cpu()
+            assert (index[row][released] == kv.BAD).all(), (group.name, t, units, index[row])
+            valid = (units >= 0) & ~released
+            assert (index[row][valid] >= 0).all(), (group.name, t, units, index[row])
+            table, start = batch.write_indices(group.index)
+            at = int(table[row, t - int(start[row])])
+            for layer in group.layers:
+                batch.fetch(layer)
+                for role in [b.role for b in config.layer(layer).sparse_buffers]:
+                    if (layer, role) not in keys:  # a zero-size buffer
+                        continue
+                    key, nbytes = keys[(layer, role)]
+                    cells = batch.cells(layer, role)
+                    tokens = (index[row][valid].long()[:, None] * U + torch.arange(U)).flatten()
+                    got = cells[tokens // P, :, tokens % P].reshape(len(tokens), -1).cpu()
+                    positions = (units[valid].long()[:, None] * U + torch.arange(U)).flatten()
+                    assert torch.equal(got, standin(key, positions, nbytes)), (layer, role)
+                    checked += len(tokens)
+                    write_cell(cells, at, key, t, nbytes)
+        finish_token(batch, cache, keys, t)
+    return checked

@@ -10,7 +10,8 @@ import torch
 
 import torch_kvcm2 as kv
 from conftest import DEVICE_PARAMS
-from standins import buffers, check_tokens, finish_token, prefilled, standin, write_cell
+from standins import check_tokens, prefilled
+from standins import decode as standin_decode
 
 P, WINDOW = 4, 8
 SINKS = {"swa": 5, "swa_sparse": 3}  # two sink pages, one sink page
@@ -64,50 +65,29 @@ def check_pages(manager, cache, batch=None):
             assert (device[:len(pages)] == pages).all() and (device[len(pages):] == -1).all()
 
 
+def sink_and_window_units(group, t):
+    """``standins.decode``'s choice: a full group the K newest units; a windowed one (U = 1) the
+    first sink unit, a unit on a page released between the sinks and the window (its entry
+    must read BAD), and the window's newest units."""
+    K = group.sparse.width
+    gap = []
+    if group.window is None:
+        units = list(range(max(0, t - K), t))
+    else:
+        low = max(0, t - group.window)
+        sink_end = -(-group.sinks // P) * P  # the sink pages' end
+        gap = [sink_end] if low // P * P > sink_end else []  # a page released between
+        units = [0] + gap + list(range(max(low, t - K + 1 + len(gap)), t))
+    released = torch.tensor(units[:K]) == (gap[0] if gap else -2)
+    released = torch.cat([released, torch.zeros(K - len(released), dtype=torch.bool)])
+    return torch.tensor((units + [-1] * K)[:K], dtype=torch.int32), released
+
+
 def decode(batch, cache, steps):
-    """``steps`` decode steps: each selection group selects sink units and window units (the
-    fetched cells must hold their stand-in bytes), the new token's KV goes into cells (sparse)
-    or straight to pages (dense), then flush and advance. Returns tokens checked in cells."""
-    manager, config = batch.manager, batch.config
-    row = batch.row_of(cache)
-    keys = {(layer, role): (key, nbytes) for key, layer, role, nbytes in buffers(config)}
-    checked = 0
-    for _ in range(steps):
-        t = cache.history_length
-        assert cache.resize(capacity=t + 1)
-        batch.publish()
-        check_pages(manager, cache, batch)
-        for group in config.selection_groups:
-            K = group.sparse.width
-            if group.window is None:
-                units = list(range(max(0, t - K), t))
-            else:  # the first sink unit, a released one, the window's newest units (U = 1)
-                low = max(0, t - group.window)
-                sink_end = -(-group.sinks // P) * P  # the sink pages' end
-                gap = [sink_end] if low // P * P > sink_end else []  # a page released between
-                units = [0] + gap + list(range(max(low, t - K + 1 + len(gap)), t))
-            released = torch.tensor(units[:K]) == (gap[0] if group.window and gap else -2)
-            units = torch.tensor((units + [-1] * K)[:K], dtype=torch.int32)
-            selected = torch.full((batch.max_rows, K), -1, dtype=torch.int32)
-            selected[row] = units
-            index = batch.resolve(group.index, selected.to(config.device)).cpu()
-            assert (index[row][released] == kv.BAD).all(), (group.name, t, units, index[row])
-            valid = (units >= 0) & ~released
-            assert (index[row][valid] >= 0).all(), (group.name, t, units, index[row])
-            table, start = batch.write_indices(group.index)
-            at = int(table[row, t - int(start[row])])
-            for layer in group.layers:
-                batch.fetch(layer)
-                for role in [b.role for b in config.layer(layer).sparse_buffers]:
-                    key, nbytes = keys[(layer, role)]
-                    cells = batch.cells(layer, role)
-                    entries = index[row][valid].long()
-                    got = cells[entries // P, :, entries % P].reshape(len(entries), -1).cpu()
-                    assert torch.equal(got, standin(key, units[valid].long(), nbytes)), layer
-                    checked += len(entries)
-                    write_cell(cells, at, key, t, nbytes)
-        finish_token(batch, cache, keys, t)
-    return checked
+    """``steps`` stand-in decode steps selecting sink and window units (``standins.decode``),
+    the pages checked after each publish; returns the tokens checked in cells."""
+    return standin_decode(batch, cache, steps, sink_and_window_units,
+                          lambda: check_pages(batch.manager, cache, batch))
 
 
 # ---- config ----

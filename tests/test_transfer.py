@@ -15,8 +15,8 @@ import torch
 import torch_kvcm2 as kv
 from configs import dsa_config
 from conftest import DEVICE_PARAMS
-from standins import (HISTORY, buffers, check_tokens, finish_token, prefilled, standin,
-                      write_cell)
+from standins import HISTORY, check_tokens, prefilled
+from standins import decode as standin_decode
 from torch_kvcm2.transfer import CacheRecord
 
 
@@ -28,44 +28,18 @@ def other_config(device, **kwargs):
                       host_budget_bytes=3 << 19, **kwargs)
 
 
+def window_units(group, t):
+    """``standins.decode``'s choice: K history units spread over the group's live range (inside
+    a windowed group's window), none released."""
+    U, K = group.sparse.tokens_per_unit, group.sparse.width
+    low = 0 if group.window is None else max(0, -(-(t - group.window) // U))
+    return torch.linspace(low, t // U - 1, K).to(torch.int32), torch.zeros(K, dtype=torch.bool)
+
+
 def decode(batch, cache, steps):
-    """``steps`` decode steps of ``cache`` in ``batch``: each selects history units (inside a
-    windowed group's window), fetches them
-    (checking the cells against the stand-in bytes: they come from the imported host pages),
-    writes the new token's KV (sparse buffers into cells, dense straight to pages), flushes and
-    advances history."""
-    config = batch.config
-    row, P = batch.row_of(cache), config.tokens_per_page
-    keys = {(layer, role): (key, nbytes) for key, layer, role, nbytes in buffers(config)}
-    checked = 0
-    for _ in range(steps):
-        t = cache.history_length
-        assert cache.resize(capacity=t + 1)
-        batch.publish()
-        for group in config.selection_groups:
-            U, K = group.sparse.tokens_per_unit, group.sparse.width
-            low = 0 if group.window is None else max(0, -(-(t - group.window) // U))
-            units = torch.linspace(low, t // U - 1, K).to(torch.int32)  # inside the window
-            selected = torch.full((batch.max_rows, K), -1, dtype=torch.int32)
-            selected[row] = units
-            index = batch.resolve(group.index, selected.to(config.device)).cpu()
-            table, start = batch.write_indices(group.index)
-            at = int(table[row, t - int(start[row])])
-            for layer in group.layers:
-                batch.fetch(layer)
-                for role in [b.role for b in config.layer(layer).sparse_buffers]:
-                    if (layer, role) not in keys:
-                        continue
-                    key, nbytes = keys[(layer, role)]
-                    cells = batch.cells(layer, role)
-                    tokens = (index[row].long()[:, None] * U + torch.arange(U)).flatten()
-                    got = cells[tokens // P, :, tokens % P].reshape(len(tokens), -1).cpu()
-                    positions = (units.long()[:, None] * U + torch.arange(U)).flatten()
-                    assert torch.equal(got, standin(key, positions, nbytes)), (layer, role)
-                    checked += len(tokens)
-                    write_cell(cells, at, key, t, nbytes)
-        finish_token(batch, cache, keys, t)
-    return checked
+    """``steps`` stand-in decode steps of ``cache`` selecting inside the window
+    (``standins.decode``); returns the tokens checked in cells."""
+    return standin_decode(batch, cache, steps, window_units)
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
