@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 
 from torch_kvcm2 import ops
 from conftest import DEVICE_PARAMS
-from stepping import Driver, op_samples, run, step
+from stepping import Driver, op_samples, run, step, step_groups
 
 
 def registered_ops():
@@ -42,16 +42,18 @@ def test_every_per_step_op_passes_opcheck(device):
         torch.library.opcheck(getattr(torch.ops.torch_kvcm2, name).default, args)
 
 
-def test_decode_step_compiles_fullgraph_and_equals_eager():
+@pytest.mark.parametrize("fn", [step, step_groups], ids=["per_group", "all_groups"])
+def test_decode_step_compiles_fullgraph_and_equals_eager(fn):
     """INT-2: resolve, write_indices, fetch per layer, a KV write and a read of the cells, flush,
-    under torch.compile(fullgraph=True) on CPU; outputs and every state tensor equal eager."""
+    under torch.compile(fullgraph=True) on CPU; outputs and every state tensor equal eager.
+    ``step_groups``: every group resolved and fetched in one call (``resolve_groups``)."""
     torch._dynamo.reset()
     counters.clear()
     eager, compiled = Driver("cpu", seed=3), Driver("cpu", seed=3)
     eager.batch.publish()
     compiled.batch.publish()
-    expected = run(eager, step, 4)
-    got = run(compiled, torch.compile(step, fullgraph=True), 4)
+    expected = run(eager, fn, 4)
+    got = run(compiled, torch.compile(fn, fullgraph=True), 4)
     for a, b in zip(expected, got):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     for x, y in zip(eager.batch.state_tensors(), compiled.batch.state_tensors()):

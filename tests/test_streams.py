@@ -67,6 +67,24 @@ def sleeper(fetches, where):
     return delay
 
 
+def overlapped_by(where=None, skip_wait=False):
+    """``run_twins``' overlapped step: each driver's step with its own ``FetchStream`` (kept in
+    the returned function's ``fetches``), ``where``'s delay (none: None), and with ``wait``
+    skipped when ``skip_wait``."""
+    fetches = {}
+
+    def overlapped(driver, selected, tokens):
+        f = fetches.get(driver)
+        if f is None:
+            f = fetches[driver] = kv.FetchStream(driver.batch)
+            if skip_wait:
+                f.wait = lambda *layers: None
+        delay = None if where is None else sleeper(f, where)
+        return overlapped_step(driver.batch, f, selected, tokens, delay)
+    overlapped.fetches = fetches
+    return overlapped
+
+
 def fill_history(driver, seed):
     """Random bytes on every page of every cache's sparse latents (the Driver's imported
     histories are zeros, which a stale read could not tell from a fetched one)."""
@@ -112,16 +130,10 @@ def mismatches(expected, got) -> int:
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_overlapped_fetches_give_the_one_stream_results(device):
-    fetches = {}
-
-    def overlapped(driver, selected, tokens):
-        if driver not in fetches:
-            fetches[driver] = kv.FetchStream(driver.batch)
-        return overlapped_step(driver.batch, fetches[driver], selected, tokens)
-
+    overlapped = overlapped_by()
     reference, twin, expected, got = run_twins(device, 6, overlapped)
     assert mismatches(expected, got) == 0
-    assert all(f.pending == [] for f in fetches.values())
+    assert all(f.pending == [] for f in overlapped.fetches.values())
     assert_same_state(reference.batch, twin.batch)
 
 
@@ -150,15 +162,7 @@ def test_cpu_fetch_stream_runs_inline_and_checks_its_arguments():
 @pytest.mark.cuda
 @pytest.mark.parametrize("where", WHERE)
 def test_eager_overlap_with_a_delay_on_each_stream_is_bit_exact(where):
-    fetches = {}
-
-    def overlapped(driver, selected, tokens):
-        if driver not in fetches:
-            fetches[driver] = kv.FetchStream(driver.batch)
-        f = fetches[driver]
-        return overlapped_step(driver.batch, f, selected, tokens, sleeper(f, where))
-
-    reference, twin, expected, got = run_twins("cuda", 5, overlapped)
+    reference, twin, expected, got = run_twins("cuda", 5, overlapped_by(where))
     torch.cuda.synchronize()
     assert mismatches(expected, got) == 0
     assert_same_state(reference.batch, twin.batch)
@@ -211,17 +215,7 @@ def test_captured_overlap_with_a_delay_on_each_stream_is_bit_exact(where):
 def test_the_side_stream_delay_catches_a_missing_wait():
     """Without ``wait`` attention reads cells the delayed fetch has not filled yet: the delay
     makes the race certain, so the bit-exact tests above would see a missing wait."""
-    fetches = {}
-
-    def overlapped(driver, selected, tokens):
-        if driver not in fetches:
-            fetches[driver] = kv.FetchStream(driver.batch)
-            fetches[driver].wait = lambda *layers: None
-        f = fetches[driver]
-        return overlapped_step(driver.batch, f, selected, tokens,
-                               sleeper(f, "side_before_fetch"))
-
-    _, _, expected, got = run_twins("cuda", 3, overlapped)
+    _, _, expected, got = run_twins("cuda", 3, overlapped_by("side_before_fetch", skip_wait=True))
     torch.cuda.synchronize()
     assert mismatches(expected, got) > 0
     assert captured_run("side_before_fetch", steps=3, skip_wait=True) > 0
