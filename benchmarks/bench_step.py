@@ -23,8 +23,8 @@ def run_step(timer, device, quick, groups, seed, rows=None, modes=("layer", "non
     graph and replayed from the steady state (the previous selection resident and fetched, one
     token in flight per row). The other modes time the same step with one fetch launch per layer
     ("layer"), without any fetch ("none": what the step spends outside fetch), and with every
-    group resolved and fetched in one call ("all": ``Batch.resolve_groups``, one resolve launch
-    and one fetch launch for all groups). For each mode in ``checked`` (cells zeroed before a
+    group resolved and fetched in one call ("all": ``Batch.resolve_groups``, every group's
+    resolve launched back to back, then one fetch launch for all groups). For each mode in ``checked`` (cells zeroed before a
     last replay): every group's counters and index table, and on sampled layers every selected
     unit's bytes and the flushed token. Returns ``us`` (the first checked mode) and
     ``<mode>_us`` per mode."""
@@ -35,7 +35,6 @@ def run_step(timer, device, quick, groups, seed, rows=None, modes=("layer", "non
                            layers=L, inflight=16, tokens_per_row=H + 64, groups=groups)
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
-    batch.one_launch_groups = True  # "all" times the one-launch op (off by default on CUDA)
     seat(manager, batch, R, H, capacity=H + 1)  # token H is in flight
     pool = manager.storage.groups[0]
     assert len(manager.storage.groups) == 1 and len(bound_launches(batch).flush) == 1

@@ -351,8 +351,6 @@ def eager_step(batch, selection, accepted, all_groups: bool = False):
     as a function of no arguments."""
     groups = range(len(batch.groups))
     selections = [selection[g] for g in groups]
-    if all_groups:
-        batch.one_launch_groups = True  # the one-launch op (off by default on CUDA)
 
     def body():
         if all_groups:

@@ -167,16 +167,14 @@ class CapturedTwins:
     """INT-3's twins: ``fn`` (``step`` or ``step_groups``) of one driver's batch captured once
     as a CUDA graph on static inputs, against an eager twin driver of the same seed running
     ``eager_fn``. A warm-up driver makes the first launches (kernel attributes) outside any
-    capture; ``prepare`` runs on the warm-up and the captured driver before anything else."""
+    capture."""
 
-    def __init__(self, seed, fn=step, eager_fn=step, prepare=lambda driver: None):
+    def __init__(self, seed, fn=step, eager_fn=step):
         warm = Driver("cuda", seed=1)
-        prepare(warm)
         warm.batch.publish()
         fn(warm.batch, *warm.inputs())
         torch.cuda.synchronize()
         self.eager, self.captured = Driver("cuda", seed=seed), Driver("cuda", seed=seed)
-        prepare(self.captured)
         self.eager_fn = eager_fn
         self.eager.batch.publish()
         self.captured.batch.publish()

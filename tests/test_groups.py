@@ -2,9 +2,7 @@
 ``resolve_groups``): bit-identical to one ``resolve(g, ..., fetch=True)`` per group on CPU and
 CUDA, over random multi-group sequences with multi-token (MTP) and windowed groups, groups left
 out, membership changes and speculative acceptance; in a captured CUDA graph (torch.compile:
-test_compile.py); its refusals. On CUDA the batch resolves group by group unless
-``one_launch_groups`` is set (docs/DESIGN.md, known limits): the one-launch op runs there in a
-captured graph and, eagerly, in a child process (a fault would end the test run)."""
+test_compile.py); its refusals."""
 import os
 import random
 import subprocess
@@ -88,12 +86,10 @@ def mixed_config(device):
 class Twin:
     """One batch of ``make_config``'s config; two twins fed one random script stay equal."""
 
-    def __init__(self, device, make_config=mixed_config, one_launch=None):
+    def __init__(self, device, make_config=mixed_config):
         self.device = device
         self.manager = kv.KVCacheManager(make_config(device))
         self.batch = kv.Batch(self.manager)
-        if one_launch is not None:
-            self.batch.one_launch_groups = one_launch
         self.caches = []
 
     def join(self, length):
@@ -152,18 +148,16 @@ def selection(rng, group, rows, units, tokens):
     return sel
 
 
-def run_twins(device, seed, make_config, leave_out=True, membership=True, random_accept=True,
-              one_launch=None):
+def run_twins(device, seed, make_config, leave_out=True, membership=True, random_accept=True):
     """The random script of the tests below on twin batches: per step a membership change now
     and then (``membership``), each row 1-2 in-flight tokens, every group's selection (the MTP
     group with 1 or 2 query tokens; with ``leave_out`` any group left out at random), then
     writes, acceptance of 1..(in flight) tokens (``random_accept``; else 1) and flush. One twin
     resolves each group with ``resolve(g, sel, fetch=True)``, the other all at once with
     ``resolve_groups``: every state tensor equal after every step (the miss list as a set on
-    CUDA, INT-4). ``one_launch`` sets the second twin's ``one_launch_groups`` (None: the
-    device's default). Returns (groups resolved, groups left out) over the run."""
+    CUDA, INT-4). Returns (groups resolved, groups left out) over the run."""
     rng = random.Random(seed)
-    ref, grp = Twin(device, make_config), Twin(device, make_config, one_launch)
+    ref, grp = Twin(device, make_config), Twin(device, make_config)
     for _ in range(3):
         n = rng.randint(8, 40)
         ref.join(n)
@@ -234,30 +228,18 @@ def test_random_groups_equal_per_group_resolves(device, seed, make_config):
     assert resolved > 20 * groups and left_out > 4 * groups
 
 
-def test_one_launch_groups_default_route_and_refusal(device):
-    """``one_launch_groups``: on by default on the CPU, off on CUDA; either route returns the
-    per-group results (``run_twins``; on CUDA the default route, group by group); a value that
-    is not a bool is refused."""
-    batch = Twin(device).batch
-    assert batch.one_launch_groups is (device == "cpu")
-    with pytest.raises(TypeError, match="one_launch_groups must be True or False, got 1"):
-        batch.one_launch_groups = 1
-    resolved, left_out = run_twins(device, 4, mixed_config, one_launch=False)
-    assert resolved > 60 and left_out > 0
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("seed, factors", [(0, "all"), (1, "all"), (0, "leave_out"), (0, "none")],
-                         ids=["all-0", "all-1", "leave_out-0", "none-0"])
-def test_one_launch_op_on_cuda_in_a_child_process(seed, factors):
-    """The open defect (docs/DESIGN.md, known limits): ``run_twins`` with the one-launch op on
-    CUDA, eagerly, in a child process, so that a fault fails this test rather than ending the
-    run; with every random factor on, with groups left out only, and with none. On an H100
-    (2026-12-06) the runs with groups left out faulted in most runs, the run with none passed."""
+@pytest.mark.parametrize("seed, factors", [(0, "all"), (1, "all"), (0, "leave_out"),
+                                           (1, "leave_out"), (2, "leave_out")])
+def test_groups_left_out_eagerly_on_cuda_in_a_child_process(seed, factors):
+    """The fault of the kernel that resolved every group's rows in one grid (docs/DESIGN.md,
+    known limits): ``run_twins`` eagerly on CUDA with groups left out, alone and with every
+    other factor, each in a child process so that a fault fails this test rather than ending
+    the run. On an H100 (2026-12-06) that kernel faulted in most such runs; each group's resolve
+    as its own launch, in the same op call, ran clean."""
     flags = {name: factors == "all" or name == factors
              for name in ("leave_out", "membership", "random_accept")}
-    code = (f"import test_groups as t; "
-            f"t.run_twins('cuda', {seed}, t.mixed_config, one_launch=True, **{flags!r})")
+    code = f"import test_groups as t; t.run_twins('cuda', {seed}, t.mixed_config, **{flags!r})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -294,7 +276,4 @@ def test_groups_refuse_bad_lists_naming_the_argument(device):
 def test_groups_captured_graph_replays_equal_per_group_eager():
     """INT-3: one CUDA graph of the all-groups step, replayed with new selections and across
     membership changes, equals the per-group step run eagerly on a twin, bit for bit."""
-    def one_launch(driver):  # the one-launch op, captured and replayed
-        driver.batch.one_launch_groups = True
-    CapturedTwins(seed=9, fn=step_groups, eager_fn=step, prepare=one_launch).replay(
-        12, churn=(3, 8))
+    CapturedTwins(seed=9, fn=step_groups, eager_fn=step).replay(12, churn=(3, 8))

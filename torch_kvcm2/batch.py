@@ -91,7 +91,6 @@ class Batch:
         self.history, self.capacity, self.lease = step.history, step.capacity, step.lease
         self.written, self.advance_counters = step.written, step.advance_counters
         self.groups = step.groups
-        self._one_launch_groups = dev.type != "cuda"  # docs/DESIGN.md, known limits
         # what group() accepts, to the group's index: layer names, selection ids, indices
         self._group_index = {layer: spec.index for spec in config.selection_groups
                              for layer in spec.layers}
@@ -335,19 +334,13 @@ class Batch:
         resolved group (False: the caller fetches, per layer or per group, as after ``resolve``).
 
         The results are those of ``resolve(g, selected[g], fetch=fetch)`` for each group, bit for
-        bit. What it saves: on CUDA every group's resolve is one launch and every group's fetch
-        one more, so the groups' kernels run side by side rather than one after another, which
-        is most of a small batch's step (P-STEP-1); on the host one call instead of one per
-        group. It suits an engine that knows every group's selection before the step's
-        attention (an indexer computed up front, or a step replayed with the selections of the
-        last one); a model whose indexer runs layer by layer resolves per group as it goes.
-        From about 64 rows the per-group calls are faster on the GPU (P-STEP-1).
-
-        On CUDA the one-launch op is off by default (``one_launch_groups``): eagerly, on random
-        sequences with groups left out, it faults (an illegal or misaligned address) in most
-        runs, a defect not yet located (docs/DESIGN.md, "Known limits"). Until it is fixed,
-        this call resolves and fetches group by group on CUDA (the same results, one launch per
-        group and op)."""
+        bit. What it saves: on CUDA every group's resolve is launched back to back and every
+        group's fetch is one launch, so the groups' copies run side by side rather than one
+        group's after another's resolve, which is most of a small batch's step (P-STEP-1); on
+        the host one call instead of one per group. It suits an engine that knows every group's
+        selection before the step's attention (an indexer computed up front, or a step replayed
+        with the selections of the last one); a model whose indexer runs layer by layer
+        resolves per group as it goes (P-STEP-1 says which is faster at which batch size)."""
         step = self._step
         if not isinstance(selected, (list, tuple)) or len(selected) != len(step.groups):
             raise TypeError(f"Batch.resolve_groups: selected must be a list with one entry (a "
@@ -357,8 +350,7 @@ class Batch:
                                else ""))
         if fetch.__class__ is not bool:
             raise TypeError(f"Batch.resolve_groups: fetch must be True or False, got {fetch!r}")
-        if (self._one_launch_groups and not torch.compiler.is_compiling()
-                and not step.fetch_events and self._table.ready
+        if (not torch.compiler.is_compiling() and not step.fetch_events and self._table.ready
                 and all(t.__class__ is torch.Tensor and fits(t, shape, step.device)
                         for t, shape in zip(selected, step.selection_shapes))):
             step.resolve_groups_bound(list(selected), fetch)  # the bound arguments
@@ -377,26 +369,9 @@ class Batch:
             selections.append(sel)
             tables.append(table)
             out[state.spec.index] = table
-        if not self._one_launch_groups:  # group by group, every selection checked above
-            return [None if sel is None else self.resolve(g, sel, fetch=fetch)
-                    for g, sel in enumerate(selected)]
         if states:
             step.resolve_groups(states, selections, tables, fetch)
         return out
-
-    @property
-    def one_launch_groups(self) -> bool:
-        """Whether ``resolve_groups`` runs the one-launch op (``ops.resolve_groups``: on CUDA
-        one resolve launch and one fetch launch for every group) rather than one ``resolve``
-        per group. Default: True on the CPU, False on CUDA while the op's open defect stands
-        (docs/DESIGN.md, "Known limits"); settable, for benchmarks and the defect's tests."""
-        return self._one_launch_groups
-
-    @one_launch_groups.setter
-    def one_launch_groups(self, value: bool) -> None:
-        if value.__class__ is not bool:
-            raise TypeError(f"Batch.one_launch_groups must be True or False, got {value!r}")
-        self._one_launch_groups = value
 
     def fetch(self, *layers: str) -> None:
         """OP-FETCH: copy every unit missed by the group's last resolve into the cells of each

@@ -115,11 +115,10 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// `words` 4-byte words of `src` (a kernel parameter: one group's entry of a __grid_constant__
-// array) into shared memory at `dst`, by the CTA's threads (then __syncthreads). The kernels of
-// several groups read their group's parameters there: read in place, indexed by blockIdx.y
-// through the parameter's generic address, they faulted on a misaligned access (H100,
-// 2026-12-06, groups of different shapes).
+// `words` 4-byte words of `src` (a kernel parameter: one part's entry of a __grid_constant__
+// array) into shared memory at `dst`, by the CTA's threads (then __syncthreads). The fetch
+// kernels of several launch parts (fetch.cu) read each part's parameters there, at fixed
+// shared-memory addresses, rather than indexing the parameter array on every item.
 __device__ __forceinline__ void stage_words(void* dst, const void* src, int words) {
   for (int i = threadIdx.x; i < words; i += blockDim.x)
     static_cast<uint32_t*>(dst)[i] = static_cast<const uint32_t*>(src)[i];

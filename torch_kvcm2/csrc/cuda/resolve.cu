@@ -35,11 +35,14 @@
 //   write     the row's miss-list entries at a base reserved with one 64-bit atomic per CTA
 //             (reserve / publish_if_last: issued in the victims phase, consumed at the end to
 //             hide its latency; no memset before launch), then recency.
-// Scans run over blocked per-thread ranges of whole 4/8/16-byte chunks (load_chunk / store_chunk):
-// no bank conflicts. Every phase function is __forceinline__: one function, as if in one piece.
-// Compiled per table region (kGlobalTable: shared memory, or a global scratch for wide rows),
-// with and without OP-WRITE's outputs (kWrites), and as resolve_groups_kernel (every group of a
-// step in one launch); resolve_launch.cu sizes the layout and picks the instantiation.
+// Scans run over blocked per-thread ranges of whole 4/8/16-byte chunks (load_chunk /
+// store_chunk), so the sequential shared arrays are read without bank conflicts. Every phase
+// function is __forceinline__: the kernel compiles to one function, as if written in one piece.
+// It is compiled once per memory space of the table region (resolve_kernel<kGlobalTable, ...>):
+// in shared memory for every row that fits the shared layout, in a global scratch for wide rows
+// (multi-token selections); everything else is in shared memory in both. Each is compiled with
+// and without OP-WRITE's outputs (kWrites), written after the index phase. The host wrapper,
+// which sizes the layout and picks the instantiation (resolve_kernel_of), is resolve_launch.cu.
 #include <cuda_pipeline.h>
 
 #include <algorithm>
@@ -838,16 +841,16 @@ __device__ __forceinline__ void resolve_row(const ResolveParams& p, const Arrays
 // kWrites: the launch also writes OP-WRITE's outputs (p.write_table); a separate instantiation,
 // so that a resolve without them compiles with no trace of them (6,600 SASS instructions against
 // 6,608 before they existed, the parameter block aside).
-// Row r's CTA of group p: the body of both kernels below.
 template <bool kGlobalTable, bool kWrites>
-__device__ __forceinline__ void resolve_cta(const ResolveParams& p, int r) {
+__global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   KVCM2_PROF_BEGIN();
   unsigned char* const table =
-      kGlobalTable ? p.table_scratch + static_cast<size_t>(r) * p.L.table_bytes : smem;
+      kGlobalTable ? p.table_scratch + static_cast<size_t>(blockIdx.x) * p.L.table_bytes : smem;
   const Arrays A(smem, table, p.L);
   Row row;
-  row.r = r, row.S = p.S, row.K = p.K, row.bits = p.hash_bits;
+  row.r = blockIdx.x;
+  row.S = p.S, row.K = p.K, row.bits = p.hash_bits;
   preamble<kGlobalTable>(p, A, row);
   KVCM2_PROF(1);
   pdl_enter();
@@ -869,32 +872,11 @@ __device__ __forceinline__ void resolve_cta(const ResolveParams& p, int r) {
     resolve_row<false, kWrites>(p, A, row);
 }
 
-template <bool kGlobalTable, bool kWrites>
-__global__ __launch_bounds__(kResolveThreads, 1) void resolve_kernel(const ResolveParams p) {
-  resolve_cta<kGlobalTable, kWrites>(p, blockIdx.x);
-}
-
-// Every group of a step in one launch: CTA (x, y) is resolve_kernel's CTA x of group y alone,
-// reading its group's parameters from shared memory (stage_words).
-template <bool kGlobalTable, bool kWrites>
-__global__ __launch_bounds__(kResolveThreads, 1) void resolve_groups_kernel(
-    const __grid_constant__ ResolveGroupParams ps) {
-  __shared__ ResolveParams p;
-  stage_words(&p, &ps.group[blockIdx.y], sizeof(ResolveParams) / 4), __syncthreads();
-  if (static_cast<int32_t>(blockIdx.x) < p.rows) resolve_cta<kGlobalTable, kWrites>(p, blockIdx.x);
-  else pdl_enter();  // a group of fewer rows than the grid
-}
-
 }  // namespace
 
 ResolveKernel resolve_kernel_of(bool global_table, bool writes) {
   if (global_table) return writes ? resolve_kernel<true, true> : resolve_kernel<true, false>;
   return writes ? resolve_kernel<false, true> : resolve_kernel<false, false>;
-}
-
-ResolveGroupsKernel resolve_groups_kernel_of(bool global, bool writes) {
-  if (global) return writes ? resolve_groups_kernel<true, true> : resolve_groups_kernel<true, false>;
-  return writes ? resolve_groups_kernel<false, true> : resolve_groups_kernel<false, false>;
 }
 
 }  // namespace torch_kvcm2

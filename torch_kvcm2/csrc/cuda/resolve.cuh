@@ -82,9 +82,7 @@ struct ResolveLayout {
   }
 };
 
-// 16-byte aligned, so that every group's entry in ResolveGroupParams is: the compiler may load
-// neighbouring fields with vector loads, which fault at an 8-byte offset (resolve_groups_kernel).
-struct alignas(16) ResolveParams {
+struct ResolveParams {
   int32_t* resident;   // [leases, S]
   int32_t* recency;    // [leases, S]
   int32_t* index_table;  // [rows, K]
@@ -115,16 +113,6 @@ struct alignas(16) ResolveParams {
   // constant bank, so the kernel does not spend registers on 13 array addresses.
   ResolveLayout<uint32_t> L;
 };
-
-// The groups of one resolve_groups launch (resolve_groups_kernel): CTA (x, y) is row x of
-// group[y]. Kernel parameters of up to 32 KB need CUDA 12.1 and a Volta or newer device; more
-// groups than kMaxResolveGroups take several launches.
-constexpr int kMaxResolveGroups = 64;
-struct ResolveGroupParams {
-  ResolveParams group[kMaxResolveGroups];
-};
-static_assert(sizeof(ResolveGroupParams) <= 32000, "resolve_groups: parameters over 32 KB");
-static_assert(sizeof(ResolveParams) % 16 == 0, "resolve_groups: a group's parameters unaligned");
 
 constexpr int kResolveWarps = kResolveThreads / 32;
 constexpr unsigned kAll = 0xffffffffu;
@@ -528,9 +516,6 @@ struct Placement {
 // scratch or shared memory, with OP-WRITE's outputs or without.
 using ResolveKernel = void (*)(ResolveParams);
 ResolveKernel resolve_kernel_of(bool global_table, bool writes);
-// resolve_groups_kernel<kGlobalTable, kWrites> (resolve.cu): the same CTAs, every group at once.
-using ResolveGroupsKernel = void (*)(ResolveGroupParams);
-ResolveGroupsKernel resolve_groups_kernel_of(bool global_table, bool writes);
 
 // ---- phase timer (development builds with TORCH_KVCM2_DEV=profile only; nothing otherwise)
 // Thread 0 of each CTA stamps clock64() at the kernel's start (KVCM2_PROF_BEGIN), at the end of

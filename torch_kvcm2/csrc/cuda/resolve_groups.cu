@@ -1,7 +1,9 @@
 // CUDA part of resolve_groups (csrc/resolve_groups.cpp, which checks and registers it): every
-// group's resolve in one launch of resolve_groups_kernel (CTA (row, group)), then every group's
-// fetch in one launch per fetch kernel (launch_fetch_groups). Each CTA does exactly what it
-// does in the group's own launch, so the results are resolve_step's per group, bit for bit.
+// group's resolve launch (resolve_kernel, as the per-group op launches it), back to back, then
+// every group's fetch in one launch per fetch kernel (launch_fetch_groups), whose CTAs do what
+// they do in the group's own launch: the results are resolve_step's per group, bit for bit.
+// The resolves are not one launch: a kernel of every group's rows (grid rows x groups) faulted
+// (docs/DESIGN.md, "Known limits").
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -33,7 +35,7 @@ void run_groups_cuda(const GroupLists& a, const std::vector<StepGroup>& groups) 
                          s.tokens_per_unit});
   }
   const std::shared_ptr<const FetchPlan> fetch = plan_fetch_groups(fetches);  // its checks first
-  launch_resolve_groups(plans, stream);
+  for (const ResolvePlan& plan : plans) launch_resolve(plan, stream);
   launch_fetch_groups(*fetch, stream);
 }
 

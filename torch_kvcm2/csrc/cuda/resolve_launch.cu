@@ -1,7 +1,7 @@
 // Host wrapper of OP-RESOLVE's CUDA kernel (resolve.cu): the argument checks, the shared-memory
 // layout of a row (the hash size, a global table region for rows too wide for shared memory),
-// the choice of the kernel's instantiation and its launch, one CTA per row; and the launch of
-// several groups' plans at once (resolve_groups_kernel, grid rows x groups: steps.cuh).
+// the choice of the kernel's instantiation and its launch, one CTA per row, split into plan and
+// launch (steps.cuh).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -145,47 +145,7 @@ void launch_resolve(const ResolvePlan& plan, cudaStream_t stream) {
                 stream, plan.p);
 }
 
-void launch_resolve_groups(const std::vector<ResolvePlan>& plans, cudaStream_t stream) {
-  const int device = c10::cuda::current_device();
-  for (const ResolvePlan& plan : plans)  // no CTA publishes these counts
-    if (plan.rows == 0) C10_CUDA_CHECK(cudaMemsetAsync(plan.count, 0, sizeof(int32_t), stream));
-  // One launch per kernel instantiation among the plans (all alike in a batch's step) and per
-  // kMaxResolveGroups groups.
-  for (const bool global : {false, true}) {
-    for (const bool writes : {false, true}) {
-      ResolveGroupParams ps;
-      int n = 0;
-      int64_t rows = 0;
-      size_t smem = 0;
-      const ResolveGroupsKernel kernel = resolve_groups_kernel_of(global, writes);
-      auto launch = [&]() {
-        if (n == 0) return;
-        // the plans checked their layouts with resolve_kernel's static shared memory; this
-        // kernel's holds a group's parameters more
-        TORCH_CHECK(smem + static_smem(kernel_id(kernel), device) <=
-                        static_cast<size_t>(device_info(device).smem_optin),
-                    "resolve_groups: ", smem, " bytes of shared memory per row and ",
-                    static_smem(kernel_id(kernel), device), " of the kernel's own exceed the ",
-                    device_info(device).smem_optin, " the device allows; resolve per group");
-        allow_dynamic_smem(kernel_id(kernel), device, smem);
-        launch_kernel(kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(n)),
-                      dim3(kResolveThreads), smem, stream, ps);
-        n = 0, rows = 0, smem = 0;
-      };
-      for (const ResolvePlan& plan : plans) {
-        if (plan.rows == 0 || plan.global_table != global || plan.writes != writes) continue;
-        ps.group[n++] = plan.p;
-        rows = std::max(rows, plan.rows);
-        smem = std::max(smem, plan.smem);
-        if (n == kMaxResolveGroups) launch();
-      }
-      launch();
-    }
-  }
-}
-
 namespace {
-
 
 void resolve_cuda(const at::Tensor& resident, const at::Tensor& recency,
                   const at::Tensor& index_table, const at::Tensor& miss_list,

@@ -1,6 +1,7 @@
-// The host side of a step's launches split into plan and launch, so that one op call can launch
-// every selection group's resolve in one kernel and every group's fetch in one more
-// (resolve_groups: resolve_groups.cu). The per-group ops plan and launch one group the same way.
+// The host side of a step's launches split into plan and launch, so that one op call can plan
+// (and check) every selection group's resolve and fetch before it launches any: every group's
+// resolve, back to back, then every group's fetch in one launch (resolve_groups:
+// resolve_groups.cu). The per-group ops plan and launch one group the same way.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,9 +39,6 @@ ResolvePlan plan_resolve(const at::Tensor& resident, const at::Tensor& recency,
                          const std::optional<at::Tensor>& write_table,
                          const std::optional<at::Tensor>& write_start, int64_t sinks);
 void launch_resolve(const ResolvePlan& plan, cudaStream_t stream);
-// Every plan in one launch of resolve_groups_kernel (more when they differ in instantiation or
-// outnumber kMaxResolveGroups).
-void launch_resolve_groups(const std::vector<ResolvePlan>& plans, cudaStream_t stream);
 
 // One group's fetch: fetch's arguments (checked by the caller: check_fetch).
 struct FetchGroupArgs {
