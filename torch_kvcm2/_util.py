@@ -15,9 +15,48 @@ def cite(message: str) -> str:
 
 def refuse_during_capture(device: torch.device, what: str) -> None:
     """Host-side calls change tables a captured graph would silently bake in: refuse them while
-    the current CUDA stream is capturing (BAT-4, SAFE-3)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{what} is a host-side call and cannot run during CUDA stream capture")
+    the current CUDA stream is capturing (BAT-4, SAFE-3). Outside a capture, the releases that
+    met one run here (``outside_capture``)."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what} is a host-side call and cannot run during CUDA stream "
+                               f"capture")
+        if _deferred:
+            release_deferred()
+
+
+#: finalizer calls that met a CUDA stream capture, in order, with what they hold
+_deferred: list = []
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001 -- a finalizer at interpreter exit, or a lost context
+        return False
+
+
+def outside_capture(fn):
+    """``fn`` as a finalizer whose CUDA calls (an event's wait, host-memory unregistration) must
+    not run while a CUDA stream captures: garbage collection runs finalizers at any allocation,
+    so also inside a caller's ``torch.cuda.graph`` capture (torch no longer collects before
+    one), where such a call invalidates the caller's capture and fails itself. During a capture
+    on this thread the call is kept, and with it everything it holds (the memory it would
+    release stays mapped and registered), until ``release_deferred``: the next host-side call of
+    the library outside a capture (``refuse_during_capture``)."""
+    def run(*args):
+        if _capturing():
+            _deferred.append((fn, args))
+        else:
+            fn(*args)
+    return run
+
+
+def release_deferred() -> None:
+    """Make the finalizer calls that met a capture, unless one is still under way."""
+    while _deferred and not _capturing():
+        fn, args = _deferred.pop(0)
+        fn(*args)
 
 
 def check_int(name: str, value, minimum: int = 0) -> int:

@@ -34,6 +34,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ._util import outside_capture
+
 PAGE_SIZE = mmap.PAGESIZE
 #: Transparent huge page size (x86-64 and arm64 with 4 KiB base pages). The region is reserved
 #: aligned to it and asks for huge pages (MADV_HUGEPAGE): first touch then faults 2 MiB at a time
@@ -374,7 +376,7 @@ class HostRegion:
         # Without close(), the memory lives as long as any tensor viewing it (the buffer): when
         # the last one dies (garbage collection of the manager and everything it made), the
         # ranges are unregistered and the mapping goes. At exit the process's memory goes anyway.
-        weakref.finalize(buffer, self._mapping.unmap).atexit = False
+        weakref.finalize(buffer, outside_capture(self._mapping.unmap)).atexit = False
         self.tensor = torch.frombuffer(buffer, dtype=torch.uint8)
         self.huge_pages = huge_pages and self.ops.advise_huge(address, self.nbytes)
         self.committed_bytes = 0

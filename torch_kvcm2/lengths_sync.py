@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 import torch
 
+from ._util import outside_capture
 from .memory import ALLOCATED, CAPACITY, DECLARED, LEASE, WRITTEN
 from .rows import BEHIND
 from .telemetry import flushed_tokens
@@ -96,8 +97,8 @@ class LengthsSync:
         if self.cuda:
             with torch.cuda.device(self.source.device):
                 self.events = [torch.cuda.Event() for _ in self.buffers]
-            weakref.finalize(self, _release_ring, (snapshot, counter_snapshot), self.events,
-                             _index(self.source.device))
+            weakref.finalize(self, outside_capture(_release_ring), (snapshot, counter_snapshot),
+                             self.events, _index(self.source.device))
         self.queue: collections.deque = collections.deque()
         self.next = 0
         self.owed = False  # a flush to a tensor of targets ran since the last read-back

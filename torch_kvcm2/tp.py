@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from . import ops
+from ._util import outside_capture
 from .host_region import HUGE_PAGE, PAGE_SIZE, HostRegion, round_up
 
 #: The rank header's layout (mirrors csrc/rank_sync.h).
@@ -178,7 +179,8 @@ class HostGroup:
         else:
             self.header_device = self.header
         # a rank whose process exits (or drops its manager) without close() has left too
-        self._leave = weakref.finalize(self, _mark_left, self.header, header, self.rank)
+        self._leave = weakref.finalize(self, outside_capture(_mark_left), self.header, header,
+                                       self.rank)
         self.gen = torch.zeros(1, dtype=torch.int64, device=device)
         for t in (self.header_device, self.gen):
             torch._dynamo.mark_static_address(t, guard=True)
