@@ -203,7 +203,10 @@ class Model:
                 self.checked_tokens += len(idx)
 
     def check_host(self, cache):
-        """Every token of history reads back from its host page (SAFE-1)."""
+        """Every token of history reads back from its host page (SAFE-1), read by the host once
+        the device's work so far (the last flush's writes to those pages) is done."""
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize()
         storage = self.manager.storage
         t = torch.arange(cache.history_length)
         ids = self.history_ids(cache)

@@ -69,8 +69,17 @@ def prefill(manager, batch, cache, n):
     assert cache.resize(history=n)
 
 
+def settle(manager):
+    """The host waits for the device: a flush's writes to host pages (and a fetch's reads of
+    them) are complete before the host reads (or writes) those pages itself."""
+    if manager.config.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def host_tokens(manager, cache, positions) -> torch.Tensor:
-    """The bytes of tokens at ``positions`` on ``cache``'s host pages (through the public API)."""
+    """The bytes of tokens at ``positions`` on ``cache``'s host pages (through the public API),
+    once the device's work so far is done."""
+    settle(manager)
     pages = cache.host_pages("x", "kv")
     view = manager.buffer_view("x", "kv", device_side=False)
     t = torch.as_tensor(positions, dtype=torch.long)
@@ -182,6 +191,7 @@ def test_history_over_recycled_pages_needs_a_declaration(device):
     with pytest.raises(ValueError, match="SAFE-2"):
         fresh.resize(history=10)
     # a prefill that writes the pages through the public API, then declares them
+    settle(manager)  # the recycled pages: no kernel of the previous owner still reads them
     view = manager.buffer_view("x", "kv", device_side=False)
     index = torch.as_tensor(fresh.host_pages("x", "kv"))
     t = torch.arange(10)
