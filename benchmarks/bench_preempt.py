@@ -273,6 +273,10 @@ def bench_preempt(device, quick, ceil) -> list:
     d2h_us, h2d_us = statistics.median(down), statistics.median(up)
     base_us, during_us = statistics.median(base), statistics.median(during)
     ratio = max(during) / base_us
+    # where the slowest step fell (steps after the suspend; the resume is at steps // 2), and
+    # how far the slowest step without the preemption is from its own median (the jitter alone)
+    slowest = max(range(len(during)), key=during.__getitem__)
+    base_jitter = max(base) / base_us
     down_under = Clock.us(copy_marks["down"], copy_marks["down_end"])
     up_under = Clock.us(copy_marks["up"], copy_marks["up_end"])
     shape = f"{layer_count}L {V // 1024}K tokens {nbytes / 1e6:.0f} MB"
@@ -280,7 +284,8 @@ def bench_preempt(device, quick, ceil) -> list:
              "d2h_us": down, "h2d_us": up, "d2h_during_us": down_under, "h2d_during_us": up_under,
              "step_base_us": base, "step_during_us": during, "step_ratio_max": ratio,
              "host_waits": waits[0], "first_step_seated_at_once_us": seated_at_once,
-             "piece_bytes": sz["piece"], "pieces": pieces}
+             "piece_bytes": sz["piece"], "pieces": pieces, "slowest_step_after_suspend": slowest,
+             "step_base_ratio_max": base_jitter}
     note = (f"{R - 1} rows decode ({G} groups, {new} new units per row and group per step): step "
             f"{base_us:.0f} us median without, {during_us:.0f} us median / {max(during):.0f} us max "
             f"with the copies ({ratio:.2f}x); during the decode the copy to host took "
@@ -296,7 +301,9 @@ def bench_preempt(device, quick, ceil) -> list:
         Result("P-PREEMPT", f"{R - 1} rows' step during the copies", max(during),
                target="<= 1.1x step, 0 waits",
                passed=(ratio <= 1.1 and waits[0] == 0) if cuda else None,
-               extra={"note": f"max step during / median step without: {ratio:.2f}x; "
+               extra={"note": f"max step during / median step without: {ratio:.2f}x (the slowest "
+                              f"{slowest} steps after the suspend, the resume {steps // 2} after it; "
+                              f"without the preemption max / median {base_jitter:.2f}x); "
                               f"host waits {waits[0]}"}),
     ]
     for cache in others + [victim]:

@@ -697,10 +697,14 @@ std::shared_ptr<const FetchPlan> plan_fetch_groups(const std::vector<FetchGroupA
   return plan;
 }
 
-void launch_fetch_groups(const FetchPlan& plan, cudaStream_t stream) {
+void launch_fetch_groups(const FetchPlan& plan, cudaStream_t stream, bool apart) {
   const std::vector<FetchParams>& parts = plan.parts;
   if (parts.empty()) return;
   const int device = c10::cuda::current_device();
+  if (apart) {
+    for (const FetchParams& p : parts) launch_part(p, device, stream);
+    return;
+  }
 #ifdef KVCM2_DEV
   // The development variants (bulk copies, other loop widths, sorted or whole-line warps) run
   // part by part, as the per-group op does.

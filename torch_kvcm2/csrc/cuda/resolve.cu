@@ -174,7 +174,10 @@ __device__ __forceinline__ bool adopt_verified(const ResolveParams& p, Row& row)
 __device__ __forceinline__ bool load_rows(const ResolveParams& p, const Arrays& A, Row& row,
                                           bool& use_direct) {
   const int tid = threadIdx.x, S = row.S;
-  if (is_hole(p, row.l) && !adopt_verified(p, row)) return false;
+  // An early hole is decided by the whole CTA: the early values may differ between threads (a
+  // lease published while they were read), and a thread that left as a hole would miss the
+  // barriers the others reach. Any thread's early hole sends every thread to the verified values.
+  if (__syncthreads_or(is_hole(p, row.l)) && !adopt_verified(p, row)) return false;
   KVCM2_PROF(3);
   const bool sel_aligned = (reinterpret_cast<uintptr_t>(row.sel_row) & 15) == 0;
 #pragma unroll 1

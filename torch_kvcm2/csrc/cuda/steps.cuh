@@ -54,6 +54,7 @@ struct FetchPlan;
 std::shared_ptr<const FetchPlan> plan_fetch_groups(const std::vector<FetchGroupArgs>& groups);
 // The plan in one launch per kernel (the vector sweep, one warp per miss) and per
 // kMaxFetchGroups parts.
-void launch_fetch_groups(const FetchPlan& plan, cudaStream_t stream);
+// `apart`: one launch per part instead (as the per-group op launches them), for large steps.
+void launch_fetch_groups(const FetchPlan& plan, cudaStream_t stream, bool apart);
 
 }  // namespace torch_kvcm2
