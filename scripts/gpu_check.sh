@@ -11,6 +11,9 @@
 # Production build:
 #   TESTS=0 skips the CUDA tests and the examples (a benchmark-only call on unchanged code);
 #   TEST_RUNS=N runs the CUDA suite N times in a row (tests_cuda_1.log ...; default 1);
+#   SHARDS=N runs each suite run as N pytest processes side by side, the test files dealt out
+#   round robin (tests_cuda_1_shard1.log ...): about N times faster on the GPU machine's cores,
+#   and a second process on the GPU shows host reads that do not wait for the device;
 #   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
 #   reduce-overhead, --graph; shared_prefix.py; serve.py eager and --graph --delays).
 #   SERVE=1 runs benchmarks/serve.py (P-SERVE: serve.txt, serve.json, serve.png).
@@ -69,6 +72,21 @@ python3 -c "import torch_kvcm2 as k; assert k.has_cuda_kernels(), 'no CUDA kerne
   || { echo "production build names development knobs"; exit 1; }
 if [ "${TESTS:-1}" = 1 ]; then
   for run in $(seq 1 "${TEST_RUNS:-1}"); do
+    if [ "${SHARDS:-1}" -gt 1 ]; then
+      files=(tests/test_*.py)
+      for k in $(seq 1 "$SHARDS"); do
+        shard=()
+        for i in "${!files[@]}"; do [ $(( i % SHARDS + 1 )) = "$k" ] && shard+=("${files[$i]}"); done
+        python3 -m pytest -q -p no:cacheprovider -m cuda "${shard[@]}" "$@" \
+          > "$OUT/tests_cuda_${run}_shard$k.log" 2>&1 &
+      done
+      wait
+      for k in $(seq 1 "$SHARDS"); do
+        grep -E "^(FAILED|ERROR)" "$OUT/tests_cuda_${run}_shard$k.log" | head -20
+        echo "cuda tests, run $run, shard $k: $(tail -1 "$OUT/tests_cuda_${run}_shard$k.log")" | tee -a "$OUT/gpu.txt"
+      done
+      continue
+    fi
     python3 -m pytest -q -p no:cacheprovider -m cuda tests "$@" 2>&1 | tee "$OUT/tests_cuda_$run.log" | tail -25
     echo "cuda tests, run $run: ${PIPESTATUS[0]} ($(tail -1 "$OUT/tests_cuda_$run.log"))" | tee -a "$OUT/gpu.txt"
   done
