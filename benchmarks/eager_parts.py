@@ -9,9 +9,11 @@ step (captured as one CUDA graph and replayed with ``record_advance``, timed wit
 not on the CPU) against the eager wall time, then the median host time of each call a step
 makes and reference costs of that host (``x.add_(1)``, a bare launch through
 ``torch.cuda._sleep``). ``--profile`` adds a torch.profiler table of 20 eager steps (CUPTI's
-overhead included).
+overhead included); ``--rows N`` runs N rows instead of P-STEP-WALL's 64 (its 1- and 8-row
+steps are where the eager step is host-bound). The calls include ``resolve_groups``, every group
+in one call, which P-STEP-1's eager step makes instead of the per-group resolves.
 
-    python benchmarks/eager_parts.py [cpu] [--profile]
+    python benchmarks/eager_parts.py [cpu] [--profile] [--rows N]
 
 Checks: the first step misses every selected unit and fetches its host bytes, every later step
 hits every one of them and misses none, the index and write tables hold valid entries (before
@@ -43,6 +45,8 @@ def counts(batch) -> list:
 def main() -> None:
     device = "cpu" if "cpu" in sys.argv[1:] or not torch.cuda.is_available() else "cuda"
     sz = step_sizes(device == "cpu")
+    if "--rows" in sys.argv[1:]:
+        sz["rows"] = int(sys.argv[sys.argv.index("--rows") + 1])
     R, K, H = sz["rows"], sz["K"], sz["history"]
     G = len(sz["groups"])
     # every step advances every row by one token: the reserve's top-ups at the publishes keep
@@ -131,6 +135,9 @@ def main() -> None:
         ("Batch.publish() (nothing changed)", batch.publish),
         ("Batch.resolve(0, sel, fetch=True)", lambda: batch.resolve(0, sel[0], fetch=True)),
         ("Batch.resolve(0, sel)", lambda: batch.resolve(0, sel[0])),
+        (f"Batch.resolve_groups({G} groups, fetch=True)",
+         lambda: batch.resolve_groups(sel, fetch=True)),
+        (f"Batch.resolve_groups({G} groups)", lambda: batch.resolve_groups(sel, fetch=False)),
         (f"Batch.fetch({len(layers)} layers)", lambda: batch.fetch(*layers)),
         ("Batch.write_indices(0) (after resolve)", lambda: batch.write_indices(0)),
         ("Batch.flush(targets)", lambda: batch.flush(targets)),

@@ -108,7 +108,9 @@ def test_eager_parts_runs_its_checks_and_prints_every_part():
     assert sum(line.startswith("step [eager] host ") for line in lines) == 10
     assert any(line.startswith("step ops alone") for line in lines)
     for part in ("x.add_(1)", "Batch.publish() (nothing changed)",
-                 "Batch.resolve(0, sel, fetch=True)", "Batch.resolve(0, sel)", "Batch.fetch(",
+                 "Batch.resolve(0, sel, fetch=True)", "Batch.resolve(0, sel)",
+                 "Batch.resolve_groups(3 groups, fetch=True)", "Batch.resolve_groups(3 groups)",
+                 "Batch.fetch(",
                  "Batch.write_indices(0)", "Batch.flush(targets)", "Batch.advance(zeros)"):
         assert any(line.startswith(part) and line.endswith(" us") for line in lines), part
 
