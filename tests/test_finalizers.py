@@ -13,6 +13,7 @@ from torch_kvcm2 import _util
 
 
 def test_a_release_during_a_capture_waits_for_the_next_call_outside_one(monkeypatch):
+    monkeypatch.setattr(_util, "_deferred", [])  # none left by other tests
     calls = []
     release = _util.outside_capture(lambda *args: calls.append(args))
     monkeypatch.setattr(_util, "_capturing", lambda: True)
@@ -44,15 +45,20 @@ def test_a_batch_collected_inside_a_capture_leaves_the_capture_valid():
     capture ends and replays; their releases run at the next Batch(), whose own read-back ring
     then registers (a release that had failed would have left the old ring's range registered
     after its memory went: 'already mapped')."""
+    _util.release_deferred()  # none left by other tests
     manager, batch = make_batch("cuda")
     batch.cycle = (batch, manager)  # only the cyclic collector frees them
     del manager, batch
     x = torch.zeros(4, device="cuda")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        x.add_(1)
-        gc.collect()  # the batch's ring and the manager's host region are released here
-        x.add_(1)
+    gc.disable()  # no collection before the capture's
+    try:
+        with torch.cuda.graph(graph):
+            x.add_(1)
+            gc.collect()  # the batch's ring and the manager's host region are released here
+            x.add_(1)
+    finally:
+        gc.enable()
     assert len(_util._deferred) >= 1  # they wait, holding their memory
     graph.replay()
     torch.cuda.synchronize()
