@@ -701,19 +701,16 @@ void launch_fetch_groups(const FetchPlan& plan, cudaStream_t stream, bool apart)
   const std::vector<FetchParams>& parts = plan.parts;
   if (parts.empty()) return;
   const int device = c10::cuda::current_device();
+#ifdef KVCM2_DEV
+  // The development variants (bulk copies, other loop widths, sorted or whole-line warps) run
+  // part by part, as the per-group op does.
+  apart = apart || tuning().fetch_tma != 0 || tuning().fetch_ilp != kFetchIlp ||
+          tuning().fetch_lines || tuning().fetch_warp == 2;
+#endif
   if (apart) {
     for (const FetchParams& p : parts) launch_part(p, device, stream);
     return;
   }
-#ifdef KVCM2_DEV
-  // The development variants (bulk copies, other loop widths, sorted or whole-line warps) run
-  // part by part, as the per-group op does.
-  if (tuning().fetch_tma != 0 || tuning().fetch_ilp != kFetchIlp || tuning().fetch_lines ||
-      tuning().fetch_warp == 2) {
-    for (const FetchParams& p : parts) launch_part(p, device, stream);
-    return;
-  }
-#endif
   // One launch per kernel and per kMaxFetchGroups parts, on the kernel's fixed grid.
   for (const bool sweep : {true, false}) {
     const void* kernel = sweep ? kernel_id(fetch_groups_kernel<kFetchIlp>)
