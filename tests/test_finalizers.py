@@ -45,7 +45,8 @@ def test_a_batch_collected_inside_a_capture_leaves_the_capture_valid():
     capture ends and replays; their releases run at the next Batch(), whose own read-back ring
     then registers (a release that had failed would have left the old ring's range registered
     after its memory went: 'already mapped')."""
-    _util.release_deferred()  # none left by other tests
+    gc.collect()  # other tests' garbage (their CUDA graphs, whose release a capture refuses)
+    _util.release_deferred()  # and their deferred releases: none left
     manager, batch = make_batch("cuda")
     batch.cycle = (batch, manager)  # only the cyclic collector frees them
     del manager, batch
