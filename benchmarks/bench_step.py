@@ -24,7 +24,7 @@ def run_step(timer, device, quick, groups, seed, rows=None, modes=("layer", "non
     token in flight per row). The other modes time the same step with one fetch launch per layer
     ("layer"), without any fetch ("none": what the step spends outside fetch), and with every
     group resolved and fetched in one call ("all": ``Batch.resolve_groups``, every group's
-    resolve launched back to back, then one fetch launch for all groups). For each mode in ``checked`` (cells zeroed before a
+    resolve launched side by side on side streams, then one fetch launch for all groups). For each mode in ``checked`` (cells zeroed before a
     last replay): every group's counters and index table, and on sampled layers every selected
     unit's bytes and the flushed token. Returns ``us`` (the first checked mode) and
     ``<mode>_us`` per mode."""

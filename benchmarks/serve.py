@@ -648,16 +648,38 @@ def run_context(shape: Shape, device: str, context: int, progress) -> list:
     return results
 
 
+def check_gpu_fits(shapes: list, device: str) -> None:
+    """Refuse, before any run, a shape whose KV budget and stand-in weights (``Side``'s, at its
+    ``max_concurrency``) exceed the GPU's free memory: the defaults are an H200's (about 83 GB
+    for the full model's run); a smaller GPU needs a smaller ``--gpu-kv-gb``, or
+    ``--low-layers 0`` to leave that run out."""
+    if device != "cuda":
+        return
+    free = torch.cuda.mem_get_info()[0]
+    for sh in shapes:
+        kv_bytes = sh.gpu_kv_gb * 1e9 * sh.scale
+        weights = sh.layers * sh.weight_bytes(sh.max_concurrency)
+        if kv_bytes + weights > 0.95 * free:  # the rest: activations and the allocator's slack
+            raise SystemExit(
+                f"serve.py: {sh.layers} layers need {(kv_bytes + weights) / 1e9:.1f} GB of GPU "
+                f"memory (KV budget {kv_bytes / 1e9:.1f} GB, stand-in weights "
+                f"{weights / 1e9:.1f} GB) and {torch.cuda.get_device_name()} has "
+                f"{free / 1e9:.1f} GB free: lower --gpu-kv-gb"
+                + (", or leave the full model's run out with --low-layers 0"
+                   if sh.layers == sh.model_layers else ""))
+
+
 def sweep(shape: Shape, device: str, contexts: list, low_layers: int, progress) -> list:
     """Every context's levels: the sweep at ``shape.layers`` and, when ``low_layers`` differs,
     concurrency 1 and 2 again with that many layers (the full model: its budgets, weights and
     per-step host costs as they are, not scaled)."""
+    low = replace(shape, layers=low_layers, max_concurrency=2)
+    check_gpu_fits([shape] + ([low] if low_layers and low_layers != shape.layers else []), device)
     levels = []
     for context in contexts:
         levels += run_context(shape, device, context, progress)
         if low_layers and low_layers != shape.layers:
-            levels += run_context(replace(shape, layers=low_layers, max_concurrency=2), device,
-                                  context, progress)
+            levels += run_context(low, device, context, progress)
     return levels
 
 

@@ -58,3 +58,19 @@ def test_serve_bad_flag_is_a_usage_error(serve, capsys):
     with pytest.raises(SystemExit) as exit_:
         serve.main(["--locality", "1.5"])
     assert exit_.value.code == 2 and "--locality" in capsys.readouterr().err
+
+
+def test_a_shape_the_gpu_cannot_hold_is_refused_before_any_run(serve, monkeypatch):
+    """The defaults' full-model run (KV budget 45 GB and 61 layers of stand-in weights, about
+    83 GB) on a GPU with 78 GB free: refused up front, naming what to lower; the sweep's
+    4-layer shape fits."""
+    free = 78 * 10 ** 9
+    monkeypatch.setattr(serve.torch.cuda, "mem_get_info", lambda *a: (free, free))
+    monkeypatch.setattr(serve.torch.cuda, "get_device_name", lambda *a: "a 78 GB GPU")
+    shape = serve.Shape(layers=4)  # the sweep's default
+    full = serve.replace(shape, layers=shape.model_layers, max_concurrency=2)
+    serve.check_gpu_fits([shape], "cuda")  # fits: returns
+    with pytest.raises(SystemExit, match=r"61 layers need 8\d\.\d GB .* lower --gpu-kv-gb, or "
+                                         r"leave the full model's run out with --low-layers 0"):
+        serve.check_gpu_fits([shape, full], "cuda")
+    serve.check_gpu_fits([serve.replace(full, gpu_kv_gb=30.0)], "cuda")

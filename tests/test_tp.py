@@ -629,8 +629,19 @@ def shm_leftovers():
     return {n for n in os.listdir("/dev/shm") if n.startswith("torch_kvcm2-")}
 
 
-@pytest.mark.parametrize("world, split", [(2, "layer"), (4, "layer"), (2, "pool_group")])
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+#: (world, split, device) of the decode scenario. Four ranks run on the CPU only: on CUDA their
+#: three waiting ranks trap at once on the one GPU the tests share, and the driver leaves one
+#: such process in its synchronize (scripts/trap_repro.py, without the library's TP code: one
+#: of 2, 3 and 4 processes hung on an H100; docs/DESIGN.md, Known limits). The 2-rank CUDA runs
+#: cover TP-4 with one waiting rank.
+DECODE_PARAMS = [pytest.param(world, split, *dev.values, id=f"{dev.id}-{world}-{split}",
+                              marks=dev.marks)
+                 for dev in DEVICE_PARAMS
+                 for world, split in [(2, "layer"), (4, "layer"), (2, "pool_group")]
+                 if dev.values[0] == "cpu" or world == 2]
+
+
+@pytest.mark.parametrize("world, split, device", DECODE_PARAMS)
 def test_shared_pool_decode(tmp_path, world, split, device):
     """TP-1..4 in one run: a randomised decode run read back bit-exactly by every rank, host
     bytes per node those of one rank, a divergence caught, a rank that leaves reported."""

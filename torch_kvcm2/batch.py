@@ -334,10 +334,12 @@ class Batch:
         resolved group (False: the caller fetches, per layer or per group, as after ``resolve``).
 
         The results are those of ``resolve(g, selected[g], fetch=fetch)`` for each group, bit for
-        bit. What it saves: on CUDA every group's resolve is launched back to back and every
-        group's fetch is one launch (part by part from 32 rows), so the groups' copies run side
-        by side rather than one group's after another's resolve, which is most of a small
-        batch's step (P-STEP-1); on the host one call instead of one per group. It suits an engine that knows every group's
+        bit. What it saves: on CUDA the groups' resolves run side by side (each its own launch,
+        on the current stream and the library's side streams forked from it and joined back)
+        and every group's fetch is one launch (part by part from 32 rows), so the groups' copies
+        run side by side rather than one group's after another's resolve, which is most of a
+        small batch's step (P-STEP-1); on the host one call instead of one per group. It suits
+        an engine that knows every group's
         selection before the step's attention (an indexer computed up front, or a step replayed
         with the selections of the last one); a model whose indexer runs layer by layer
         resolves per group as it goes (P-STEP-1 says which is faster at which batch size)."""

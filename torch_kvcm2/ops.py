@@ -242,9 +242,10 @@ def resolve_groups(
     ``pos`` with ``page_tables[j]`` for ``buffer_params[3b:3b+3]`` = (i, pos, j): each pool and
     page table is passed once, however many buffers use it. The groups must share no tensor they
     mutate. Bit for bit the results of ``resolve_step`` per group; every argument is checked
-    before any part runs. On CUDA every group's resolve is launched back to back and every
-    group's fetch is one launch (part by part from 32 rows), so a step's copies run side by side
-    instead of one group's after another's resolve (P-STEP-1).
+    before any part runs. On CUDA the groups' resolves run side by side (each its own launch, on
+    the current stream and side streams forked from it and joined back) and every group's fetch
+    is one launch (part by part from 32 rows), so a step's copies run side by side instead of
+    one group's after another's resolve (P-STEP-1).
     """
     _ops.resolve_groups(
         list(resident), list(recency), list(index_table), list(miss_list), list(miss_count),

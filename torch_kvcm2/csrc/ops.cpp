@@ -61,8 +61,8 @@ TORCH_LIBRARY(torch_kvcm2, m) {
   // group order, each cell b with buffer_params[3b .. 3b+2] = (index into host_pools, position in
   // a slot, index into page_tables) -- the pools and page tables once each, not once per buffer
   // (every tensor of a list costs the eager call its parsing). The groups share no mutated
-  // tensor; on CUDA every group's resolve is launched back to back and every group's fetch is one
-  // launch (csrc/resolve_groups.cpp).
+  // tensor; on CUDA the groups' resolve launches run side by side on forked side streams and
+  // every group's fetch is one launch (csrc/resolve_groups.cpp).
   m.def(
       "resolve_groups(Tensor(a!)[] resident, Tensor(b!)[] recency, Tensor(c!)[] index_table, "
       "Tensor(d!)[] miss_list, Tensor(e!)[] miss_count, Tensor(f!)[] counters, "

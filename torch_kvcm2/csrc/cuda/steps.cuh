@@ -1,7 +1,8 @@
 // The host side of a step's launches split into plan and launch, so that one op call can plan
 // (and check) every selection group's resolve and fetch before it launches any: every group's
-// resolve, back to back, then every group's fetch in one launch, part by part for large steps
-// (resolve_groups: resolve_groups.cu). The per-group ops plan and launch one group the same way.
+// resolve, side by side on side streams, then every group's fetch in one launch, part by part
+// for large steps (resolve_groups: resolve_groups.cu). The per-group ops plan and launch one
+// group the same way.
 #pragma once
 
 #include <ATen/core/Tensor.h>
