@@ -1,8 +1,9 @@
 """Several processes on one GPU whose kernels trap at about the same time: does every process's
-``torch.cuda.synchronize()`` return the error? A check of the CUDA driver, outside the library's
-TP code: each process runs only ``rank_wait`` on a device-memory header of its own (nothing
-shared, nothing host-mapped), whose wait gives up and traps, as a TP rank's does when a peer
-leaves (docs/TP.md, TP-4). docs/DESIGN.md's Known limits cites its result.
+``torch.cuda.synchronize()`` return the error? A check of the CUDA driver with nothing of the TP
+path but its wait kernel: each process runs only ``rank_wait`` on a device-memory header of its
+own (nothing shared between the processes, nothing host-mapped), whose wait gives up and traps,
+as a TP rank's does when a peer leaves (docs/TP.md, TP-4). docs/DESIGN.md's Known limits cites
+its result.
 
     python scripts/trap_repro.py [--procs 2,3,4] [--mode left|timeout] [--deadline 60] [--device cpu]
 
@@ -44,7 +45,8 @@ def run(procs: int, mode: str, device: str, deadline: float) -> bool:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()  # put writes at once: a worker leaves by os._exit right after
     start_at = time.time() + 8.0  # after every process has made its context
-    workers = [ctx.Process(target=worker, args=(mode, device, start_at, queue)) for _ in range(procs)]
+    workers = [ctx.Process(target=worker, args=(mode, device, start_at, queue))
+               for _ in range(procs)]
     for w in workers:
         w.start()
     results = []

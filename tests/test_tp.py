@@ -631,8 +631,8 @@ def shm_leftovers():
 
 #: (world, split, device) of the decode scenario. Four ranks run on the CPU only: on CUDA their
 #: three waiting ranks trap at once on the one GPU the tests share, and the driver leaves one
-#: such process in its synchronize (scripts/trap_repro.py, without the library's TP code: one
-#: of 2, 3 and 4 processes hung on an H100; docs/DESIGN.md, Known limits). The 2-rank CUDA runs
+#: such process in its synchronize (scripts/trap_repro.py, with only the wait kernel: one of 2,
+#: 3 and 4 processes hung on an H100; docs/DESIGN.md, Known limits). The 2-rank CUDA runs
 #: cover TP-4 with one waiting rank.
 DECODE_PARAMS = [pytest.param(world, split, *dev.values, id=f"{dev.id}-{world}-{split}",
                               marks=dev.marks)
