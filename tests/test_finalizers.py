@@ -69,3 +69,22 @@ def test_a_batch_collected_inside_a_capture_leaves_the_capture_valid():
         assert _util._deferred == []
         batch.close()
         manager.close()
+
+
+def test_a_deferred_release_that_raises_is_reported_and_the_rest_still_run(monkeypatch):
+    """The host call that releases the deferred calls is not the one that failed: a raising
+    release goes to ``sys.excepthook`` (as a finalizer's error does) and the next one runs."""
+    monkeypatch.setattr(_util, "_deferred", [])
+    calls, reported = [], []
+
+    def broken():
+        raise OSError("unregister failed")
+
+    monkeypatch.setattr(_util, "_capturing", lambda: True)
+    _util.outside_capture(broken)()
+    _util.outside_capture(lambda: calls.append("after"))()
+    monkeypatch.setattr(_util, "_capturing", lambda: False)
+    monkeypatch.setattr(_util.sys, "excepthook", lambda *info: reported.append(info[1]))
+    _util.release_deferred()  # does not raise
+    assert calls == ["after"] and _util._deferred == []
+    assert len(reported) == 1 and str(reported[0]) == "unregister failed"

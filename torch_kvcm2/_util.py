@@ -1,6 +1,8 @@
 """Small helpers shared by the host-side objects."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 #: where the requirement ids that messages cite (``CFG-1``, ``STO-4``, ...) are defined
@@ -53,10 +55,15 @@ def outside_capture(fn):
 
 
 def release_deferred() -> None:
-    """Make the finalizer calls that met a capture, unless one is still under way."""
+    """Make the finalizer calls that met a capture, unless one is still under way. One that
+    raises is reported as a finalizer's error is (``sys.excepthook``) and the rest still run:
+    the host call that happens to release them is not the one that failed."""
     while _deferred and not _capturing():
         fn, args = _deferred.pop(0)
-        fn(*args)
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 -- as weakref.finalize reports its callback's errors
+            sys.excepthook(*sys.exc_info())
 
 
 def check_int(name: str, value, minimum: int = 0) -> int:
