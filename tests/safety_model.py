@@ -202,11 +202,15 @@ class Model:
                 assert torch.equal(got, self.content(key, t, ids, nbytes)), (layer, role)
                 self.checked_tokens += len(idx)
 
-    def check_host(self, cache):
-        """Every token of history reads back from its host page (SAFE-1), read by the host once
-        the device's work so far (the last flush's writes to those pages) is done."""
+    def settle(self):
+        """The host waits for the device's work so far (the last flush's writes to host pages)
+        before it reads those pages itself."""
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize()
+
+    def check_host(self, cache):
+        """Every token of history reads back from its host page (SAFE-1), once settled."""
+        self.settle()
         storage = self.manager.storage
         t = torch.arange(cache.history_length)
         ids = self.history_ids(cache)

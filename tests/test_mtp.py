@@ -604,10 +604,8 @@ class SpeculativeModel(Model):
                     self.checked_tokens += len(idx)
 
     def check_host(self, cache):
-        """Every token of history reads back from its host page, read by the host once the
-        device's work so far (the last flush's writes to those pages) is done."""
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize()
+        """Every token of history reads back from its host page, once settled."""
+        self.settle()
         storage = self.manager.storage
         t = torch.arange(cache.history_length)
         for layer, role, key, _, nbytes in self.buffers:

@@ -339,10 +339,10 @@ class Batch:
         and every group's fetch is one launch (part by part from 32 rows), so the groups' copies
         run side by side rather than one group's after another's resolve, which is most of a
         small batch's step (P-STEP-1); on the host one call instead of one per group. It suits
-        an engine that knows every group's
-        selection before the step's attention (an indexer computed up front, or a step replayed
-        with the selections of the last one); a model whose indexer runs layer by layer
-        resolves per group as it goes (P-STEP-1 says which is faster at which batch size)."""
+        an engine that knows every group's selection before the step's attention (an indexer
+        computed up front, or a step replayed with the selections of the last one); a model
+        whose indexer runs layer by layer resolves per group as it goes (P-STEP-1 says which is
+        faster at which batch size)."""
         step = self._step
         if not isinstance(selected, (list, tuple)) or len(selected) != len(step.groups):
             raise TypeError(f"Batch.resolve_groups: selected must be a list with one entry (a "

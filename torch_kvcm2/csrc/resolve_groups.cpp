@@ -3,9 +3,9 @@
 // between them is free: on CPU every group's resolve, then every group's fetch, through the
 // dispatcher like resolve_step; on CUDA (cuda/resolve_groups.cu) every group's resolve launch,
 // side by side on side streams forked from the current one and joined back, then every group's
-// fetch as one launch. Both backends register the one wrapper
-// below. What it saves: the host's calls per group, and on the GPU a fetch launch per group
-// after each resolve, which is most of a small batch's step (benchmarks/NOTES.md, P-STEP-1).
+// fetch as one launch. Both backends register the one wrapper below. What it saves: the host's
+// calls per group, and on the GPU the groups' resolves and fetches one after another, which is
+// most of a small batch's step (benchmarks/NOTES.md, P-STEP-1).
 #include <ATen/core/Tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
