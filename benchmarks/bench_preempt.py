@@ -302,7 +302,8 @@ def bench_preempt(device, quick, ceil) -> list:
                target="<= 1.1x step, 0 waits",
                passed=(ratio <= 1.1 and waits[0] == 0) if cuda else None,
                extra={"note": f"max step during / median step without: {ratio:.2f}x (the slowest "
-                              f"{slowest} steps after the suspend, the resume {steps // 2} after it; "
+                              f"at step {slowest} after the suspend, the resume at step "
+                              f"{steps // 2}; "
                               f"without the preemption max / median {base_jitter:.2f}x); "
                               f"host waits {waits[0]}"}),
     ]
