@@ -17,6 +17,9 @@ import torch
 import torch_kvcm2
 
 sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import reference`
+# and the fake serving engine of the examples (examples/engine.py): `import engine`
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
 
 
 def cuda_available() -> bool:

@@ -129,7 +129,9 @@ class Driver:
         return selected, new_tokens
 
     def advance(self):
-        """After a step: history takes the new token, capacity makes room for the next."""
+        """After a step: the host reads the device's lengths back (the step's poll), history
+        takes the new token, capacity makes room for the next."""
+        self.batch.poll()
         for cache in self.caches:
             assert cache.resize(history=cache.capacity)
             assert cache.resize(capacity=cache.capacity + 1)

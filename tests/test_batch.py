@@ -464,8 +464,8 @@ def test_finish_step_is_flush_to_the_accepted_tokens_then_advance(device):
             else:
                 batch.flush(batch.history + accepted)
                 batch.advance(accepted)
-        one.batch.catch_up()
-        split.batch.catch_up()
+        one.batch.poll()
+        split.batch.poll()
         split.batch._step.step_targets.copy_(one.batch._step.step_targets)  # finish_step's own
         assert_same_state(one.batch, split.batch)
         assert [(c.history_length, c.capacity, c.written) for c in one.caches] == \

@@ -108,7 +108,7 @@ def test_finish_step_compiles_fullgraph_and_equals_eager():
             fn[id(driver)](driver.batch, selected, new_tokens, accepted)
             if driver is compiled:
                 driver.batch.record_advance()  # the compiled call queues no read-back
-            driver.batch.catch_up()
+            driver.batch.poll()
     for x, y in zip(eager.batch.state_tensors(), compiled.batch.state_tensors()):
         assert torch.equal(x, y)
     assert [c.history_length for c in eager.caches] == [c.history_length for c in compiled.caches]

@@ -1,4 +1,4 @@
-"""Engine days (ENG-1..3): the fake engine of torch_kvcm2.engine drives one manager and one batch
+"""Engine days (ENG-1..3): the fake engine of examples/engine.py drives one manager and one batch
 through arrivals, chunked prefills, speculative decoding, shared system prompts, continuations,
 preemptions, aborts and finishes; every decode step checks what attention read, every finished
 request's history is checked bit for bit, and after the drain nothing is leaked (the engine
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from torch_kvcm2.engine import DELAY_OPS, Workload, run_day
+from engine import DELAY_OPS, Workload, run_day  # examples/engine.py (conftest puts examples/ on the path)
 
 DAYS = [  # (id, knobs): every knob on in some day
     ("closed-default", dict(seed=1, steps=600)),

@@ -455,7 +455,7 @@ def test_advance_replays_in_a_cuda_graph():
             # capture does not run the ops: the lengths are as before
             assert torch.equal(batch.history, saved[0]) and torch.equal(batch.written, saved[2])
         for _ in range(12):
-            batch.catch_up()  # wait for the read-back, so both runs re-take reserves alike
+            batch.poll()  # wait for the read-back, so both runs re-take reserves alike
             batch.publish()
             if captured:
                 graph.replay()
@@ -496,7 +496,7 @@ def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting(window_l
     assert (batch.history.numpy() == np.arange(8) + steps).all()
     for event in late:
         event.done = True
-    batch.catch_up()
+    batch.poll()
     assert [c.history_length for c in caches] == [row + steps for row in range(8)]
     assert_tables_match(batch)
     if window_layer:  # pages behind each row's window were released along the way
@@ -602,7 +602,7 @@ def test_flush_to_a_tensor_records_exactly_what_it_wrote(device, mode):
     _, batch, caches = advance_setup(device, 2 * 4)
     model = [[0, T, 0] for _ in caches]  # history, capacity, written
     for step in range(24):
-        batch.catch_up()
+        batch.poll()
         batch.publish()
         width = [m[1] - m[0] for m in model]
         accepted = [rng.randint(0, w) for w in width]  # often fewer than the width

@@ -42,6 +42,7 @@ def scenario(manager):
         batch.resolve("g0", selected)
         batch.fetch("a0")
         batch.advance(torch.zeros(ROWS, dtype=torch.int32))  # queues the read-back
+    batch.poll()
     cache.suspend()  # a preemption
     cache.resume()
     batch.publish()
@@ -305,6 +306,6 @@ def test_metrics_every_step_never_synchronises():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    batch.catch_up()
+    batch.poll()
     assert misses == sorted(misses)  # counters only grow, lagging at most the ring
     assert manager.metrics()["selection_groups"]["g0"]["misses"] == int(batch.hit_miss("g0")[1])

@@ -57,7 +57,7 @@ class Batch:
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 0 < max_rows <= config.max_rows:
             raise ValueError(f"Batch: max_rows must be an int in [1, {config.max_rows}], got {max_rows!r}")
         refuse_during_capture(config.device, "Batch()")
-        manager._check_open("Batch()")
+        manager.check_open("Batch()")
         self.manager, self.config, self.max_rows = manager, config, max_rows
         self._memory = batch_memory_bytes(config, len(manager.storage.groups), max_rows)
         manager.reserve.take(self._memory)
@@ -84,9 +84,9 @@ class Batch:
         self._sync = table.sync = LengthsSync(table, allocated["snapshot"], step.counter_parts,
                                               step.counter_stage, allocated["counter_snapshot"])
         self._sync.flush_token_bytes = step.flush_token_bytes
-        manager._batches.add(self)
+        manager.batches.add(self)
         # a batch collected unclosed still adds its last read-back counters to the manager's
-        self._retire = weakref.finalize(self, manager._counts.retire, self._sync.counters)
+        self._retire = weakref.finalize(self, manager.counts.retire, self._sync.counters)
         self.page_tables = step.page_tables
         self.history, self.capacity, self.lease = step.history, step.capacity, step.lease
         self.written, self.advance_counters = step.written, step.advance_counters
@@ -189,12 +189,12 @@ class Batch:
         allocated pages (its reserve, ``KVCache.set_reserve``); a row cut there is counted as
         *short*. ``advance_counters`` int64[2] counts refused and short rows, cumulatively.
 
-        The host mirror catches up without a per-step synchronisation: eagerly, ``advance``
-        queues a copy of the lengths to pinned memory and the host reads it when it next needs
-        a length (any host-side call, or a cache's ``history_length``). After replaying a
-        captured graph or a compiled call that contains ``advance``, call
+        The host learns the new lengths without a per-step synchronisation: eagerly,
+        ``advance`` queues a copy of the lengths to pinned memory, which ``poll()`` applies
+        (a ``publish`` without host changes applies it too once it has arrived, never waiting).
+        After replaying a captured graph or a compiled call that contains ``advance``, call
         ``record_advance()``. Windowed pages behind the window are released, and reserves taken
-        again, at the first ``publish`` after that catch-up."""
+        again, at the first ``publish`` after the read-back is applied."""
         step = self._step
         if (accepted.__class__ is torch.Tensor and not torch.compiler.is_compiling()
                 and self._table.ready and fits(accepted, step.rows_shape, step.device)):
@@ -233,27 +233,33 @@ class Batch:
     def record_advance(self) -> None:
         """Queue the read-back of the device lengths after ``advance`` (on the current stream;
         ``advance`` calls it eagerly; call it after replaying a graph that contains
-        ``advance``). The host applies it when it next needs a length, or at a ``publish`` once
-        it has arrived. The read-backs go round a ring of pinned buffers, so a host running
-        steps ahead of the GPU still takes the newest one that has arrived."""
+        ``advance``). ``poll()`` applies it."""
         self._sync.record_advance()
+
+    def poll(self) -> None:
+        """The one device -> host call of a step: read back the device's lengths and counters
+        (what ``advance``, ``finish_step`` and ``flush`` changed) and apply them, waiting for
+        the copy. Call it once per step where the engine already waits for its sampled tokens,
+        before the host changes rows (``resize``, ``remove``, ``suspend``, ``publish`` of
+        changes ...), which refuse with a message naming it while the device holds lengths the
+        host has not read. Getters (``KVCache.history_length``, ``capacity``, ``repr``),
+        ``metrics()`` and ``stats()`` never wait and never change state: they show the lengths
+        and counters as of the last poll (``metrics()`` also any newer read-back that has
+        arrived). Without an ``advance`` since the last poll it queues a read-back of its own,
+        so counters count from the first step whatever ends the step. Refused during stream
+        capture."""
+        self._table.check_host_call("Batch.poll")
+        sync = self._sync
+        if not sync.queue:
+            sync.queue_readback()
+        sync.catch_up(wait=True)
 
     @property
     def pending_readback(self) -> bool:
-        """A read-back of the device lengths is queued and not applied yet, or owed (an eager
-        flush to a tensor of targets queues its read-back at the next ``record_advance`` or host
-        call that needs a length)."""
+        """The device holds lengths the host has not read back (an ``advance``, ``finish_step``
+        or flush to a tensor of targets since the last ``poll``): calls that change rows refuse
+        until ``poll()``."""
         return self._sync.pending
-
-    def catch_up(self, wait: bool = True) -> None:
-        """Apply the read-backs of ``advance`` to the host mirror and the member caches.
-        ``wait`` False applies the newest that the GPU has finished, if any (``publish`` does
-        that, never blocking on the latest steps: only when every buffer of the read-back ring
-        is still in flight does it wait, for the oldest); True waits for the newest queued
-        (every host call that needs a length, and a publish of changes). Cheap when none is
-        pending. Page work the new lengths need (windowed pages to release, the reserve to take
-        again) happens at the next ``publish``."""
-        self._sync.catch_up(wait)
 
     # ---- per-step entry points (REQUIREMENTS §8) ----
     def group(self, group: Union[int, str]) -> GroupState:
@@ -555,13 +561,23 @@ class Batch:
         first has completed on the device: docs/TP.md). A rank that died or left
         makes it raise RuntimeError naming the rank and generation (CPU), or trap (CUDA;
         ``KVCacheManager.check_ranks`` then reports the rank), within the group's timeout."""
-        self.manager._check_open("Batch.sync")
+        self.manager.check_open("Batch.sync")
         if self._table.closed:
             raise RuntimeError("Batch.sync: the batch is closed")
         group = self.manager.host_group
         if group is not None:
             group.signal(self._step.shared_pools)
             group.wait(self._step.shared_pools)
+
+    def page_table(self, layer: str, role: str) -> torch.Tensor:
+        """The device page table of the buffer's pool group, int32[max_rows, max_pages_per_row]
+        (``page_tables[manager.buffer(layer, role).pool_group]``): entry ``[r, p]`` is the slot
+        of page ``p`` of the member at row ``r`` (BAD where it has none), as of the last
+        publish. Fixed address. KeyError for an unknown or zero-size buffer."""
+        group = self.manager.buffer(layer, role).pool_group
+        if group is None:
+            raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
+        return self.page_tables[group]
 
     def cells(self, layer: str, role: str) -> torch.Tensor:
         """The cells of a sparse buffer: uint8[max_rows*S/E, chunks, P, B/chunks]; the token with
@@ -583,6 +599,17 @@ class Batch:
         total = hits + misses
         return {"hits": hits, "misses": misses, "invalid": invalid,
                 "hit_rate": hits / total if total else 0.0}
+
+    def latest_counters(self) -> np.ndarray:
+        """The device counters (per selection group hits, misses, invalid; then ``advance``'s
+        refused and short rows) of the newest read-back that has arrived, int64, without
+        waiting or applying it (what ``KVCacheManager.metrics`` sums)."""
+        return self._sync.latest_counters()
+
+    def row_counts(self) -> dict:
+        """``{"seated": members, "suspended": members without a lease}``, from the host."""
+        table = self._table
+        return {"seated": table.seated, "suspended": table.seated - table.leased}
 
     def inspect(self, group: Union[int, str], row: int) -> dict:
         """A row's resident units, least to most recently used, and its pinned (in-flight)
@@ -608,7 +635,7 @@ class Batch:
         ``discard=True`` (see ``remove``)."""
         table = self._table
         table.check_host_call("Batch.close")
-        self._sync.catch_up()
+        self.poll()  # closing waits for the device: the members' final lengths, its counters
         members = list(table.members().values())
         if not discard:
             for cache in members:
@@ -618,10 +645,7 @@ class Batch:
                         f"first, or pass discard=True to drop them")
         for cache in members:
             table.remove(cache, discard=True)
-        # the final counters (a read-back now, waited for: close may wait), kept by the manager
-        self._sync.queue_readback()
-        self._sync.catch_up()
-        self._retire()
-        self.manager._batches.discard(self)
+        self._retire()  # the final counters (the poll above), kept by the manager
+        self.manager.batches.discard(self)
         table.closed = True
         self.manager.reserve.give_back(self._memory)

@@ -77,27 +77,30 @@ class KVCache:
     # ---- inspection ----
     @property
     def capacity(self) -> int:
-        self._sync()
-        return self._c
+        """Positions ``[0, capacity)`` have pages. Like every getter it reads what the host
+        knows, changing nothing and never waiting: lengths ``Batch.advance`` moved on the device
+        show once ``Batch.poll()`` has read them back."""
+        return self._lengths()[1]
 
     @property
     def history_length(self) -> int:
-        self._sync()
-        return self._h
+        """Positions ``[0, history_length)`` are final (on the host pages of sparse buffers);
+        as of the last ``Batch.poll()`` (see ``capacity``)."""
+        return self._lengths()[0]
 
     @property
     def written(self) -> int:
         """Tokens ``[0, written)`` are on the host pages of every sparse buffer (flushed, or
         declared written straight to host pages): how far history may advance (SAFE-2)."""
-        self._sync()
-        return self._written()
+        h, c, flushed = self._lengths()
+        return rules.written_prefix(h, c, flushed, self._declared, self._shapes, max, min)
 
     @property
     def host_direct_end(self) -> int:
         """The end of the host-direct range: the largest in-flight start over the selection
         groups (history without sparse layers); ``record_host_write`` may declare up to it."""
-        self._sync()
-        return rules.host_direct_end(self._h, self._c, self._shapes, max)
+        h, c, _ = self._lengths()
+        return rules.host_direct_end(h, c, self._shapes, max)
 
     @property
     def closed(self) -> bool:
@@ -173,7 +176,7 @@ class KVCache:
         refuse_during_capture(self.manager.config.device, "KVCache.resize")
         if self.suspended:
             raise RuntimeError("KVCache.resize: the cache is suspended; resume() it first")
-        self._sync()
+        self._current("KVCache.resize")
         c = self._c if capacity is None else check_int("capacity", capacity)
         h = self._h if history is None else check_int("history", history)
         self._check_lengths(h, c)
@@ -234,7 +237,7 @@ class KVCache:
                  for (first, keep), live, sinks in zip(plans, self._live, self._sinks)]
         allocated = self.manager.storage.allocate_slots(needs)
         if allocated is None:
-            self.manager._counts.allocations_failed += 1
+            self.manager.counts.allocations_failed += 1
             logger.debug("request %d: %s pages per pool group not available", self.request_id,
                          needs)
             return False
@@ -309,7 +312,7 @@ class KVCache:
         History may then advance over them (SAFE-2). Raises ValueError for a bad ``end``."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.record_host_write")
-        self._sync()
+        self._current("KVCache.record_host_write")
         end = check_int("end", end)
         bound = self.host_direct_end
         if end > bound:
@@ -317,7 +320,7 @@ class KVCache:
                 f"record_host_write: end ({end}) is past the host-direct range, which ends at "
                 f"{bound} (history {self._h}, capacity {self._c}); tokens from {bound} on are "
                 f"in flight: write them into cells and flush them")
-        self.manager._counts.declared(self._h, self._c, self._declared, end)
+        self.manager.counts.declared(self._h, self._c, self._declared, end)
         self._declared = max(self._declared, end)
         if self._table is not None:
             self._table._declared(self._row)
@@ -361,7 +364,7 @@ class KVCache:
             raise RuntimeError("KVCache.commit: the cache's dense pages are in the host tier "
                                "(suspended with offload); resume() it first")
         ids = token_array("token_ids", token_ids)
-        self._sync()
+        self._current("KVCache.commit")
         P = self._page_tokens
         pages = len(ids) // P
         if pages * P > self._h:
@@ -401,6 +404,8 @@ class KVCache:
         detached (dense pages in the host tier are read there, once their copy has ended). Raises RuntimeError while tokens are in flight (history < capacity: flush and
         advance history, or ``resize(capacity=history_length)``, first), for a closed cache or
         manager, and during stream capture; TypeError / ValueError for bad ``token_ids``."""
+        self._check_open()
+        self._current("KVCache.export")
         return export_record(self, token_ids)
 
     def _start_imported(self, history: int, write) -> bool:
@@ -438,7 +443,8 @@ class KVCache:
         refuse_during_capture(self.manager.config.device, "KVCache.suspend")
         if self.suspended:
             raise RuntimeError("KVCache.suspend: already suspended")
-        if self.history_length < self._c:
+        self._current("KVCache.suspend")
+        if self._h < self._c:
             raise RuntimeError(
                 f"KVCache.suspend: tokens are in flight (history {self._h} < capacity "
                 f"{self._c}); flush and advance history, or shrink capacity, first")
@@ -454,16 +460,16 @@ class KVCache:
             self._await_pages()  # a resume's copy into these pages comes first
             moved = tier.offload(self._pages, [self._held(g) for g in range(len(self._live))])
             if moved is None:
-                self.manager._counts.allocations_failed += 1
+                self.manager.counts.allocations_failed += 1
                 logger.debug("request %d: the host tier cannot take its dense pages",
                              self.request_id)
                 return False
             self._offload = moved if moved.pages else None
             if moved.pages:
                 self._pages_moved = True
-                self.manager._counts.offloads += 1
+                self.manager.counts.offloads += 1
         self.state = SUSPENDED
-        self.manager._counts.preemptions += 1
+        self.manager.counts.preemptions += 1
         if self._table is not None:
             self._table._release_lease(self._row)
         return True
@@ -486,7 +492,7 @@ class KVCache:
         if self._offload is not None:
             done = self.manager.tier.restore(self._offload, self._pages)
             if done is None:
-                self.manager._counts.allocations_failed += 1
+                self.manager.counts.allocations_failed += 1
                 logger.debug("request %d: %s GPU pages per pool group not available to resume",
                              self.request_id, self._offload.needs(len(self._live)))
                 return False
@@ -499,7 +505,7 @@ class KVCache:
         if self._table is not None:
             self._table._grant_lease(self._row)
         self.state = ACTIVE
-        self.manager._counts.resumes += 1
+        self.manager.counts.resumes += 1
         return True
 
     def close(self) -> None:
@@ -510,7 +516,7 @@ class KVCache:
         if self._table is not None:
             self._table._leave(self)
         elif self._c > self._h:  # in-flight tokens dropped (a seated cache: _discard_in_flight)
-            self.manager._counts.aborts += 1
+            self.manager.counts.aborts += 1
         self._await_pages()
         if self._offload is not None:
             self.manager.tier.discard(self._offload)
@@ -564,17 +570,17 @@ class KVCache:
             self._lowest_keep = [keep for _, keep in self._live]
             self._pages_moved = False
 
-    def _retake_pages(self, wait: bool = True, grow_only: bool = False) -> bool:
+    def _retake_pages(self, grow_only: bool = False) -> bool:
         """Plan the pages of the current lengths again: the reserve beyond capacity and the
         window's releases, after ``Batch.advance`` moved the lengths on the device (the batch
-        calls it at publish, with ``wait`` False: from the lengths read back so far). The
+        calls it at publish, from the lengths read back so far). The
         lengths do not change, so no rule of ``resize`` can break; False, with nothing changed,
         when the pools cannot supply the pages (the row's advance then stops at its pages,
         counted as short). ``grow_only`` (lengths older than the device's: a read-back in
         flight) frees no page at the end of the live range, so a smaller reserve never takes
         pages the device's capacity already reached; windowed releases still happen."""
         if self._table is not None:
-            self._table._sync_cache(self._row, wait)
+            self._table.take_device_lengths(self._row, None)
         return self._apply(self._h, self._c, grow_only)
 
     def _lengths_row(self) -> tuple[int, int, int, int, int, int]:
@@ -611,7 +617,7 @@ class KVCache:
     def _discard_in_flight(self) -> None:
         """Drop the tokens in flight: capacity shrinks back to history (the abort path)."""
         if self._c > self._h:
-            self.manager._counts.aborts += 1
+            self.manager.counts.aborts += 1
             self._apply(self._h, self._h)  # a shrink: always succeeds, breaks no rule
 
     def _seat(self, table, row: Optional[int]) -> None:
@@ -628,13 +634,23 @@ class KVCache:
         return self._reserve
 
     # ---- internals ----
-    def _sync(self) -> None:
-        """Take lengths the device advanced (Batch.advance) before using them."""
+    def _lengths(self) -> tuple[int, int, int]:
+        """(history, capacity, flushed watermark) as the host knows them now: the cache's own,
+        or, while seated, those of its batch's last applied read-back of the device lengths
+        when they are newer. Changes nothing and never waits."""
+        if self._table is None:
+            return self._h, self._c, self._flushed
+        return self._table.lengths_of(self._row, self._h, self._c, self._flushed)
+
+    def _current(self, what: str) -> None:
+        """Before a call that changes the cache from its lengths: refuse (RuntimeError naming
+        ``Batch.poll``) while its batch has device lengths the host has not read back, then take
+        the newest lengths read back."""
         if self._table is not None:
-            self._table._sync_cache(self._row)
+            self._table.take_device_lengths(self._row, what)
 
     def _check_open(self) -> None:
-        self.manager._check_open(f"request {self.request_id}")
+        self.manager.check_open(f"request {self.request_id}")
         if self.state == CLOSED:
             raise RuntimeError(f"request {self.request_id}: the cache is closed")
 

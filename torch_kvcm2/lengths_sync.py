@@ -2,12 +2,14 @@
 moved on the device, without a per-step synchronisation.
 
 ``Batch.advance`` queues a copy of the device's length rows into the next pinned buffer of a
-ring (``queue_readback``); the host applies the newest copy that has arrived when it next needs a
-length (``catch_up``): the mirror takes the rows the device writes, every row becomes BEHIND (its
-cache takes its row when next used) and the rows that used more than half their reserve, or
-moved past a windowed page, get PAGES (the next publish plans their pages). An eager flush to a
-tensor of targets leaves the read-back *owed*: the host learns its watermark only from a copy
-queued after it.
+ring (``queue_readback``); ``Batch.poll`` waits for the newest and applies it, and a publish
+without host changes applies the newest that has arrived without waiting (``catch_up``): the
+mirror takes the rows the device writes, every row becomes BEHIND (its cache reads through the
+mirror and takes its row when a call next changes it) and the rows that used more than half
+their reserve, or moved past a windowed page, get PAGES (the next publish plans their pages). An
+eager flush to a tensor of targets leaves the read-back *owed*: the host learns its watermark
+only from a copy queued after it. While a read-back is queued or owed (``pending``), calls that
+change rows refuse and name ``Batch.poll``.
 
 Each read-back also copies the device counters (hits, misses, invalid per selection group,
 ``advance``'s refused and short rows: separate int64 tensors, gathered on the device by one
@@ -102,7 +104,7 @@ class LengthsSync:
         self.queue: collections.deque = collections.deque()
         self.next = 0
         self.owed = False  # a flush to a tensor of targets ran since the last read-back
-        self.counts = table.manager._counts  # telemetry.HostCounters: bytes flushed
+        self.counts = table.manager.counts  # telemetry.HostCounters: bytes flushed
         self.flush_token_bytes = 0  # bytes per token this batch's flush writes (set by Batch)
         R = table.max_rows
         self.reserve_tokens = np.zeros(R, dtype=np.int64)  # as published, per row

@@ -15,7 +15,7 @@ from .config import CacheConfig
 from .host_region import DEFAULT_CHUNK_BYTES, check_options, default_threads, resolve_numa
 from .memory import BatchReserve, batch_reserve_bytes
 from .prefix import token_array
-from .storage import HostOptions, Storage
+from .storage import BufferInfo, HostOptions, Storage
 from .telemetry import HostCounters, snapshot
 from .tiers import DEFAULT_PIECE_BYTES, HostTier, check_piece_bytes
 from .transfer import CacheRecord, import_record
@@ -53,6 +53,11 @@ class KVCacheManager:
     step's share of the host-to-device link): a resume copies the pages back in pieces of at
     most this many bytes, the first at ``resume`` and one per ``Batch.publish`` after
     (``KVCache.returning_bytes``); 0 copies them back whole at ``resume``.
+
+    The interface its caches and batches share (not for callers): ``counts`` (the host counters
+    ``metrics()`` reports, ``telemetry.HostCounters``), ``batches`` (the open batches, whose
+    device counters it sums), ``reserve`` (the batch reserve), ``tier`` (the host tier's
+    copies) and ``check_open(what)``.
 
     ``host_group`` (docs/TP.md): a ``torch.distributed`` process group of ranks on this host, or
     a ``tp.HostGroup`` over one (to set its timeout and flush split). Then construction is
@@ -100,8 +105,8 @@ class KVCacheManager:
         # TIER-1: the copies to and from the host tier
         self.tier = HostTier(self.storage, resume_piece_bytes)
         self.reserve = BatchReserve(self._reserve)
-        self._counts = HostCounters(config)  # what metrics() reports (telemetry.py)
-        self._batches = weakref.WeakSet()  # open batches: their device counters
+        self.counts = HostCounters(config)  # what metrics() reports (telemetry.py)
+        self.batches = weakref.WeakSet()  # open batches: their device counters
         self._ids = itertools.count()
         self._closed = False
 
@@ -117,7 +122,7 @@ class KVCacheManager:
         for bad ``token_ids`` (wrong type or dtype, negative ids, more than
         ``max_tokens_per_row`` tokens), and RuntimeError with ``token_ids`` while the current
         CUDA stream is capturing, with nothing changed."""
-        self._check_open("KVCacheManager.create_cache")
+        self.check_open("KVCacheManager.create_cache")
         if token_ids is None:
             return KVCache(self, next(self._ids))
         refuse_during_capture(self.config.device, "KVCacheManager.create_cache(token_ids)")
@@ -137,7 +142,7 @@ class KVCacheManager:
         multiple of ``tokens_per_page``), changing nothing (not even recency). Same arguments
         and argument errors as ``create_cache``; allowed during stream capture (it only reads
         host state)."""
-        self._check_open("KVCacheManager.match")
+        self.check_open("KVCacheManager.match")
         ids = self._token_ids("match", token_ids)
         pages, _ = self.storage.prefix.match(ids, self.config.max_pages_per_row)
         return pages * self.config.tokens_per_page
@@ -164,7 +169,7 @@ class KVCacheManager:
 
     def create_batch(self, max_rows=None) -> Batch:
         """Same as ``Batch(manager, max_rows)``."""
-        self._check_open("KVCacheManager.create_batch")
+        self.check_open("KVCacheManager.create_batch")
         return Batch(self, max_rows)
 
     def buffer_view(self, layer: str, role: str, device_side: bool = True) -> torch.Tensor:
@@ -175,6 +180,44 @@ class KVCacheManager:
         host tensor itself. The address never changes."""
         return self.storage.view(layer, role, device_side)
 
+    def buffer(self, layer: str, role: str) -> BufferInfo:
+        """Everything a kernel needs to find one buffer (``storage.BufferInfo``): its pool group
+        (the index of ``Batch.page_tables`` and ``KVCache.pages``; None for a zero-size buffer),
+        its page position in a slot, the slot's pages (``scale``), its medium and page layout,
+        and the selection group of a sparse layer. With ``buffer_view`` (the pages),
+        ``slot_pages``, ``Batch.page_table`` and ``Batch.cells`` it is the public way to the
+        memory; nothing outside the library needs the storage. Raises KeyError for an unknown
+        buffer."""
+        self.check_open("KVCacheManager.buffer")
+        return self.storage.info(layer, role)
+
+    def slot_pages(self, layer: str, role: str, device_side: bool = True) -> torch.Tensor:
+        """The buffer's pages indexed by slot id (``KVCache.pages`` entries): ``uint8[num_slots,
+        chunks, P, B/chunks]``, a strided view of its pool group's memory; ``device_side`` as
+        for ``buffer_view``. Raises KeyError for an unknown or zero-size buffer."""
+        self.check_open("KVCacheManager.slot_pages")
+        info = self.storage.info(layer, role)
+        if info.pool_group is None:
+            raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
+        return self.storage.slot_pages(layer, role, device_side)
+
+    def pool(self, group: int, device_side: bool = True) -> torch.Tensor:
+        """Pool group ``group``'s memory, ``uint8[committed slots, scale, page_bytes]``: the
+        slots handed out so far and those before them (a host group's reservation beyond is
+        not memory yet). ``device_side`` as for ``buffer_view``. For tools that fill or check a
+        whole pool; a buffer's pages are ``buffer_view``."""
+        self.check_open("KVCacheManager.pool")
+        groups = self.storage.groups
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(groups):
+            raise KeyError(f"pool group must be an index in [0, {len(groups)}), got {group!r}")
+        g = groups[group]
+        return (g.device_data if device_side else g.data)[:g.committed_slots]
+
+    @property
+    def pool_groups(self) -> int:
+        """How many pool groups the config's buffers form (STO-1)."""
+        return len(self.storage.groups)
+
     def stats(self) -> dict:
         """Pool usage per pool group and per medium, plus the batch reserve in use (STO-4);
         per group used / shared / cached / free slots (PFX-4); ``stats()["host_region"]``:
@@ -184,7 +227,7 @@ class KVCacheManager:
         Per dense group ``host_tier`` (TIER-1; None without a tier): slots, used / free slots
         and bytes, committed bytes; ``stats()["host"]`` counts the tiers in its used, free and
         committed bytes and gives ``host_tier_bytes`` and ``host_tier_used_bytes``."""
-        self._check_open("KVCacheManager.stats")
+        self.check_open("KVCacheManager.stats")
         stats = self.storage.stats()
         for medium in ("gpu", "host"):
             stats[medium]["batch_bytes_in_use"] = self.reserve.in_use[medium]
@@ -204,7 +247,7 @@ class KVCacheManager:
         them back; with ``tokens`` and ``count=1``, whether the first step after a resume can
         also grow by ``tokens`` (``ceil(tokens / P)`` pages per pool group, at least what the
         growth takes)."""
-        self._check_open("KVCacheManager.can_fit")
+        self.check_open("KVCacheManager.can_fit")
         tokens, count = check_int("tokens", tokens), check_int("count", count)
         config = self.config
         if tokens > config.max_tokens_per_row:
@@ -217,7 +260,7 @@ class KVCacheManager:
             pages = [p + n for p, n in zip(pages, cache.offloaded_pages())]
         if any(n > group.free_slots + group.cached_slots
                for n, group in zip(pages, self.storage.groups)):
-            self._counts.admissions_refused += 1
+            self.counts.admissions_refused += 1
             logger.debug("can_fit: %d request(s) of %d tokens refused (%s pages per pool group "
                          "needed)", count, tokens, pages)
             return False
@@ -245,7 +288,7 @@ class KVCacheManager:
         ``used_bytes``, ``cached_bytes``, ``total_bytes``, ``committed_bytes``), ``media``
         (the same summed per medium, plus ``batch_bytes`` of the batch reserve in use),
         ``cached_prefix_bytes``, ``rows``: ``seated``, ``suspended``."""
-        self._check_open("KVCacheManager.metrics")
+        self.check_open("KVCacheManager.metrics")
         return snapshot(self)
 
     def check_ranks(self, *batches) -> None:
@@ -256,7 +299,7 @@ class KVCacheManager:
         lengths); raises ``tp.RankDivergence`` naming the first that differs. First raises
         RuntimeError when the group's header records a failed rank (TP-4). Without a host group
         it does nothing."""
-        self._check_open("KVCacheManager.check_ranks")
+        self.check_open("KVCacheManager.check_ranks")
         group = self.host_group
         if group is None:
             return
@@ -269,7 +312,7 @@ class KVCacheManager:
                             digest(g.num_slots, g._next, sorted(g._free), g.committed_bytes,
                                    g.refs, g.cached_slots)))
         for i, batch in enumerate(batches):
-            batch.catch_up()
+            batch.poll()
             tables = batch.host_tables()
             for g in range(tables["page_tables"].shape[0]):
                 entries.append((f"batch {i} page table of pool group {g}",
@@ -293,7 +336,7 @@ class KVCacheManager:
         self.tier.close()  # copies to or from the host tier still running
         self.storage.close()
 
-    def _check_open(self, what: str) -> None:
+    def check_open(self, what: str) -> None:
         """RuntimeError once the manager is closed; caches and batches call it too."""
         if self._closed:
             raise RuntimeError(f"{what}: the KVCacheManager is closed")

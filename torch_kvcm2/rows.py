@@ -17,7 +17,9 @@ RESERVE     ``KVCache.set_reserve``                      the next publish of the
 PAGES       a read-back showing the row moved past half  the next publish, which plans its pages
             its reserve, or (windowed) past a page
 BEHIND      every applied read-back of the lengths       the cache taking the mirror's lengths when
-                                                         next used (``_sync_cache``)
+                                                         a call next changes it
+                                                         (``take_device_lengths``); getters read
+                                                         through it (``lengths_of``)
 =========== ============================================ =============================================
 
 A removed row is a hole with UPLOAD alone; a moved cache takes its state to the new row.
@@ -26,8 +28,9 @@ with nothing to do scans no row.
 
 The protocol with ``KVCache`` (private on both sides; nothing else calls it). A seated cache calls
 the table: ``_changed(row)``, ``_declared(row)``, ``_reserve_set(row)``, ``_grant_lease(row)``,
-``_release_lease(row)``, ``_cell_lengths(row)``, ``_sync_cache(row, wait)`` and
-``_leave(cache)`` (its close). The table reads a cache through ``_lengths_row``, ``_page_row``,
+``_release_lease(row)``, ``_cell_lengths(row)``, ``lengths_of(row, ...)`` (its getters: no
+change, no wait), ``take_device_lengths(row, what)`` (before a change: refused, naming
+``Batch.poll``, while a read-back is outstanding) and ``_leave(cache)`` (its close). The table reads a cache through ``_lengths_row``, ``_page_row``,
 ``_live_range``, ``_pages_unmoved`` and ``_await_pages`` (a resumed cache's copy back from the
 host tier, TIER-1: the current stream waits for it before the row's first step), and writes it
 through ``_seat``, ``_mark_published``,
@@ -95,13 +98,13 @@ class RowTable:
 
     # ---- checks ----
     def check_host_call(self, what: str) -> None:
-        self.manager._check_open(what)
+        self.manager.check_open(what)
         if self.closed:
             raise RuntimeError(f"{what}: the batch is closed")
         refuse_during_capture(self.config.device, what)
 
     def check_step(self, what: str) -> None:
-        self.manager._check_open(what)
+        self.manager.check_open(what)
         if self.closed:
             raise RuntimeError(f"{what}: the batch is closed")
         if self.unpublished:
@@ -153,10 +156,11 @@ class RowTable:
             self._grant_lease(row)
         return row
 
-    def remove(self, cache, discard: bool) -> None:
+    def remove(self, cache, discard: bool, closing: bool = False) -> None:
         self.check_host_call("Batch.remove")
         row = self.member_row(cache, "Batch.remove")
-        self.sync.catch_up()
+        # a closing cache frees every page whatever its lengths: it needs no poll
+        self.take_device_lengths(row, None if closing else "Batch.remove")
         h, c = cache.history_length, cache.capacity
         if h < c:
             if not discard:
@@ -176,7 +180,7 @@ class RowTable:
         self.check_host_call("Batch.move")
         old = self.member_row(cache, "Batch.move")
         self._check_free_row(row, "Batch.move")
-        self._sync_cache(old)
+        self.take_device_lengths(old, "Batch.move")
         self.caches[old], self.caches[row] = None, cache
         self.leases[old], self.leases[row] = BAD, self.leases[old]
         self.state[row], self.state[old] = self.state[old], 0
@@ -238,13 +242,34 @@ class RowTable:
         self.state[row] &= ~NEW_LEASE & 0xFF
         self._mark(row, UPLOAD)
 
-    def _sync_cache(self, row: int, wait: bool = True) -> None:
-        """Bring the member at ``row`` up to date with lengths ``advance`` moved: apply the
-        read-backs (``wait`` False: those that have arrived), then the cache takes its row of
-        the mirror if it is BEHIND."""
-        sync = self.sync
-        if sync.queue or sync.owed:
-            sync.catch_up(wait)
+    def require_polled(self, what: str) -> None:
+        """RuntimeError naming ``Batch.poll`` while the device holds lengths the host has not
+        read back (an ``advance``, ``finish_step`` or a flush to a tensor since the last poll):
+        ``what`` changes state from lengths, and the host never waits for them implicitly."""
+        if self.sync.pending:
+            raise RuntimeError(
+                f"{what}: the device moved this batch's lengths (advance, finish_step or a "
+                f"flush to a tensor of targets) since the host last read them; call "
+                f"Batch.poll() first (once per step, where the engine waits for its sampled "
+                f"tokens)")
+
+    def lengths_of(self, row: int, h: int, c: int, flushed: int) -> tuple[int, int, int]:
+        """(history, capacity, flushed watermark) of the member at ``row`` as the host knows
+        them: the mirror's when it holds a read-back the cache has not taken (BEHIND), else the
+        cache's own ``h``, ``c``, ``flushed``. Changes nothing."""
+        s = int(self.state[row])
+        L = self.mirror.host_lengths
+        if not s & BEHIND or s & UPLOAD or L[LEASE, row] < 0:
+            return h, c, flushed
+        return int(L[HISTORY, row]), int(L[CAPACITY, row]), max(flushed, int(L[WRITTEN, row]))
+
+    def take_device_lengths(self, row: int, what: Optional[str]) -> None:
+        """The member at ``row`` takes the lengths of the last applied read-back, if newer than
+        its own (BEHIND). ``what`` (a call about to change state from them) first refuses while
+        a read-back is outstanding (``require_polled``); None (publish's page planning) takes
+        what has been applied."""
+        if what is not None:
+            self.require_polled(what)
         s = int(self.state[row])
         if not s & BEHIND:
             return
@@ -259,18 +284,20 @@ class RowTable:
 
     def _leave(self, cache) -> None:
         """The cache closes (the abort path): unseat it, dropping its in-flight tokens."""
-        self.remove(cache, discard=True)
+        self.remove(cache, discard=True, closing=True)
 
     # ---- publish (BAT-3, HOST-1, HOST-2) ----
     def publish(self) -> None:
         self.check_host_call("Batch.publish")
-        self.manager.tier.progress()  # the next piece of the copies back of resumed requests
         sync, state = self.sync, self.state
         if sync.pending:
-            # the read-backs that have arrived are applied first; the newest is waited for only
-            # when there are host changes to publish (the mirror must not take an older
-            # read-back after this publish's delta)
-            sync.catch_up(wait=bool(self.marked & (UPLOAD | DECLARED_ONLY)))
+            # host changes are published over the device's newest lengths only (the mirror must
+            # not take an older read-back after this publish's delta): the engine polls first;
+            # without changes, the read-backs that have arrived are applied, never waited for
+            if self.marked & (UPLOAD | DECLARED_ONLY):
+                self.require_polled("Batch.publish")
+            sync.catch_up(wait=False)
+        self.manager.tier.progress()  # the next piece of the copies back of resumed requests
         pages_only = False
         due = ()
         if self.marked & PAGES:
@@ -287,7 +314,7 @@ class RowTable:
             for row in due.tolist():
                 cache = self.caches[row]
                 if cache is not None and not cache.suspended:
-                    cache._retake_pages(wait=False, grow_only=pages_only)
+                    cache._retake_pages(grow_only=pages_only)
         if not self.marked & (UPLOAD | DECLARED_ONLY):
             return
         rows = np.flatnonzero(state & (UPLOAD | DECLARED_ONLY)).tolist()
@@ -370,7 +397,7 @@ class RowTable:
 
     def record_host_writes(self, ends) -> None:
         self.check_host_call("Batch.record_host_writes")
-        self.sync.catch_up()
+        self.require_polled("Batch.record_host_writes")
         if ends is not None:
             ends = int_sequence("ends", ends, self.max_rows, self.config.device)
         L = self.mirror.host_lengths
@@ -392,7 +419,7 @@ class RowTable:
     # ---- the batched host path (HOST-4) ----
     def resize_rows(self, rows, capacity, history) -> list[int]:
         self.check_host_call("Batch.resize_rows")
-        self.sync.catch_up()
+        self.require_polled("Batch.resize_rows")
         device = self.config.device
         rows = int_sequence("rows", rows, None, device)  # ints >= 0
         caches = [self.caches[row] if row < self.max_rows else None for row in rows]
@@ -430,7 +457,7 @@ class RowTable:
         index = np.asarray(rows, dtype=np.int64)
         behind = index[(self.state[index] & BEHIND) != 0]
         for row in behind.tolist():  # these members take the lengths advance() moved first
-            self._sync_cache(row)
+            self.take_device_lengths(row, None)
         clean = self.mirror.active[index] & ((self.state[index] & UNCLEAN) == 0)
         if not clean.any():
             return set(), []

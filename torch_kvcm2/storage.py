@@ -73,6 +73,29 @@ class BufferPlace:
     pos: int
 
 
+@dataclass(frozen=True)
+class BufferInfo:
+    """Where one buffer lives (``KVCacheManager.buffer``). ``pool_group``: its pool group's
+    index (``Batch.page_tables[pool_group]``, ``KVCache.pages(pool_group)``; None for a
+    zero-size buffer); the page of slot ``s`` is page ``s * scale + pos`` of ``buffer_view``;
+    ``medium`` the budget its pool draws from ("gpu": dense, "host": sparse); a page is ``chunks`` runs of ``P`` tokens
+    of ``bytes_per_token / chunks`` bytes; ``selection_group`` the index of the sparse layer's
+    selection group (None for a dense layer); ``window`` / ``sinks`` the layer's."""
+
+    layer: str
+    role: str
+    bytes_per_token: int
+    chunks: int
+    sparse: bool
+    pool_group: Optional[int]
+    pos: int
+    scale: int
+    medium: Optional[str]
+    selection_group: Optional[int]
+    window: Optional[int]
+    sinks: int
+
+
 class PoolGroup:
     """One memory region whose slots each hold ``scale`` coalesced buffer pages.
 
@@ -568,6 +591,20 @@ class Storage:
             return self.places[(layer, role)]
         except KeyError:
             raise KeyError(f"unknown buffer {role!r} of layer {layer!r}") from None
+
+    def info(self, layer: str, role: str) -> BufferInfo:
+        """The public description of a buffer (``BufferInfo``)."""
+        place = self.place(layer, role)
+        spec = next(l for l in self.config.layers if l.name == layer)
+        group = None if place.group is None else self.groups[place.group]
+        try:
+            selection = self.config.group_of(layer).index
+        except KeyError:  # a dense layer
+            selection = None
+        return BufferInfo(layer, role, place.bytes_per_token, place.chunks, place.sparse,
+                          place.group, place.pos, 1 if group is None else group.scale,
+                          None if group is None else group.medium, selection, spec.window,
+                          spec.sinks)
 
     def _page_layout(self, place: BufferPlace) -> tuple[int, int, int]:
         return (place.chunks, self.config.tokens_per_page, place.bytes_per_token // place.chunks)

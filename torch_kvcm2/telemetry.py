@@ -66,14 +66,14 @@ def flushed_tokens(new_written: np.ndarray, old_written: np.ndarray,
 
 def snapshot(manager) -> dict:
     """The metrics of ``manager`` (``KVCacheManager.metrics``' docstring has the schema)."""
-    counts, config, storage = manager._counts, manager.config, manager.storage
+    counts, config, storage = manager.counts, manager.config, manager.storage
     device = counts.retired.copy()
     seated = suspended = 0
-    for batch in list(manager._batches):
-        sync, table = batch._sync, batch._table
-        device += sync.latest_counters()
-        seated += table.seated
-        suspended += table.seated - table.leased
+    for batch in list(manager.batches):
+        device += batch.latest_counters()
+        rows = batch.row_counts()
+        seated += rows["seated"]
+        suspended += rows["suspended"]
     n, G = NUM_COUNTERS, len(config.selection_groups)
     values, unit_bytes = device.tolist(), counts.unit_bytes.tolist()  # Python ints, one call each
     groups = {}

@@ -232,7 +232,7 @@ def _check_record(manager, record: CacheRecord) -> None:
 
 def import_record(manager, record: CacheRecord, token_ids=None):
     """``KVCacheManager.import_cache`` (see there)."""
-    manager._check_open("KVCacheManager.import_cache")
+    manager.check_open("KVCacheManager.import_cache")
     refuse_during_capture(manager.config.device, "KVCacheManager.import_cache")
     if not isinstance(record, CacheRecord):
         raise TypeError(f"import_cache needs a CacheRecord, got {type(record).__name__}")

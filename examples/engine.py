@@ -1,4 +1,6 @@
-"""A fake serving engine over one KVCacheManager and one Batch (ENG-1/2/4, docs/REQUIREMENTS.md).
+"""A fake serving engine over one KVCacheManager and one Batch (ENG-1/2/4, docs/REQUIREMENTS.md),
+shipped with the examples, not the library: ``examples/serve.py`` runs it and the engine-day tests
+import it from here.
 
 ``run_day(Workload(...))`` drives "an engine day": requests arrive (closed loop at a target
 concurrency, or open loop at a rate per step), are admitted by ``KVCacheManager.can_fit``, are
@@ -20,11 +22,12 @@ reasons):
    (``Batch.host_token_indices``) and of the dense indexer keys; ``record_host_writes``;
    ``publish`` again, so that the device watermark sees the declarations before the flush to a
    tensor of targets;
-3. the device step (``DeviceStep.__call__``, fixed shapes, no host work, capturable as one CUDA
+3. the device step (``EngineStep.__call__``, fixed shapes, no host work, capturable as one CUDA
    graph): per selection group ``resolve(fetch=True)`` and ``write_indices``; per layer the
    in-flight tokens' KV into the cells, the gather of the selected units; then ``flush`` of the
    accepted tokens (a tensor of targets);
-4. host: the checks; per row ``resize(history=target)``, finish (verify the host history, commit,
+4. host: ``Batch.poll()`` (the step's one device -> host call), the checks; per row
+   ``resize(history=target)``, finish (verify the host history, commit,
    close), abort (``close()`` or ``remove(discard=True)``); then the next step's capacity per
    row, oldest first, preempting the newest running request when ``resize`` fails.
 
@@ -45,9 +48,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .batch import Batch
-from .config import BAD, BufferSpec, CacheConfig, LayerSpec, SparseSpec
-from .manager import KVCacheManager
+from torch_kvcm2 import BAD, Batch, BufferSpec, CacheConfig, KVCacheManager, LayerSpec, SparseSpec
 
 KV_WORDS, KEY_WORDS = 4, 2  # int32 words per token: sparse latent (16 B), dense indexer key (8 B)
 DELAY_OPS = ("publish", "resolve", "write", "attend", "flush")
@@ -256,7 +257,7 @@ def host_tier_bytes(config: CacheConfig, w: Workload) -> int:
     return w.pool_pages * w.tokens_per_page * dense
 
 
-class DeviceStep:
+class EngineStep:
     """The decode step's device part over static tensors (fixed addresses and shapes, no host
     work): capturable as one CUDA graph that keeps working across membership changes (BAT-1).
     Inputs: ``selected[g]`` int32[R, T, K], ``values[layer]`` int32[R, I+U-1, KV_WORDS] (the KV
@@ -306,7 +307,7 @@ class Engine:
         self.T = w.query_tokens
         self.result = DayResult(workload=w, delays={op: 0 for op in w.delay_ops})
         self.delay_hook = delay_hook if delay_hook is not None else self.default_delay
-        self.step_fn = DeviceStep(self.batch, self.T, self.delay)
+        self.step_fn = EngineStep(self.batch, self.T, self.delay)
         self.graph = None
         self.layers = [layer.name for layer in self.config.layers]
         self.leaders = [g.layers[0] for g in self.config.selection_groups]
@@ -569,6 +570,7 @@ class Engine:
         self.batch.record_host_writes()  # [history, s0) of every prefill row, before the flush
         self.batch.publish()  # the device watermark sees the declarations (flush to a tensor)
         self.run_device_step()
+        self.batch.poll()  # the step's one device -> host call: the flush's watermarks
         started = time.perf_counter()
         self.check_step(rows)
         self.check_seconds += time.perf_counter() - started

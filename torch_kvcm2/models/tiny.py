@@ -1,0 +1,62 @@
+"""Tiny random DeepSeek-V3.2 / GLM-MoE-DSA models, built from an embedded config (no download).
+
+Four layers, hidden 256, 8 heads, a 64 + 16 latent, MoE from layer 1, top-64 token selection.
+The indexer has 16 heads: with few indexer heads random weights give exact score ties (many
+scores are exactly 0 after the ReLU), and ``topk`` breaks ties differently for different
+shapes, so two correct runs of different shapes could select different tokens.
+"""
+from __future__ import annotations
+
+from .support import import_transformers
+
+ARCHES = ("v32", "glm")
+
+TINY = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=64,
+    q_lora_rank=96, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, index_topk=64,
+    index_head_dim=32, index_n_heads=16, first_k_dense_replace=1, max_position_embeddings=4096,
+    bos_token_id=0, eos_token_id=1, pad_token_id=None)
+
+
+def tiny_config(arch: str = "v32", **overrides):
+    """The tiny config of ``arch`` ("v32": DeepSeek-V3.2; "glm": GLM-MoE-DSA, whose odd layers
+    share the previous layer's indexer), with ``overrides`` applied."""
+    transformers = import_transformers()
+    if arch not in ARCHES:
+        raise ValueError(f"tiny_config: arch must be one of {ARCHES}, got {arch!r}")
+    fields = dict(TINY, **overrides)
+    if arch == "v32":
+        return transformers.DeepseekV32Config(**fields)
+    layers = fields["num_hidden_layers"]
+    fields.setdefault("indexer_types", ["full" if i % 2 == 0 else "shared"
+                                        for i in range(layers)])
+    return transformers.GlmMoeDsaConfig(**fields)
+
+
+def model_class(config):
+    """The ``...ForCausalLM`` class of a DeepSeek-V3.2 or GLM-MoE-DSA config."""
+    transformers = import_transformers()
+    classes = {"deepseek_v32": transformers.DeepseekV32ForCausalLM,
+               "glm_moe_dsa": transformers.GlmMoeDsaForCausalLM}
+    try:
+        return classes[config.model_type]
+    except KeyError:
+        raise TypeError(f"torch_kvcm2.models supports model types {sorted(classes)}, not "
+                        f"{config.model_type!r}") from None
+
+
+def tiny_model(arch: str = "v32", dtype=None, seed: int = 0, attn_implementation: str = "sdpa",
+               device="cpu", **overrides):
+    """A tiny random model of ``arch`` with weights from ``seed``, in eval mode."""
+    import torch
+
+    config = tiny_config(arch, **overrides)
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device).eval()
