@@ -24,7 +24,7 @@ def fetch_setup(device, quick, *, units, unit_tokens, page, row_bytes=MLA_ROW):
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     seat(manager, batch, rows, history)
-    fill_random(manager.storage.groups[0], 0)
+    fill_random(manager.pool(0), 0)
     g = torch.Generator().manual_seed(1)
     selected = torch.stack([torch.randperm(history // unit_tokens, generator=g)[:K] for _ in range(rows)])
     selected[:, per_row:] = -1
@@ -44,7 +44,7 @@ def bench_fetch(timer, device, quick, *, units, unit_tokens, page, rid, target_p
     us = timer.graph(lambda: batch.fetch("l0"), calls)
     # check every fetched unit's bytes against its host page
     cells = batch.cells("l0", "kv").cpu()
-    host = manager.storage.slot_pages("l0", "kv", device_side=False)
+    host = manager.slot_pages("l0", "kv", device_side=False)
     misses = state.miss_list[: int(state.miss_count[0])].cpu().long()
     S, U = state.spec.sparse.slots, unit_tokens
     E = page // U
@@ -90,11 +90,11 @@ def bench_flush(timer, device, quick, ceil) -> Result:
     assert len(bound_launches(batch).flush) == 1, "one launch per sparse pool group"
     calls = 2 if quick else 10
     us = timer.graph(lambda: batch.flush(), calls)
-    host = manager.storage.slot_pages("l0", "kv", device_side=False)
+    host = manager.slot_pages("l0", "kv", device_side=False)
     for row, cache in batch.members().items():
         slot = cache.pages(0)[history // 64]
         for i in (0, layers - 1):
-            host_i = manager.storage.slot_pages(f"l{i}", "kv", device_side=False)
+            host_i = manager.slot_pages(f"l{i}", "kv", device_side=False)
             assert bool((host_i[slot, 0, history % 64] == (i + row * 3) % 256).all()), "flush wrote wrong bytes"
     del host
     nbytes = rows * layers * MLA_ROW
@@ -117,7 +117,7 @@ def scaling_point(timer, device, rows, K, S, miss, seed, full=False, net=False) 
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     seat(manager, batch, rows, H)
-    fill_random(manager.storage.groups[0], seed)
+    fill_random(manager.pool(0), seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     order = torch.rand((rows, H), generator=gen, device=device).argsort(-1)
     pos = torch.rand((rows, K), generator=gen, device=device).argsort(-1)[:, :new]
@@ -143,7 +143,7 @@ def scaling_point(timer, device, rows, K, S, miss, seed, full=False, net=False) 
     replay()
     got = (state.counters - saved[0][2]).tolist()
     assert got == [rows * (K - new), rows * new, 0], f"hits, misses, invalid = {got}"
-    check_selection(cells, manager.storage.slot_pages("l0", "kv"), batch.page_tables[0], sel1,
+    check_selection(cells, manager.slot_pages("l0", "kv"), batch.page_tables[0], sel1,
                     state.index_table, fresh)
     return {"rows": rows, "K": K, "S": S, "miss_pct": 100 * new / K, "misses": rows * new,
             "bytes": rows * new * MLA_ROW, "us": us}

@@ -44,7 +44,7 @@ def bench_capacity(device, quick) -> Result:
             assert batch.hit_rate(gi)["misses"] == K, "resolve over the whole context missed"
         cells = sum(batch.cells(f"l{i}", "kv").numel() for i in range(layers)) // batch.max_rows
         assert cells == layers * S * 1 * B, f"cells per request {cells} != S x U x B x layers"
-        tables = batch_memory_bytes(config, len(manager.storage.groups), 1)["gpu"] - cells
+        tables = batch_memory_bytes(config, manager.pool_groups, 1)["gpu"] - cells
         found.append({"context": ctx, "cells_bytes": cells, "dense_bytes": layers * ctx * B,
                       "table_bytes": tables, "gpu_alloc_for_request": grew})
         del manager, batch
@@ -116,9 +116,12 @@ def bench_start(device, quick) -> list:
     rates = {}
     for threads in dict.fromkeys(counts):
         manager = kv.KVCacheManager(config(grow + (64 << 20)), host_threads=threads)
+        # the one reach into the library: no public call allocates a pool group's slots alone
+        # (a cache's resize adds its page bookkeeping to the timed commit)
         group = manager.storage.groups[0]
         begin = time.perf_counter()
-        assert group.allocate(grow // group.slot_bytes) is not None, manager.storage.region.last_error
+        assert group.allocate(grow // group.slot_bytes) is not None, \
+            manager.stats()["host_region"]["last_error"]
         us = (time.perf_counter() - begin) * 1e6
         committed = manager.stats()["host_region"]["committed_bytes"]
         manager.close()

@@ -39,8 +39,7 @@ import torch
 
 import torch_kvcm2 as kv
 from harness import MLA_ROW, PAGE, Result, fill_random
-from torch_kvcm2.memory import batch_memory_bytes
-from torch_kvcm2.storage import Storage
+from torch_kvcm2.memory import batch_memory_bytes, pool_group_count
 
 INDEXER_KEY = 132  # bytes per token of DSA's dense indexer key
 
@@ -73,7 +72,7 @@ def preempt_config(device, sz: dict) -> tuple:
                               host_budget_bytes=host, device=device)
 
     probe = make(0, 0)
-    reserve = batch_memory_bytes(probe, len(Storage(probe).groups), 1)
+    reserve = batch_memory_bytes(probe, pool_group_count(probe), 1)
     # every request's pages, and one more each for the slack of ``imported``
     pages = (R - 1) * (-(-sz["history"] // PAGE) + 1) + -(-sz["victim"] // PAGE) + 1
     tier = (-(-sz["victim"] // PAGE) + 2) * layers * PAGE * INDEXER_KEY
@@ -158,22 +157,25 @@ def bench_preempt(device, quick, ceil) -> list:
     victim = imported(manager, V)
     victim_row = batch.add(victim)
     batch.publish()
-    dense = next(g for g in manager.storage.groups if not g.sparse)
-    fill_random(dense, 7)  # the indexer keys: never time zeros
+    dense = manager.buffer("l0", "indexer_k").pool_group  # the one dense pool group
+    pool = manager.pool(dense)  # its committed slots (read anew below: on the CPU they grow)
+    slot_bytes = pool.shape[1] * pool.shape[2]
+    fill_random(pool, 7)  # the indexer keys: never time zeros
     tier = manager.tier
     moved_pages = -(-V // PAGE)
-    nbytes = moved_pages * dense.slot_bytes
+    nbytes = moved_pages * slot_bytes
     layer_count = sum(sz["groups"])
 
     def victim_keys():
-        slots = torch.tensor(victim.pages(dense.index), dtype=torch.long, device=dense.data.device)
-        return dense.data[slots].clone()
+        keys = manager.pool(dense)
+        slots = torch.tensor(victim.pages(dense), dtype=torch.long, device=keys.device)
+        return keys[slots].clone()
 
     expected = victim_keys()
 
     # the steps with the preemption: the suspend, steps // 2 steps later the resume, then one
     # step per piece of the copy back after the first (issued at the resume), and one more
-    pieces = -(-moved_pages // max(1, sz["piece"] // dense.slot_bytes))  # whole slots a piece
+    pieces = -(-moved_pages // max(1, sz["piece"] // slot_bytes))  # whole slots a piece
     during_steps = steps // 2 + pieces + 1
     # the other rows' selections: per step 2% of K new units per row and group, the rest kept
     groups = config.selection_groups
@@ -212,7 +214,7 @@ def bench_preempt(device, quick, ceil) -> list:
         assert victim.suspend(offload=True) and victim.offloaded
         down.append(Clock.us(start, clock.mark(tier.stream if clock.cuda else None)))
         assert manager.stats()["gpu"]["used_bytes"] == \
-            sum(len(c.pages(dense.index)) for c in others) * dense.slot_bytes, "suspended: GPU bytes held"
+            sum(len(c.pages(dense)) for c in others) * slot_bytes, "suspended: GPU bytes held"
         start = clock.mark()
         assert victim.resume()
         batch.publish()  # its row: the rest of the copy back at once

@@ -78,9 +78,9 @@ def prefill(cache, ids: torch.Tensor, end: int) -> None:
     tokens = torch.arange(first * PAGE, last * PAGE)
     for i, layer in enumerate(manager.config.layers):
         for buf in layer.buffers:
-            place = manager.storage.place(layer.name, buf.role)
-            slots = torch.tensor(cache.pages(place.group)[first:last], dtype=torch.long)
-            pages = manager.storage.slot_pages(layer.name, buf.role, device_side=not buf.sparse)
+            group = manager.buffer(layer.name, buf.role).pool_group
+            slots = torch.tensor(cache.pages(group)[first:last], dtype=torch.long)
+            pages = manager.slot_pages(layer.name, buf.role, device_side=not buf.sparse)
             data = token_bytes(ids[tokens.clamp(max=len(ids) - 1)], i, buf.bytes_per_token)
             pages[slots.to(pages.device)] = data.view(last - first, 1, PAGE, -1).to(pages.device)
     cache.record_host_write(end)
@@ -122,9 +122,8 @@ def used_bytes(manager) -> dict:
 def check_requests(manager, batch, caches, ids, sz, share: bool) -> None:
     """Page lists share the owner's prefix pages (sharing) or hold none of them (private); the
     published tables equal the page lists; every page holds its tokens' bytes."""
-    storage = manager.storage
     prefix_pages = sz["prefix"] // PAGE
-    for gi, group in enumerate(storage.groups):
+    for gi in range(manager.pool_groups):
         table = batch.page_tables[gi].cpu()
         owner = caches[0].pages(gi)[:prefix_pages]
         for cache in caches:
@@ -136,10 +135,10 @@ def check_requests(manager, batch, caches, ids, sz, share: bool) -> None:
                 assert same == share, "prefix pages shared wrongly"
     for i, layer in enumerate(manager.config.layers):
         for buf in layer.buffers:
-            place = storage.place(layer.name, buf.role)
-            pages = storage.slot_pages(layer.name, buf.role, device_side=not buf.sparse)
+            group = manager.buffer(layer.name, buf.role).pool_group
+            pages = manager.slot_pages(layer.name, buf.role, device_side=not buf.sparse)
             for cache, own in zip(caches, ids):
-                slots = torch.tensor(cache.pages(place.group), dtype=torch.long)
+                slots = torch.tensor(cache.pages(group), dtype=torch.long)
                 n = cache.history_length
                 got = pages[slots.to(pages.device)].cpu().reshape(-1, buf.bytes_per_token)[:n]
                 assert torch.equal(got, token_bytes(own[:n], i, buf.bytes_per_token)), \
@@ -194,11 +193,10 @@ def time_step(timer, manager, batch, sels, sz):
     # every selected unit of the last selection, through the index table, holds its host bytes
     last = sels[sz["calls"]].long().cpu()
     index = state.index_table.long().cpu()
-    storage = manager.storage
     for i, name in enumerate(layers):
         cells = batch.cells(name, "kv").cpu()
-        host = storage.slot_pages(name, "kv", device_side=False)
-        table = batch.page_tables[storage.place(name, "kv").group].long().cpu()
+        host = manager.slot_pages(name, "kv", device_side=False)
+        table = batch.page_table(name, "kv").long().cpu()
         for row in batch.members():
             units, entries = last[row], index[row]
             assert bool((entries >= 0).all()), "a selected unit has no cell"
@@ -228,7 +226,7 @@ def create_and_seat(manager, batch, ids, sz, repeats: int) -> dict:
         end = time.perf_counter()
         assert cache.reused_tokens == sz["prefix"] and cache.history_length == sz["prefix"]
         assert used_bytes(manager) == before, "create_cache(token_ids) allocated slots"
-        for g in range(len(manager.storage.groups)):
+        for g in range(manager.pool_groups):
             pages = cache.pages(g)
             got = batch.page_tables[g][row, :len(pages)].cpu().tolist()
             assert got == pages, "the published row is not the shared page list"

@@ -188,14 +188,14 @@ def bench_torch(timer, device, quick) -> Result:
     w = resolve_workload(device, quick, seed=3)
     batch, state, manager, rows, K, S, calls, new = (w.batch, w.state, w.manager, w.rows, w.K,
                                                      w.S, w.calls, w.new)
-    fill_random(manager.storage.groups[0], 4)
+    fill_random(manager.pool(0), 4)
     assert batch.lease.tolist() == list(range(rows))
     batch.resolve(0, w.sels[0])
     batch.fetch("l0")  # steady state: the first selection resident and in its cells
     saved = snapshot([state])
     cells = batch.cells("l0", "kv")
-    host = manager.storage.slot_pages("l0", "kv")  # what ops see (the UVA view on CUDA)
-    page_table = batch.page_tables[manager.storage.place("l0", "kv").group]
+    host = manager.slot_pages("l0", "kv")  # what ops see (the UVA view on CUDA)
+    page_table = batch.page_table("l0", "kv")
     ref = TorchResolveFetch(state.resident, state.recency, cells.clone(), host, page_table)
     ref_saved = ref.state()
     step = [0]

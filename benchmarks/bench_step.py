@@ -36,9 +36,8 @@ def run_step(timer, device, quick, groups, seed, rows=None, modes=("layer", "non
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     seat(manager, batch, R, H, capacity=H + 1)  # token H is in flight
-    pool = manager.storage.groups[0]
-    assert len(manager.storage.groups) == 1 and len(bound_launches(batch).flush) == 1
-    fill_random(pool, seed)
+    assert manager.pool_groups == 1 and len(bound_launches(batch).flush) == 1
+    fill_random(manager.pool(0), seed)
     new = max(1, round(K * 0.02))
     gen = torch.Generator(device=device).manual_seed(seed)
     order = torch.rand((G, R, H), generator=gen, device=device).argsort(-1)
@@ -108,7 +107,7 @@ def run_step(timer, device, quick, groups, seed, rows=None, modes=("layer", "non
             pattern = ((torch.arange(R, device=device) * 3 + li * 7 + 1) % 256).to(torch.uint8)
             patterns[layer] = pattern[:, None].expand(R, B)
             cells[:, 0][write // PAGE, write % PAGE] = patterns[layer]
-            manager.storage.slot_pages(layer, "kv")[:, 0][host_slot, H % PAGE] = 0
+            manager.slot_pages(layer, "kv")[:, 0][host_slot, H % PAGE] = 0
         replays.pop(mode)()
         for gi, st in enumerate(states):
             got = (st.counters - saved[gi][2]).tolist()
@@ -117,18 +116,20 @@ def run_step(timer, device, quick, groups, seed, rows=None, modes=("layer", "non
             assert bool((st.index_table >= 0).all()), f"{mode}: group {gi}: a selected unit has no entry"
         for layer in sample:
             gi = config.group_of(layer).index
-            host = manager.storage.slot_pages(layer, "kv")
+            host = manager.slot_pages(layer, "kv")
             check_selection(batch.cells(layer, "kv"), host, page_table, sels1[gi],
                             states[gi].index_table, fresh[gi])
             assert torch.equal(host[:, 0][host_slot, H % PAGE], patterns[layer]), \
                 f"{mode}: {layer}: flush wrote wrong bytes"
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    pool = manager.stats()["pool_groups"][0]  # the host pool's reservation, committed or not
+    host_bytes = pool["slots"] * pool["scale"] * pool["page_bytes"]
     cells_bytes = sum(batch.cells(layer, "kv").numel() for ls in group_layers for layer in ls)
     return {"us": times[checked[0]], **{f"{mode}_us": t for mode, t in times.items()},
             "rows": R, "K": K, "S": S, "history": H,
             "layers": L, "groups": G, "new": new,
             "fetch_bytes": R * new * B * L, "flush_bytes": R * B * L, "cells_bytes": cells_bytes,
-            "host_bytes": pool.data.numel(), "gpu_peak_bytes": peak, "sample": sample}
+            "host_bytes": host_bytes, "gpu_peak_bytes": peak, "sample": sample}
 
 
 def bench_step(timer, device, quick, ceil, pres_us) -> list:
@@ -258,7 +259,7 @@ def bench_step_wall(timer, device, quick, rows=None, all_groups=False) -> list:
     # end), so no top-up (page work at a publish) falls in a timed loop
     reserve = 40 * PAGE
     manager, batch, caches = reserved_step_batch(device, sz, reserve)
-    fill_random(manager.storage.groups[0], 11)
+    fill_random(manager.pool(0), 11)
     gen = torch.Generator(device=device).manual_seed(11)
     order = torch.rand((G, R, H), generator=gen, device=device).argsort(-1).to(torch.int32)
     core, walk = order[..., :K - new], order[..., K - new:K - new + period * new]
@@ -379,7 +380,7 @@ def bench_step_wall(timer, device, quick, rows=None, all_groups=False) -> list:
 
     fresh = measure(lambda i: i % period, R * new * G, obs=default)
     resident = measure(lambda i: i % 4, 0) if default else None
-    batch.catch_up()
+    batch.poll()
     del graphs
     assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran out of pages"
     assert [c.history_length for c in caches] == [H + step[0]] * R, "every step advanced every row"

@@ -77,7 +77,7 @@ def write_patterns(batch, layers, device) -> None:
 def check_patterns(manager, batch, layers, H, device) -> None:
     host_slot = batch.page_tables[0][:, H // PAGE].long()
     for li, layer in enumerate(layers):
-        pages = manager.storage.slot_pages(layer, "kv")
+        pages = manager.slot_pages(layer, "kv")
         got = pages[:, 0][host_slot, H % PAGE]
         want = pattern(li, batch.max_rows, device)[:, None].expand_as(got)
         assert torch.equal(got, want), f"P-TP: layer {layer}: the flushed token is wrong"

@@ -52,7 +52,7 @@ def main() -> None:
     # every step advances every row by one token: the reserve's top-ups at the publishes keep
     # the rows within max_tokens_per_row for the <= 8 pages of steps made here
     manager, batch, caches = reserved_step_batch(device, sz, 4 * PAGE)
-    fill_random(manager.storage.groups[0], 11)
+    fill_random(manager.pool(0), 11)
     gen = torch.Generator(device=device).manual_seed(11)
     sel = [torch.rand((R, H), generator=gen, device=device).argsort(-1)[:, :K].to(torch.int32)
            .contiguous() for _ in range(G)]
@@ -70,7 +70,7 @@ def main() -> None:
     step()
     assert counts(batch) == [[0, R * K, 0]] * G, f"cold step: (hits, misses, invalid) {counts(batch)}"
     layer = batch.config.selection_groups[0].layers[0]
-    check_selection(batch.cells(layer, "kv"), manager.storage.slot_pages(layer, "kv"),
+    check_selection(batch.cells(layer, "kv"), manager.slot_pages(layer, "kv"),
                     batch.page_tables[0], sel[0], batch.groups[0].index_table,
                     torch.ones((R, K), dtype=torch.bool, device=device))
     for _ in range(9):
@@ -146,7 +146,7 @@ def main() -> None:
     for label, fn in rows:
         print(f"{label:60s} median {median_us(fn, sync):7.2f} us", flush=True)
     batch.publish()
-    batch.catch_up()
+    batch.poll()
     assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran out of pages"
     assert [c.history_length for c in caches] == [H + steps[0]] * R, "a step did not advance every row"
     if device == "cuda" and "--profile" in sys.argv[1:]:

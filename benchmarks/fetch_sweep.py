@@ -187,15 +187,17 @@ def host_child(device: str = "cuda") -> dict:
         manager, batch, state, _ = bench_fetch.fetch_setup(device, quick, units=units,
                                                            unit_tokens=unit_tokens, page=64,
                                                            row_bytes=row_bytes)
-        cells, pools, positions, tables = (list(x) for x in harness.bound_launches(batch).fetch["l0"])
-        assert len(cells) == 1 and positions == [0] and cells[0].shape[1] == 1, \
-            "one buffer of one chunk at position 0 expected"
-        pool = manager.storage.groups[0]
-        table = tables[0]
+        info = manager.buffer("l0", "kv")  # the fetch op's arguments for layer l0, as bound
+        assert (info.pool_group, info.pos, info.chunks) == (0, 0, 1), \
+            "one buffer of one chunk at position 0 of pool group 0 expected"
+        cells, positions = [batch.cells("l0", "kv")], [info.pos]
+        table = batch.page_table("l0", "kv")
+        tables = [table]
+        pool = manager.pool(0)  # the committed slots, as ops see them
         slots = int(table.max()) + 1
-        assert slots <= pool.committed_slots, "the page table names an uncommitted slot"
-        shape = (slots,) + tuple(pool.data.shape[1:])
-        nbytes = slots * pool.slot_bytes
+        assert slots <= pool.shape[0], "the page table names an uncommitted slot"
+        shape = (slots,) + tuple(pool.shape[1:])
+        nbytes = slots * pool.shape[1] * pool.shape[2]
         S, U = state.spec.sparse.slots, unit_tokens
         misses = state.miss_list[: int(state.miss_count[0])].cpu().long()
         table_cpu = table.cpu().long()
@@ -217,15 +219,15 @@ def host_child(device: str = "cuda") -> dict:
             out.append({"shape": label, "backing": name, "us": us, "bytes": len(misses) * U * row_bytes,
                         "address_mod_2M": address % (2 << 20), "huge_page_kb": huge_kb})
 
-        manager_cpu = pool.data.view(-1)[:nbytes]
-        measure("manager", manager_cpu, pools[0].view(-1)[:nbytes], manager_cpu.data_ptr(),
+        manager_cpu = manager.pool(0, device_side=False).view(-1)[:nbytes]
+        measure("manager", manager_cpu, pool.view(-1)[:nbytes], manager_cpu.data_ptr(),
                 anon_huge_kb(manager_cpu.data_ptr(), nbytes))
         for name, host_cpu, host_dev, address, huge_kb in host_buffers(nbytes, device):
             host_cpu.copy_(manager_cpu)
             measure(name, host_cpu, host_dev, address, huge_kb)
             del host_cpu, host_dev
             harness.release(device)
-        del manager, batch, state, cells, pools, tables, manager_cpu, pool
+        del manager, batch, state, cells, tables, table, manager_cpu, pool
         harness.release(device)
     return {"h2d": ceil["h2d"], "results": out}
 

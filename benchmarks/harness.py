@@ -11,8 +11,8 @@ this module only, besides the library).
 * output checks: ``check_selection`` (every selected unit's bytes through the index table);
 * output: ``Result`` (one table row), ``print_table`` / ``print_scaling`` / ``write_json`` (run.py's
   table and JSON), ``report`` (a stand-alone script's rows), ``machine_title``, ``pick_device``;
-* ``bound_launches``: the one place that reads a batch's bound launch arguments (privates of
-  ``Batch``).
+* ``bound_launches``: the one place that reads a batch's bound flush launches (a private of
+  ``Batch``: no public call lists them).
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ from types import SimpleNamespace
 import torch
 
 import torch_kvcm2 as kv
-from torch_kvcm2.memory import batch_memory_bytes
-from torch_kvcm2.storage import Storage
+from torch_kvcm2.memory import batch_reserve_bytes
 
 MLA_ROW = 656  # bytes per token of DeepSeek's FP8 MLA latent row
 PAGE = 64  # tokens per page in every benchmark
@@ -237,7 +236,7 @@ def sparse_config(device, *, rows, width, slots, unit, page, bytes_per_token, la
                               host_budget_bytes=host, device=device)
 
     probe = make(0, 0)
-    reserve = {m: rows * n for m, n in batch_memory_bytes(probe, len(Storage(probe).groups), 1).items()}
+    reserve = batch_reserve_bytes(probe)  # max_rows one-row batches: rows x one row's memory
     if host_bytes is None:
         pages = -(-tokens_per_row // page)
         host_bytes = rows * pages * layers * page * bytes_per_token + (1 << 20)
@@ -260,12 +259,13 @@ def seat(manager, batch, rows, history, capacity=None):
     return caches
 
 
-def fill_random(pool, seed: int) -> None:
-    """Random bytes in the committed slots of a host pool group, written in place by a kernel
-    through the view ops see (the UVA view on CUDA: it reaches every registered range, where
-    one copy-engine transfer may not span two registrations). Only the committed prefix is
-    real memory; the rest of the reservation is left alone."""
-    flat = pool.device_data[:pool.committed_slots].view(-1)
+def fill_random(pool: torch.Tensor, seed: int) -> None:
+    """Random bytes in ``pool``, a pool group's committed slots as ops see them
+    (``manager.pool(g)``: the UVA view of a host group on CUDA, which reaches every registered
+    range, where one copy-engine transfer may not span two registrations), written in place by a
+    kernel. Only the committed prefix is real memory; the rest of the reservation is left
+    alone."""
+    flat = pool.view(-1)
     gen = torch.Generator(device=flat.device).manual_seed(seed)
     chunk = 1 << 28
     for i in range(0, flat.numel(), chunk):
@@ -377,11 +377,11 @@ def machine_title(device: str) -> str:
 
 
 def bound_launches(batch) -> SimpleNamespace:
-    """A batch's bound launch arguments, read here only (privates of ``Batch``): ``fetch``, per
-    sparse layer ``(cells, pools, positions, page_tables)``; ``flush``, one tuple per launch,
-    ``(pool, positions, cells, resident, inflight_slots, page_table)``."""
+    """A batch's bound flush launches, read here only (a private of ``Batch``: no public call
+    lists them): ``flush``, one tuple per launch, ``(pool, positions, cells, resident,
+    inflight_slots, page_table)``."""
     step = batch._step  # device_step.DeviceStep
-    return SimpleNamespace(fetch=step.fetch_args, flush=[before for before, _ in step.flush_args])
+    return SimpleNamespace(flush=[before for before, _ in step.flush_args])
 
 
 def graph_step_gpu_us(batch, replay, steps: int) -> float:

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -23,20 +24,48 @@ import torch_kvcm2  # noqa: E402,F401  (loads the host_register op)
 from torch_kvcm2 import host_region as hr  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
-MADV_HUGEPAGE = 14
+# the mappings are this script's own (the library's host region maps its memory the same way)
+PROT_READ, PROT_WRITE = 1, 2
+MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x20, 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
+MADV_DONTNEED, MADV_HUGEPAGE = 4, 14
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.mmap.restype = ctypes.c_void_p
+LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def fresh(nbytes: int) -> int:
     """A fresh anonymous mapping, 2 MiB aligned (so huge pages can back all of it)."""
-    flags = hr._MAP_PRIVATE | hr._MAP_ANONYMOUS | hr._MAP_NORESERVE
-    address = hr._libc.mmap(None, nbytes + 2 * MiB, hr._PROT_READ | hr._PROT_WRITE, flags, -1, 0)
-    assert address not in (None, hr._MAP_FAILED)
+    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+    address = LIBC.mmap(None, nbytes + 2 * MiB, PROT_READ | PROT_WRITE, flags, -1, 0)
+    assert address not in (None, MAP_FAILED)
     return hr.round_up(address, 2 * MiB)
+
+
+def run_parallel(fn, items, threads: int) -> list:
+    """``[fn(item) ...]`` on up to ``threads`` threads (inline for one), exceptions returned in
+    place of results: how the host region runs its pieces."""
+    def guarded(item):
+        try:
+            return fn(item)
+        except BaseException as exc:  # noqa: BLE001 -- reported by the caller
+            return exc
+
+    if threads <= 1 or len(items) <= 1:
+        return [guarded(item) for item in items]
+    try:
+        with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
+            return list(pool.map(guarded, items))
+    except RuntimeError:  # e.g. no new threads at interpreter shutdown
+        return [guarded(item) for item in items]
 
 
 def timed(fn, pieces, threads) -> float:
     begin = time.perf_counter()
-    results = hr._run_parallel(fn, pieces, threads)
+    results = run_parallel(fn, pieces, threads)
     elapsed = time.perf_counter() - begin
     failed = [r for r in results if isinstance(r, BaseException)]
     assert not failed, failed[0]
@@ -49,7 +78,7 @@ def case(nbytes, piece, threads, device, what, huge=False):
     ops = hr.HostMemoryOps()
     address = fresh(nbytes)
     if huge:
-        assert hr._libc.madvise(address, nbytes, MADV_HUGEPAGE) == 0
+        assert LIBC.madvise(address, nbytes, MADV_HUGEPAGE) == 0
     out = {"what": what + (" (THP)" if huge else ""), "piece_mib": piece // MiB, "threads": threads}
     pieces = [(address + o, min(piece, nbytes - o)) for o in range(0, nbytes, piece)]
     try:
@@ -65,7 +94,7 @@ def case(nbytes, piece, threads, device, what, huge=False):
                 out["register_s"] = timed(lambda p: ops.register(p[0], p[1], device), pieces,
                                           threads)
             elif device is not None and what == "register only":  # registration faults pages in
-                hr._libc.madvise(address, nbytes, hr._MADV_DONTNEED)
+                LIBC.madvise(address, nbytes, MADV_DONTNEED)
                 out["register_s"] = timed(lambda p: ops.register(p[0], p[1], device), pieces,
                                           threads)
         # check: the memory is real and writable
@@ -75,7 +104,7 @@ def case(nbytes, piece, threads, device, what, huge=False):
         if device is not None and ("register_s" in out or what == "populate+register"):
             for a, n in pieces:
                 ops.unregister(a, n, device)
-        hr._libc.munmap(address, nbytes)  # the unaligned head/tail (< 2 MiB) stays mapped
+        LIBC.munmap(address, nbytes)  # the unaligned head/tail (< 2 MiB) stays mapped
     for key, name in (("s", "all_gbs"), ("populate_s", "populate_gbs"), ("register_s", "register_gbs")):
         if key in out:
             out[name] = nbytes / out[key] / 1e9

@@ -81,8 +81,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_kvcm2 as kv  # noqa: E402
-from torch_kvcm2.memory import batch_memory_bytes  # noqa: E402
-from torch_kvcm2.storage import Storage  # noqa: E402
+from torch_kvcm2.memory import batch_memory_bytes, pool_group_count  # noqa: E402
 from harness import Result, pick_device, write_json  # noqa: E402
 
 WORD = 4  # bytes per int32 word of the stand-in model's KV
@@ -177,14 +176,18 @@ def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
     ``max_rows`` rows at construction, so the rows and the requests' pages share each budget.
     Read off the batch memory of 1 and 2 rows and one request's pages per medium."""
     config = build_config(shape, side, device, context, 1)
-    groups = Storage(config).groups  # pool groups without memory: pages per medium
-    reserved = [batch_memory_bytes(config, len(groups), rows) for rows in (1, 2)]
+    reserved = [batch_memory_bytes(config, pool_group_count(config), rows) for rows in (1, 2)]
     pages = -(-(context + shape.output) // shape.page)
+    # a request's page of every buffer, per medium: sparse buffers in host pools, dense in GPU
+    page_bytes = {"gpu": 0, "host": 0}
+    for layer in config.layers:
+        for buf in layer.buffers:
+            page_bytes["host" if buf.sparse else "gpu"] += config.tokens_per_page * buf.bytes_per_token
     best, binding = None, None
     for medium, budget in (("gpu", shape.gpu_kv_gb), ("host", shape.host_gb)):
         per_row = reserved[1][medium] - reserved[0][medium]
         fixed = reserved[0][medium] - per_row
-        request = sum(pages * g.slot_bytes for g in groups if g.medium == medium)
+        request = pages * page_bytes[medium]
         if per_row + request == 0:
             continue
         rows = int((budget * 1e9 * shape.scale - fixed) // (per_row + request))
@@ -378,9 +381,9 @@ class Side:
                 step()
             level.step_ms.append((time.perf_counter() - start) * 1e3)
             level.host_ms.append(host * 1e3)
-        batch.catch_up()
+        batch.poll()
         level.parts_ms = step.parts(batch)  # eager, timed by part; advances the rows too
-        batch.catch_up()
+        batch.poll()
         hits, misses, fetched = (a - b for a, b in zip(self.counted(), before))
         if self.side == "kvcm2":
             groups = len(self.config.selection_groups)
@@ -429,7 +432,6 @@ class DecodeStep:
         self.kvcm2 = side.side == "kvcm2"
         self.fetches = kv.FetchStream(batch) if overlap and self.kvcm2 else None
         self.index, self.write_entry = {}, {}  # per selection group, this step's tables
-        storage = side.manager.storage
         self.rid = torch.arange(rows, device=dev, dtype=torch.int32)  # request i sits at row i
         for i, cache in enumerate(members):
             assert batch.row_of(cache) == i
@@ -440,15 +442,15 @@ class DecodeStep:
         self.views, self.pages, self.keys, self.key_slots = {}, {}, {}, {}
         for name in side.names:
             for role in ("kv", "ik"):
-                place = storage.place(name, role)
-                scale = storage.groups[place.group].scale
-                table = batch.page_tables[place.group][:rows, :self.npages].long()
+                info = side.manager.buffer(name, role)
+                scale = info.scale
+                table = batch.page_table(name, role)[:rows, :self.npages].long()
                 slots = torch.where(table >= 0, table, 0)  # pages past the reserve: never read
                 # a row's page indices in the buffer's view (slot x scale + the buffer's place)
-                self.pages[name, role] = slots * scale + place.pos
+                self.pages[name, role] = slots * scale + info.pos
                 self.views[name, role] = view = side.manager.buffer_view(name, role)
                 if role == "ik":  # the indexer reads this buffer's pages of the slots in use
-                    self.keys[name] = view[place.pos::scale][:int(slots.max()) + 1]
+                    self.keys[name] = view[info.pos::scale][:int(slots.max()) + 1]
                     self.key_slots[name] = slots
         # the locality model's selections: a kept core plus a window walking older history
         gen = torch.Generator(device="cpu").manual_seed(7 + rows)
