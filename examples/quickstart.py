@@ -8,14 +8,17 @@ CUDA kernels and a GPU is visible, else on the CPU.
     python examples/quickstart.py [--prompt-lengths 40,70] [--steps 6] [--device cpu] [--help]
 """
 import argparse
+import dataclasses
 import sys
 
 import torch
 
 import torch_kvcm2 as kv
+from torch_kvcm2.memory import batch_reserve_bytes
 
 from flags import (Part, add_device_flag, check_memory, pick_device, positive_int,
                    prompt_lengths)  # examples/flags.py
+from running import Estimate  # examples/running.py
 
 P, U, K, S, I, B = 16, 1, 8, 16, 4, 64  # page, unit, width, slots, in-flight tokens, bytes/token
 LAYERS = ("layer0", "layer1")
@@ -34,21 +37,25 @@ prompts = args.prompt_lengths
 ROWS = len(prompts)
 max_tokens = -(-(max(prompts) + args.steps) // P) * P  # whole pages for the longest request
 pool_bytes = ROWS * max_tokens * B * len(LAYERS)  # every page of every request
-check_memory(parser, sys.argv[1:], [  # before anything is allocated
-    Part("the cache's host pages", pool_bytes, ("--prompt-lengths", "--steps"), "host"),
-    Part("the cache's GPU budget", (1 << 20) + ROWS * max_tokens * 64, ("--prompt-lengths",),
-         "device"),
-    Part("the prefill's positions and token bytes", max(prompts) * (ROWS * 8 + 18 * B),
-         ("--prompt-lengths",), "host"),
-], device)
-device = device.type
 latent = kv.BufferSpec("kv", bytes_per_token=B, sparse=True)
 sparse = kv.SparseSpec(tokens_per_unit=U, width=K, slots=S, max_inflight_tokens=I,
                        selection_id="indexer0")
 config = kv.CacheConfig(tokens_per_page=P, layers=[kv.LayerSpec(n, [latent], sparse=sparse) for n in LAYERS],
                         max_rows=ROWS, max_tokens_per_row=max_tokens,
-                        gpu_budget_bytes=(1 << 20) + ROWS * max_tokens * 64,
-                        host_budget_bytes=(1 << 20) + pool_bytes, device=device)
+                        gpu_budget_bytes=0, host_budget_bytes=0, device=device)  # budgets below
+# the batch's cells, tables and staging come off the budgets first (nothing allocated yet)
+reserve = batch_reserve_bytes(config)
+check_memory(parser, sys.argv[1:], [  # before anything is allocated
+    Part("the cache's host pages", pool_bytes, ("--prompt-lengths", "--steps"), "host"),
+    Part("the batch's staging", reserve["host"], ("--prompt-lengths", "--steps"), "host"),
+    Part("the batch's cells and tables", reserve["gpu"], ("--prompt-lengths", "--steps"),
+         "device"),
+    Part("the prefill's positions and token bytes", max(prompts) * (ROWS * 8 + 18 * B),
+         ("--prompt-lengths",), "host"),
+], device)
+device = device.type
+config = dataclasses.replace(config, gpu_budget_bytes=reserve["gpu"] + (1 << 20),
+                             host_budget_bytes=reserve["host"] + pool_bytes + (1 << 20))
 manager = kv.KVCacheManager(config)
 batch = kv.Batch(manager)
 
@@ -75,7 +82,7 @@ def write_step():
             positions = torch.full((ROWS, max(len(host), 1)), -1, dtype=torch.int32, device=device)
             positions[row, :len(host)] = host
             index = batch.host_token_indices(layer, "kv", positions)[row]
-            write(manager.storage.view(layer, "kv"), index, positions[row], i)
+            write(manager.buffer_view(layer, "kv"), index, positions[row], i)
             inflight = s0 + torch.arange(table.shape[1], device=device)
             write(batch.cells(layer, "kv"), table[row], inflight, i)
 
@@ -85,6 +92,7 @@ for cache, length in zip(caches, prompts):
     assert cache.resize(capacity=length)  # prefill: the whole prompt is new this step
     batch.add(cache)
 generator = torch.Generator().manual_seed(0)
+estimate = Estimate("quickstart", args.steps, "steps", flags=("--steps", "--prompt-lengths"))
 for step in range(args.steps):
     batch.publish()
     selected = torch.full((ROWS, K), -1, dtype=torch.int32)
@@ -111,9 +119,10 @@ for step in range(args.steps):
     stats = batch.hit_rate(0)
     print(f"step {step}: lengths {[c.history_length for c in caches]}, selected tokens read back "
           f"from cells OK, hits {stats['hits']} misses {stats['misses']}")
-host = manager.storage.slot_pages("layer1", "kv", device_side=False)  # [slot, chunk, P, B]
+    estimate.update(step + 1)  # one line on stderr first if the steps will take minutes
+host = manager.slot_pages("layer1", "kv", device_side=False)  # [slot, chunk, P, B]
 for cache in caches:  # every token of history is on its host pages
-    pages = torch.tensor(cache.pages(manager.storage.place("layer1", "kv").group))
+    pages = torch.tensor(cache.pages(manager.buffer("layer1", "kv").pool_group))
     t = torch.arange(cache.history_length)
     assert torch.equal(host[pages[t // P], 0, t % P], token_bytes(1, t.to(device)).cpu())
 print(f"device {device}: all history verified on host pages; hit rate {batch.hit_rate(0)['hit_rate']:.2f}")

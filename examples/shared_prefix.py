@@ -29,7 +29,7 @@ from torch_kvcm2.memory import batch_reserve_bytes
 
 from flags import (Part, add_device_flag, check_memory, human, pick_device, positive_int,
                    size)  # examples/flags.py
-from running import Progress  # examples/running.py
+from running import Estimate, Progress  # examples/running.py
 
 P, U, K, S, I, B = 16, 1, 8, 16, 4, 64  # page, unit, width, slots, in-flight tokens, bytes/token
 LAYERS = ("layer0", "layer1")
@@ -130,14 +130,16 @@ def select(row: int, h: int) -> torch.Tensor:
     return picks[row]
 
 
-def step(rows, what):
+def step(rows, what, flags=("--requests",)):
     """One step of the seated requests ``rows``: publish; resolve K units of history per row
     (most of them the previous step's); fetch; write the new tokens ([history, s0) to host pages, [s0, capacity) to cells); check
     every selected token read from the cells; declare, flush, advance history. Its progress,
-    as ``what``, goes to stderr when it lasts."""
+    as ``what``, goes to stderr when it lasts (with an estimate naming ``flags`` when it will
+    last minutes)."""
     batch.publish()
     members = batch.members()
-    shown, done = Progress(what, 2 * len(LAYERS) * len(rows), "rows x layers (write, check)"), 0
+    shown, done = Progress(what, 2 * len(LAYERS) * len(rows), "rows x layers (write, check)",
+                           flags=flags), 0
     selected = torch.full((ROWS, K), -1, dtype=torch.int32)
     for row in rows:
         h = members[row].history_length
@@ -154,7 +156,7 @@ def step(rows, what):
             positions = torch.full((ROWS, max(s0 - h, 1)), -1, dtype=torch.int32)
             positions[row, :s0 - h] = torch.arange(h, s0, dtype=torch.int32)
             host = batch.host_token_indices(layer, "kv", positions.to(device))[row]
-            write(manager.storage.view(layer, "kv"), host, row, positions[row], i)
+            write(manager.buffer_view(layer, "kv"), host, row, positions[row], i)
             write(batch.cells(layer, "kv"), table[row], row, s0 + torch.arange(table.shape[1]), i)
             done += 1
             shown.update(done)
@@ -185,11 +187,11 @@ first = manager.create_cache(tokens[0])
 assert first.reused_tokens == 0
 batch.add(first)
 assert first.resize(capacity=prompt)
-reads = step([0], "prefill of the first request")
+reads = step([0], "prefill of the first request", ("--prefix", "--private"))
 committed = first.commit(tokens[0][:first.history_length])
 # the others: the system prompt's pages are shared; each prefills only its own message
 caches = [first]
-seating = Progress("seating the later requests", ROWS - 1, "requests")
+seating = Progress("seating the later requests", ROWS - 1, "requests", flags=("--requests",))
 for row in range(1, ROWS):
     seating.update(row - 1)
     cache = manager.create_cache(tokens[row])
@@ -197,20 +199,27 @@ for row in range(1, ROWS):
     assert cache.resize(capacity=prompt)
     caches.append(cache)
 reused = [c.reused_tokens for c in caches]
+# the rest of the run, a request's step at a time: a line with an estimate when it will take
+# minutes (a single step that long says so itself, from its progress)
+rest = Estimate("the later prefill and the decode steps", ROWS - 1 + args.steps * ROWS,
+                "request-steps", flags=("--requests", "--steps"))
 if ROWS > 1:
     reads += step(list(range(1, ROWS)), "prefill of the later requests")
+    rest.update(ROWS - 1)
 for number in range(args.steps):  # decode: one new token per request
     for row, cache in enumerate(caches):
         tokens[row] = torch.cat([tokens[row], torch.randint(0, 100_000, (1,), generator=generator)])
         assert cache.resize(capacity=cache.capacity + 1)
     reads += step(list(range(ROWS)), f"decode step {number + 1} of {args.steps}")
+    rest.update(ROWS - 1 + (number + 1) * ROWS)
 history = 0
-verifying = Progress("verifying the host pages", len(LAYERS) * ROWS, "rows x layers")
+verifying = Progress("verifying the host pages", len(LAYERS) * ROWS, "rows x layers",
+                     flags=("--requests",))
 for i, layer in enumerate(LAYERS):  # every token of history is on its host pages
-    host = manager.storage.slot_pages(layer, "kv", device_side=False)
+    host = manager.slot_pages(layer, "kv", device_side=False)
     for row, cache in enumerate(caches):
         verifying.update(i * ROWS + row)
-        pages = torch.tensor(cache.pages(manager.storage.place(layer, "kv").group))
+        pages = torch.tensor(cache.pages(manager.buffer(layer, "kv").pool_group))
         t = torch.arange(cache.history_length)
         if not torch.equal(host[pages[t // P], 0, t % P], token_bytes(i, tokens[row][t], t)):
             raise SystemExit(f"check failed: request {row} {layer}: history on host pages")
