@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import torch
 
 #: where the requirement ids that messages cite (``CFG-1``, ``STO-4``, ...) are defined
@@ -67,6 +68,9 @@ def release_deferred() -> None:
 
 
 def check_int(name: str, value, minimum: int = 0) -> int:
+    """``value`` as a Python int (numpy integers accepted), at least ``minimum``."""
+    if isinstance(value, np.integer):
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:

@@ -164,6 +164,7 @@ class Batch:
         the last publish, unless ``advance`` moved lengths since): ``page_tables`` [G, max_rows,
         max_pages_per_row] and ``lengths`` [6, max_rows] (history, capacity, lease, written,
         declared, allocated tokens). Read-only views."""
+        self._check_usable("Batch.host_tables")
         return self._table.mirror.host_view()
 
     # ---- the lengths of many rows at once (HOST-3, HOST-4) ----
@@ -574,6 +575,7 @@ class Batch:
         (``page_tables[manager.buffer(layer, role).pool_group]``): entry ``[r, p]`` is the slot
         of page ``p`` of the member at row ``r`` (BAD where it has none), as of the last
         publish. Fixed address. KeyError for an unknown or zero-size buffer."""
+        self._check_usable("Batch.page_table")
         group = self.manager.buffer(layer, role).pool_group
         if group is None:
             raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
@@ -582,6 +584,7 @@ class Batch:
     def cells(self, layer: str, role: str) -> torch.Tensor:
         """The cells of a sparse buffer: uint8[max_rows*S/E, chunks, P, B/chunks]; the token with
         index ``i`` (from write_indices or entry*U + t mod U) is ``[i // P, :, i % P]``."""
+        self._check_usable("Batch.cells")
         try:
             return self._step.cells[(layer, role)]
         except KeyError:
@@ -591,11 +594,18 @@ class Batch:
     # ---- counters and inspection (OP-COUNT, OP-INSPECT) ----
     def hit_miss(self, group: Union[int, str]) -> torch.Tensor:
         """The group's live device counters int64[hits, misses, invalid]; no synchronisation."""
+        self._check_usable("Batch.hit_miss")
         return self.group(group).counters
+
+    def _check_usable(self, what: str) -> None:
+        """RuntimeError once the batch or its manager is closed: its tensors must not be used."""
+        self.manager.check_open(what)
+        if self._table.closed:
+            raise RuntimeError(f"{what}: the batch is closed")
 
     def hit_rate(self, group: Union[int, str]) -> dict:
         """Counters as Python numbers (synchronises), with hit_rate = hits / (hits + misses)."""
-        hits, misses, invalid = self.group(group).counters.tolist()
+        hits, misses, invalid = self.hit_miss(group).tolist()
         total = hits + misses
         return {"hits": hits, "misses": misses, "invalid": invalid,
                 "hit_rate": hits / total if total else 0.0}
@@ -632,8 +642,12 @@ class Batch:
     def close(self, discard: bool = False) -> None:
         """Unseat every member and return the batch's memory to the manager's reserve. Refused
         (RuntimeError, nothing changed) while a member has tokens in flight, unless
-        ``discard=True`` (see ``remove``)."""
+        ``discard=True`` (see ``remove``). Waits for the device (``poll``). Closing again, or
+        after the manager's close, does nothing."""
         table = self._table
+        if table.closed or self.manager.closed:  # again, or after the manager released it all
+            table.closed = True
+            return
         table.check_host_call("Batch.close")
         self.poll()  # closing waits for the device: the members' final lengths, its counters
         members = list(table.members().values())

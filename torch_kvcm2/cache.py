@@ -510,7 +510,13 @@ class KVCache:
 
     def close(self) -> None:
         """The abort path: leave the batch discarding any in-flight tokens, and free every page
-        (host tier pages included). Every later call raises RuntimeError."""
+        (host tier pages included). Every later call raises RuntimeError, except ``close``,
+        which does nothing again (nor after the manager's close, which released everything)."""
+        if self.state == CLOSED:
+            return
+        if self.manager.closed:
+            self.state = CLOSED
+            return
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.close")
         if self._table is not None:

@@ -384,6 +384,7 @@ class Storage:
                     layer.name, buf.role, buf.bytes_per_token, buf.chunks, buf.sparse, group, pos
                 )
         self.budget = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
+        self.capped = {"gpu": 0, "host": 0}  # budget beyond what int32 indices can address
         self.reserved = {"gpu": 0, "host": 0}
         self.tiers: list[Optional[PoolGroup]] = [None] * len(self.groups)  # TIER-1, by group
         self.tier_bytes = 0
@@ -533,6 +534,12 @@ class Storage:
             ))
         # Page and token indices of views are int32: cap the slot count so none can overflow.
         limit = INT32_MAX // (max(g.scale for g in groups) * self.config.tokens_per_page)
+        if slots > limit:
+            self.capped[medium] = (slots - limit) * per_slot
+            logger.warning("the %s budget holds %d slots per pool group, more than int32 page "
+                           "and token indices can address; %d are used and %d bytes of the "
+                           "budget stay unused (stats()['%s']['capped_bytes'])", medium, slots,
+                           limit, self.capped[medium], medium)
         return min(slots, limit)
 
     # ---- slots ----
@@ -656,7 +663,8 @@ class Storage:
         host medium's used, free and committed bytes include the tiers', and
         ``host_tier_bytes`` / ``host_tier_used_bytes`` give the tiers' budget and use."""
         groups = []
-        media = {m: {"budget_bytes": self.budget[m], "reserved_bytes": self.reserved[m],
+        media = {m: {"budget_bytes": self.budget[m], "capped_bytes": self.capped[m],
+                     "reserved_bytes": self.reserved[m],
                      "used_bytes": 0, "shared_bytes": 0, "cached_bytes": 0, "free_bytes": 0,
                      "committed_bytes": 0}
                  for m in ("gpu", "host")}
