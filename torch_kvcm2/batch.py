@@ -114,6 +114,14 @@ class Batch:
         host pools' device views), each once; their addresses never change (BAT-1)."""
         return self._step.state_tensors()
 
+    def _bound(self, tensor, shape) -> bool:
+        """The one fast-path guard of the step calls: an eager call on a published, open batch
+        whose tensor already has the bound shape, dtype and device, so the ops' own checks are
+        the only ones needed. Anything else takes the checked path, whose refusal names the
+        caller's argument; traced calls always do."""
+        return (tensor.__class__ is torch.Tensor and not torch.compiler.is_compiling()
+                and self._table.ready and fits(tensor, shape, self._step.device))
+
     # ---- membership (BAT-2) ----
     def add(self, cache: KVCache, row: Optional[int] = None) -> int:
         """Seat ``cache`` at the lowest free row (or ``row``) and give it a lease; returns the row."""
@@ -197,8 +205,7 @@ class Batch:
         ``record_advance()``. Windowed pages behind the window are released, and reserves taken
         again, at the first ``publish`` after the read-back is applied."""
         step = self._step
-        if (accepted.__class__ is torch.Tensor and not torch.compiler.is_compiling()
-                and self._table.ready and fits(accepted, step.rows_shape, step.device)):
+        if self._bound(accepted, step.rows_shape):
             step.advance(accepted)
         else:
             self._table.check_step("Batch.advance")
@@ -223,8 +230,7 @@ class Batch:
             table.record_host_writes(None)
             table.publish()  # declarations only: per-step calls still run
         compiling = torch.compiler.is_compiling()
-        if not (accepted.__class__ is torch.Tensor and not compiling and table.ready
-                and fits(accepted, step.rows_shape, step.device)):
+        if not self._bound(accepted, step.rows_shape):
             table.check_step("Batch.finish_step")
             check_rows_tensor("accepted", accepted, self.config.device, self.max_rows)
         step.finish(accepted)
@@ -279,8 +285,7 @@ class Batch:
         return self.groups[group]
 
     def resolve(self, group: Union[int, str], selected: torch.Tensor,
-                out: Optional[torch.Tensor] = None, fetch: Union[bool, Sequence[str]] = False
-                ) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, fetch: bool = False) -> torch.Tensor:
         """OP-RESOLVE for one selection group: ``selected`` int32[max_rows, K] unit ordinals
         (negative = padding), or int32[max_rows, T', K] for a step of ``1 <= T' <= T`` query
         tokens per row (T = ``max_query_tokens``; MTP-2). Returns the index table of the same
@@ -288,11 +293,11 @@ class Batch:
         unless ``out`` is given. Updates residency, the group's miss list and counters, and the
         group's write indices (``write_indices`` returns them).
 
-        ``fetch``: also fetch the misses into the cells of every layer of the group (True) or of
-        the named layers of it (a layer name or a sequence of them), as ``fetch(*layers)`` right
-        after would; False (default) leaves the fetch to the caller, per layer or several at
-        once. Resolve, write indices and fetch run in one call (OP-STEP: one op instead of three,
-        which is what an eager step spends its host time on).
+        ``fetch``: also fetch the misses into the cells of every layer of the group (True), as
+        ``fetch(*layers)`` right after would: resolve, write indices and fetch in one call
+        (OP-STEP: one op instead of three, which is what an eager step spends its host time
+        on). False (default) leaves the fetch to the caller: ``fetch`` per layer or several at
+        once, or ``FetchStream`` to overlap it with attention.
 
         A multi-token step resolves the union of each row's T' selections once (MTP-3, docs/MTP.md):
         a unit selected by several query tokens is one hit or one miss, in one slot, and every
@@ -300,10 +305,11 @@ class Batch:
         (fixed, BAT-1); T' is part of the shape, so a captured graph serves one T'."""
         step = self._step
         index = self._group_index.get(group) if group.__class__ in (int, str) else None
-        if (index is not None and out is None and fetch.__class__ is bool
-                and selected.__class__ is torch.Tensor and not torch.compiler.is_compiling()
-                and not step.fetch_events and self._table.ready
-                and fits(selected, step.selection_shapes[index], step.device)):
+        if fetch.__class__ is not bool:
+            raise TypeError(f"Batch.resolve: fetch must be True (every layer of the group) or "
+                            f"False, got {fetch!r}")
+        if index is not None and out is None and self._bound(selected,
+                                                             step.selection_shapes[index]):
             return step.resolve_bound(index, selected, fetch)  # the bound arguments
         state = self.group(group)
         self._table.check_step("Batch.resolve")
@@ -313,23 +319,7 @@ class Batch:
         if out is not None:
             check_index_tensor("out", out, device, tuple(selected.shape))
             table = out
-        if fetch is False:
-            plan = ()
-        else:
-            if fetch is True:
-                layers = state.spec.layers
-            elif isinstance(fetch, str):
-                layers = (fetch,)
-            elif isinstance(fetch, (tuple, list)) and fetch:
-                layers = tuple(fetch)
-            else:
-                raise TypeError(f"Batch.resolve: fetch must be False, True (every layer of the "
-                                f"group) or a non-empty sequence of the group's layer names, got "
-                                f"{fetch!r}")
-            plan = step.fetch_plan(layers)
-            if plan[0] is not state:
-                raise ValueError(f"Batch.resolve: fetch names layers of another selection group "
-                                 f"than {state.spec.name!r}: {list(layers)}")
+        plan = step.fetch_plan(state.spec.layers) if fetch else ()
         return step.resolve(state, selected, table, plan)
 
     def resolve_groups(self, selected: Sequence[Optional[torch.Tensor]], fetch: bool = True
@@ -359,9 +349,7 @@ class Batch:
                                else ""))
         if fetch.__class__ is not bool:
             raise TypeError(f"Batch.resolve_groups: fetch must be True or False, got {fetch!r}")
-        if (not torch.compiler.is_compiling() and not step.fetch_events and self._table.ready
-                and all(t.__class__ is torch.Tensor and fits(t, shape, step.device)
-                        for t, shape in zip(selected, step.selection_shapes))):
+        if all(self._bound(t, shape) for t, shape in zip(selected, step.selection_shapes)):
             step.resolve_groups_bound(list(selected), fetch)  # the bound arguments
             return [state.index_table for state in step.groups]
         self._table.check_step("Batch.resolve_groups")
@@ -390,21 +378,6 @@ class Batch:
         plan = self._step.fetch_plan(layers)
         self._table.check_step("Batch.fetch")
         self._step.fetch(plan)
-
-    def fetch_sparse_pages(self, layer: str, selected: torch.Tensor,
-                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """OP-FETCH-FUSED: resolve + fetch for a layer alone in its selection group (a shared
-        group raises ValueError: resolve once, then fetch per layer). ``selected`` and the
-        returned index table have ``resolve``'s shapes: int32[max_rows, K] or
-        int32[max_rows, T', K]."""
-        self._step._layer_args(layer)
-        group = self.config.group_of(layer)
-        if len(group.layers) != 1:
-            raise ValueError(
-                f"Batch.fetch_sparse_pages: layer {layer!r} shares selection group "
-                f"{group.name!r} with {len(group.layers) - 1} other layer(s); call resolve once "
-                f"per step and fetch per layer")
-        return self.resolve(group.index, selected, out, fetch=(layer,))
 
     def write_indices(self, group: Union[int, str], out: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -460,8 +433,7 @@ class Batch:
         enforced by ``publish``."""
         step, compiling = self._step, torch.compiler.is_compiling()
         known = None  # host-visible per-row targets
-        if (new_history.__class__ is torch.Tensor and not compiling and self._table.ready
-                and fits(new_history, step.rows_shape, step.device)):
+        if self._bound(new_history, step.rows_shape):
             target = new_history  # the bound shape: no checks before the ops'
         else:
             self._table.check_step("Batch.flush")
@@ -536,16 +508,6 @@ class Batch:
                                   storage.groups[place.group].scale, place.pos,
                                   self.config.tokens_per_page)
         return out
-
-    def record_fetch(self, group: Union[int, str]) -> None:
-        """The ordering contract of REQUIREMENTS §8 across streams: call on the stream that ran a
-        fetch of ``group`` (after it); the group's next ``resolve`` makes its stream wait for it.
-        Not needed when every op of a group runs on one stream. CUDA only; eager only. For
-        fetches overlapped with attention, eagerly or in a captured graph, ``FetchStream``
-        (docs/ENGINE.md) orders every direction by events."""
-        state = self.group(group)
-        if self.config.device.type == "cuda":
-            self._step.record_fetch(state)
 
     def sync(self) -> None:
         """TP-3, the ordering point of the ranks of a host group (nothing without one): this

@@ -8,8 +8,8 @@ own checks (``arguments``) run first where the caller's tensor does not fit the 
 refusal names the caller's argument.
 
 State besides the tensors: per group the lengths epoch its last resolve saw (``writes_epoch``:
-its write table is current while the table store's epoch has not moved since) and the events of
-fetches run on another stream (``fetch_events``, REQUIREMENTS §8).
+its write table is current while the table store's epoch has not moved since). Fetches on
+another stream are ordered by ``FetchStream`` (``overlap.py``).
 """
 from __future__ import annotations
 
@@ -81,7 +81,6 @@ class DeviceStep:
         self.flush_args = self._new_flush_args()
         self.shape_pairs = [n for shape in rules.shapes_of(self.config) for n in shape]
         self.writes_epoch = [-1] * len(self.groups)
-        self.fetch_events: dict[int, torch.cuda.Event] = {}
         self.selection_shapes = [tuple(s.index_table.shape) for s in self.groups]
         self.rows_shape = (self.max_rows,)
         # the bound argument lists: per group (without, with the fetch of all its layers), and
@@ -278,9 +277,6 @@ class DeviceStep:
     def resolve_groups(self, states: list, selected: list, tables: list, fetch: bool) -> None:
         """Any resolve of several groups at once: ``states`` in group order, each with its
         selection and output table."""
-        for state in states:
-            if self.fetch_events:
-                self.wait_fetches(state)
         before, after = self._groups_args(states, tables, fetch)
         ops.resolve_groups(*before, selected, *after)
         if not torch.compiler.is_compiling():  # traced: no host state (write_indices knows)
@@ -298,8 +294,6 @@ class DeviceStep:
                 plan: tuple) -> torch.Tensor:
         """Any resolve: ``table`` the output (the batch's own or the caller's), ``plan`` a fetch
         plan of the group's layers or ()."""
-        if self.fetch_events:
-            self.wait_fetches(state)
         before, after = self._resolve_args(state, table, plan)
         ops.resolve_step(*before, selected, *after)
         if not torch.compiler.is_compiling():  # traced: no host state (write_indices knows)
@@ -344,13 +338,3 @@ class DeviceStep:
         selection group at once."""
         ops.clear_leases([s.resident for s in self.groups], [s.recency for s in self.groups],
                          leases)
-
-    # ---- streams (REQUIREMENTS §8) ----
-    def record_fetch(self, state: GroupState) -> None:
-        event = self.fetch_events.setdefault(state.spec.index, torch.cuda.Event())
-        event.record()
-
-    def wait_fetches(self, state: GroupState) -> None:
-        event = self.fetch_events.pop(state.spec.index, None)
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)

@@ -107,8 +107,6 @@ class PrefixIndex:
         self.queried_tokens = 0  # create_cache(token_ids): tokens asked for, and shared
         self.matched_tokens = 0
         self.evicted_slots = 0
-        for group in groups:
-            group.prefix = self
 
     @property
     def entries(self) -> int:

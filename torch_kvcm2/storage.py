@@ -141,7 +141,6 @@ class PoolGroup:
         self.refs = self.owner = self.stamp = None
         self.cached_slots = 0
         self._lru: list[tuple[int, int]] = []
-        self.prefix = None  # the PrefixIndex of the storage (set by it)
         self.fence: Optional[np.ndarray] = None  # int32[num_slots], made at the first fence
         self.fence_events: dict = {}  # fence id -> torch.cuda.Event
         self._fence_ids = 0
