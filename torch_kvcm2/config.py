@@ -13,10 +13,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import lengths
+from . import _C, lengths
 from ._util import cite
 
-BAD = -1  #: "no page / no entry"; never scaled, never folded to 0
+BAD = _C.BAD  #: "no page / no entry" (-1, csrc/rules.h); never scaled, never folded to 0
 INT32_MAX = 2**31 - 1
 
 

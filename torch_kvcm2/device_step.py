@@ -14,7 +14,7 @@ another stream are ordered by ``FetchStream`` (``overlap.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -51,6 +51,24 @@ class GroupState:
     # uint8: the CUDA resolve's table region for rows too wide for shared memory (CUDA groups
     # of more than one query token; docs/MTP.md), else None
     resolve_scratch: Optional[torch.Tensor] = None
+
+
+class GroupLists(NamedTuple):
+    """``resolve_groups``' per-group tensor lists before the selections, in the op's order
+    (one entry per resolved group; ``cells`` every fetched buffer's, ``scratch`` the groups'
+    resolve scratch, indexed by their group_params)."""
+
+    resident: list
+    recency: list
+    index_table: list
+    miss_list: list
+    miss_count: list
+    counters: list
+    inflight_slots: list
+    write_table: list
+    inflight_start: list
+    cells: list
+    scratch: list
 
 
 class DeviceStep:
@@ -234,7 +252,7 @@ class DeviceStep:
         """``resolve_groups``' arguments around the selections for ``states`` (group states in
         group order) writing ``tables``: (before them, after them); ``fetch`` every layer of
         each group. Each host pool and page table is passed once (``buffer_params`` index them)."""
-        before = [[] for _ in range(11)]
+        before = GroupLists(*([] for _ in GroupLists._fields))
         pools, page_tables, params, buffer_params = [], [], [], []
 
         def index_of(items: list, t: torch.Tensor) -> int:
@@ -252,18 +270,21 @@ class DeviceStep:
                     self.fetch_plan(state.spec.layers)
                 for pool, pos, page_table in zip(group_pools, group_positions, group_tables):
                     buffer_params += [index_of(pools, pool), pos, index_of(page_tables, page_table)]
-            for i, t in enumerate((state.resident, state.recency, table, state.miss_list,
-                                   state.miss_count, state.counters, state.inflight_slots,
-                                   state.write_table, state.inflight_start)):
-                before[i].append(t)
-            before[9] += cells
+            for name, t in (("resident", state.resident), ("recency", state.recency),
+                            ("index_table", table), ("miss_list", state.miss_list),
+                            ("miss_count", state.miss_count), ("counters", state.counters),
+                            ("inflight_slots", state.inflight_slots),
+                            ("write_table", state.write_table),
+                            ("inflight_start", state.inflight_start)):
+                getattr(before, name).append(t)
+            before.cells.extend(cells)
             scratch = -1
             if state.resolve_scratch is not None:
-                scratch = len(before[10])
-                before[10].append(state.resolve_scratch)
+                scratch = len(before.scratch)
+                before.scratch.append(state.resolve_scratch)
             params += [sp.tokens_per_unit, sp.max_inflight_tokens, state.spec.window or 0,
                        state.spec.sinks, scratch, len(cells)]
-        return (tuple(before), (self.history, self.capacity, self.lease, pools, page_tables,
+        return (before, (self.history, self.capacity, self.lease, pools, page_tables,
                                 self.config.tokens_per_page, params, buffer_params))
 
     def resolve_groups_bound(self, selected: list, fetch: bool) -> None:

@@ -12,16 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
+from . import _C, ops
 from .config import CacheConfig, SelectionGroup
 
 INT32 = torch.int32
 INT64 = torch.int64
 UINT8 = torch.uint8
 
-#: rows of the lengths part of a batch's table store (one int32[max_rows] each)
-HISTORY, CAPACITY, LEASE, WRITTEN, DECLARED, ALLOCATED = range(6)
-LENGTH_ROWS = 6
+#: rows of the lengths part of a batch's table store (one int32[max_rows] each), as the native
+#: library defines them (csrc/rules.h, exported by torch_kvcm2._C)
+HISTORY, CAPACITY, LEASE, WRITTEN, DECLARED, ALLOCATED = (
+    _C.HISTORY, _C.CAPACITY, _C.LEASE, _C.WRITTEN, _C.DECLARED, _C.ALLOCATED)
+LENGTH_ROWS = _C.LENGTH_ROWS
 #: pinned staging buffers of the publish ring counted in the reserve (more are made on demand
 #: only when the GPU lags this many publishes behind)
 STAGING_BUFFERS = 2

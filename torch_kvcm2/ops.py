@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from . import _C
 from .config import max_inflight_units  # noqa: F401  (re-exported: the one home of the rule)
 
 __all__ = [
@@ -52,16 +53,20 @@ _ops = torch.ops.torch_kvcm2
 #: Ops used only at setup, outside compiled or captured regions; not per-step state transitions.
 SETUP_OPS = frozenset({"uva_view", "host_register"})
 
-MISS_FIELDS = 4  # (lease, slot, row, unit) per miss-list entry
-NUM_COUNTERS = 3  # hits, misses, invalid
+# The layouts the ops share with this module, defined once in the native library (csrc/rules.h,
+# groups.h, rank_sync.h) and exported by torch_kvcm2._C:
+#: (lease, slot, row, unit) per miss-list entry
+MISS_FIELDS = _C.MISS_FIELDS
+#: hits, misses, invalid
+NUM_COUNTERS = _C.NUM_COUNTERS
 #: A selection group's miss count, int32[4]: [0] the last resolve's entries; [2:4] the CUDA
 #: resolve's reservation word, zero between resolves (allocate it zeroed); [1] padding.
-MISS_COUNT_WORDS = 4
+MISS_COUNT_WORDS = _C.MISS_COUNT_WORDS
 #: ``resolve_groups``' group_params per group: (tokens_per_unit, max_inflight_tokens, window,
 #: sinks, index into scratch or -1, buffers to fetch); its buffer_params per buffer: (index into
 #: host_pools, position in a slot, index into page_tables).
-GROUP_FIELDS = 6
-BUFFER_FIELDS = 3
+GROUP_FIELDS = _C.GROUP_FIELDS
+BUFFER_FIELDS = _C.BUFFER_FIELDS
 
 
 def convert_page_indices(
@@ -390,12 +395,12 @@ def rank_wait(header: Tensor, pools: Sequence[Tensor], gen: Tensor, rank: int, w
 # csrc/rank_sync.h), check for check, in the same order and naming the same argument, and raises
 # RuntimeError as TORCH_CHECK does. They read metadata only; they run at trace time only.
 
-#: Rows of a batch's lengths (csrc/kvcm2.h: kLengthRows).
-_LENGTH_ROWS = 6
-_MAX_WATERMARK_SHAPES = 16  # kMaxWatermarkShapes
+#: Rows of a batch's lengths (csrc/rules.h: kLengthRows).
+_LENGTH_ROWS = _C.LENGTH_ROWS
+_MAX_WATERMARK_SHAPES = _C.MAX_WATERMARK_SHAPES
 _INT32_MAX = 2**31 - 1
-_HEADER_WORDS = 512  # csrc/rank_sync.h: kWords
-_MAX_WORLD = 64  # kMaxWorld
+_HEADER_WORDS = _C.HEADER_WORDS  # csrc/rank_sync.h: kWords
+_MAX_WORLD = _C.MAX_WORLD
 
 
 def _check(cond, message) -> None:

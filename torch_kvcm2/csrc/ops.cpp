@@ -4,17 +4,52 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "groups.h"
+#include "rank_sync.h"
+#include "rules.h"
+
 namespace torch_kvcm2 {
 PyMethodDef* rules_methods();  // rules_py.cpp: rules.h's length rules, for the parity test
 }
 
 extern "C" {
 // Importing torch_kvcm2._C loads this library so the registrations below run; its module
-// functions expose rules.h's length rules (rules_py.cpp).
+// functions expose rules.h's length rules (rules_py.cpp), and its integer constants are the
+// layouts the ops and the Python side share, defined here once (ops.py reads them).
 PyObject* PyInit__C(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
                                torch_kvcm2::rules_methods()};
-  return PyModule_Create(&module);
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+  using namespace torch_kvcm2;
+  const struct {
+    const char* name;
+    long value;
+  } constants[] = {
+      {"BAD", BAD},
+      {"MISS_FIELDS", kMissFields},
+      {"MISS_COUNT_WORDS", kMissCountWords},
+      {"NUM_COUNTERS", kNumCounters},
+      {"MAX_WATERMARK_SHAPES", kMaxWatermarkShapes},
+      {"LENGTH_ROWS", kLengthRows},
+      {"HISTORY", kHistory},
+      {"CAPACITY", kCapacity},
+      {"LEASE", kLease},
+      {"WRITTEN", kWritten},
+      {"DECLARED", kDeclared},
+      {"ALLOCATED", kAllocated},
+      {"GROUP_FIELDS", static_cast<long>(kGroupFields)},
+      {"BUFFER_FIELDS", static_cast<long>(kBufferFields)},
+      {"HEADER_WORDS", static_cast<long>(rank_header::kWords)},
+      {"MAX_WORLD", static_cast<long>(rank_header::kMaxWorld)},
+  };
+  for (const auto& c : constants) {
+    if (PyModule_AddIntConstant(m, c.name, c.value) != 0) {
+      Py_DECREF(m);
+      return nullptr;
+    }
+  }
+  return m;
 }
 }
 
