@@ -35,7 +35,7 @@ from .layout import INDEXER_KEYS, LATENT, group_id, indexer_bytes, latent_bytes,
 from .support import describe
 
 MODES = ("scatter", "absorbed")
-KERNELS = (None, "triton", "reference")
+KERNELS = (None, "sparse_mla", "reference")
 BAD = -1
 
 
@@ -49,12 +49,21 @@ def write_rows(paged: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -
     """``paged``'s token ``index[n]`` = ``values[n]`` for every index that is not BAD, with fixed
     shapes (compilable and capturable): each token's bytes, as int32 words, get the difference
     new - old added at valid indices and 0 at BAD ones (sent to token 0). Integer sums wrap
-    exactly and valid indices are distinct, so the result is the new bits exactly."""
+    exactly and valid indices are distinct, so the result is the new bits exactly. For device
+    memory (cells, dense pools): it adds with atomics, which host pages mapped into a GPU's
+    address space need not honour (``put_rows``)."""
     words = as_rows(paged, torch.int32)
     new = values.contiguous().view(torch.int32)
     valid = index >= 0
     safe = torch.where(valid, index, 0).long()
     words.index_add_(0, safe, torch.where(valid[:, None], new - words[safe], 0))
+
+
+def put_rows(paged: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``write_rows`` for host pages (the prefill path, eager only): an indexed store of the
+    valid rows, no atomics, its shape data-dependent."""
+    valid = index >= 0
+    as_rows(paged, values.dtype)[index[valid].long()] = values[valid]
 
 
 def read_rows(paged: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,11 +97,13 @@ class SparseMLACache:
     batch's manager must have been built from ``layout.cache_config(describe(model), ...)``.
     ``mode``: "scatter" (the selected latents put back at their positions, then the stock
     attention math) or "absorbed" (MLA weight absorption over the K selected latents).
-    ``kernel`` (absorbed decode only): None for the torch computation, "triton" for
-    ``torch_kvcm2.models.sparse_mla.sparse_mla_decode`` over the cells through the index table,
-    "reference" for its torch reference. ``static_length``: every step's key length (positions
-    beyond a row's capacity masked), so decode steps have one shape (compile, CUDA graphs);
-    None sizes each step to its longest row, as transformers' dynamic cache does.
+    ``kernel`` (absorbed decode only): None for this module's torch computation, "sparse_mla"
+    for ``torch_kvcm2.models.sparse_mla.sparse_mla_decode`` reading the cells through the index
+    table (its Triton kernel on a GPU, its torch implementation elsewhere; the 512 + 64 latent
+    row of the real models only), "reference" for that module's plain reference.
+    ``static_length``: every step's key length (positions beyond a row's capacity masked), so
+    decode steps have one shape (compile, CUDA graphs); None sizes each step to its longest
+    row, as transformers' dynamic cache does.
 
     A step: ``inputs = cache.prepare_step({row: token_ids})`` (publishes the batch; each row's
     capacity must be its history plus its new tokens), ``model.model(**inputs,
@@ -128,7 +139,11 @@ class SparseMLACache:
         install(model)
 
     def _check_layout(self, config) -> None:
+        """The manager's config must be ``layout.cache_config``'s for this model."""
         spec = self.spec
+        if latent_bytes(spec) % 4 or indexer_bytes(spec) % 4:
+            raise ValueError("SparseMLACache: a token's latent and indexer key must be whole "
+                             "4-byte words (write_rows adds int32 words)")
         for i in range(spec.num_layers):
             name = layer_name(i)
             try:
@@ -140,15 +155,12 @@ class SparseMLACache:
             want = {LATENT: latent_bytes(spec)}
             if spec.has_indexer(i):
                 want[INDEXER_KEYS] = indexer_bytes(spec)
-            if sizes != want or layer.sparse.selection_id != group_id(spec.leader[i]) \
-                    or layer.sparse.tokens_per_unit != 1 or layer.sparse.width != spec.index_topk:
+            sparse = layer.sparse
+            if (sizes != want or sparse is None or sparse.selection_id != group_id(spec.leader[i])
+                    or sparse.tokens_per_unit != 1 or sparse.width != spec.index_topk):
                 raise ValueError(f"SparseMLACache: layer {name!r} of the manager's config does not "
                                  f"match the model (buffers {sizes}, want {want}); build it with "
                                  f"torch_kvcm2.models.cache_config")
-        for i in range(spec.num_layers):
-            if (latent_bytes(spec) % 4) or (spec.has_indexer(i) and indexer_bytes(spec) % 4):
-                raise ValueError("SparseMLACache: a token's latent and indexer key must be whole "
-                                 "4-byte words")
 
     # ---- the step, driver side ----
     def prepare_step(self, tokens: Mapping[int, Sequence[int]]) -> dict:
@@ -268,7 +280,7 @@ class SparseMLACache:
         if self.step.any_prefill:
             host = torch.where(positions < start[:, None], positions, BAD)
             index = batch.host_token_indices(name, LATENT, host)
-            write_rows(self.manager.buffer_view(name, LATENT), index.flatten(), flat)
+            put_rows(self.manager.buffer_view(name, LATENT), index.flatten(), flat)
         column = (positions - start[:, None]).long()
         slot = table.gather(1, column.clamp(0, table.shape[1] - 1))
         inflight = (positions >= 0) & (column >= 0) & (column < table.shape[1])
@@ -393,5 +405,5 @@ def _load_kernel(kernel: Optional[str]):
     except ImportError as error:
         raise RuntimeError(f"SparseMLACache: kernel={kernel!r} needs "
                            f"torch_kvcm2.models.sparse_mla ({error})") from error
-    return (sparse_mla.sparse_mla_decode if kernel == "triton"
+    return (sparse_mla.sparse_mla_decode if kernel == "sparse_mla"
             else sparse_mla.sparse_mla_decode_reference)

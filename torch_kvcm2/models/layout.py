@@ -71,13 +71,12 @@ def cache_config(spec: ModelSpec, *, max_rows: int, max_tokens_per_row: int,
         sparse = kv.SparseSpec(tokens_per_unit=1, width=width, slots=slots,
                                max_inflight_tokens=1, selection_id=group_id(spec.leader[i]))
         layers.append(kv.LayerSpec(layer_name(i), buffers, sparse=sparse))
-    pages = -(-max_tokens_per_row // tokens_per_page) * max_rows
-    page_bytes = tokens_per_page * max_rows  # slack per table row
-    dense = pages * tokens_per_page * indexer_bytes(spec) * len(spec.leaders)
-    sparse_host = pages * tokens_per_page * latent_bytes(spec) * spec.num_layers
+    tokens = -(-max_tokens_per_row // tokens_per_page) * tokens_per_page * max_rows
+    dense = tokens * indexer_bytes(spec) * len(spec.leaders)
+    sparse_host = tokens * latent_bytes(spec) * spec.num_layers
     cells = max_rows * slots * latent_bytes(spec) * spec.num_layers
-    # tables, residency state and staging are small; a quarter more and 8 MiB cover them
-    gpu = (dense + cells) * 5 // 4 + (8 << 20) + page_bytes
+    # tables, residency state and staging are small: a quarter more and 8 MiB cover them
+    gpu = (dense + cells) * 5 // 4 + (8 << 20)
     host = sparse_host * 5 // 4 + (8 << 20) + host_tier_bytes
     return kv.CacheConfig(tokens_per_page=tokens_per_page, layers=layers, max_rows=max_rows,
                           max_tokens_per_row=max_tokens_per_row, gpu_budget_bytes=gpu,
