@@ -15,8 +15,10 @@
 #   round robin (tests_cuda_1_shard1.log ...): about N times faster on the GPU machine's cores,
 #   and a second process on the GPU shows host reads that do not wait for the device;
 #   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
-#   reduce-overhead, --graph; shared_prefix.py; serve.py eager and --graph --delays).
+#   reduce-overhead, --graph; shared_prefix.py; serve.py eager and --graph --delays; generate.py
+#   --check: both models, bf16, the absorbed kernel, --compile and --graph).
 #   SERVE=1 runs benchmarks/serve.py (P-SERVE: serve.txt, serve.json, serve.png).
+#   ATTN=1 runs benchmarks/bench_attn.py (P-ATTN: attn.txt, attn.json; ATTN_ARGS its flags).
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only); without it the
 #   benchmarks end with benchmarks/eager_parts.py (the eager step's host time per call).
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
@@ -93,7 +95,11 @@ if [ "${TESTS:-1}" = 1 ]; then
   # the main example on the GPU: eager, compiled, and compiled into CUDA graphs
   [ "${EXAMPLES:-1}" = 1 ] && for run in "sparse_decode.py" "sparse_decode.py --compile" \
       "sparse_decode.py --compile reduce-overhead" "sparse_decode.py --graph" \
-      "shared_prefix.py" "serve.py" "serve.py --graph --delays"; do
+      "shared_prefix.py" "serve.py" "serve.py --graph --delays" \
+      "generate.py --check" "generate.py --check --arch glm" "generate.py --check --dtype bfloat16" \
+      "generate.py --check --mode absorbed --kernel sparse_mla" \
+      "generate.py --check --compile" "generate.py --check --graph" \
+      "generate.py --check --arch glm --graph"; do
     echo "== examples/$run" | tee -a "$OUT/examples.log"
     python3 examples/$run 2>&1 | tail -7 | tee -a "$OUT/examples.log"
     echo "example $run rc: ${PIPESTATUS[0]}" | tee -a "$OUT/examples.log" "$OUT/gpu.txt"
@@ -105,6 +111,11 @@ if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/run.py --json "$OUT/bench.json" ${SCALING:+--scaling} \
     ${BENCH_ONLY:+--only "$BENCH_ONLY"} 2>&1 | tee "$OUT/bench.txt"
   [ -z "${BENCH_ONLY:-}" ] && python3 benchmarks/eager_parts.py 2>&1 | tee "$OUT/eager_parts.txt"
+fi
+if [ "${ATTN:-0}" = 1 ]; then
+  # P-ATTN: the sparse MLA decode kernel over cells against the same kernel over a dense cache
+  python3 benchmarks/bench_attn.py --json "$OUT/attn.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn.txt"
+  echo "attn rc: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
 fi
 if [ "${SERVE:-0}" = 1 ]; then
   # P-SERVE: both sides, both contexts, table + JSON + plot (matplotlib when installed)

@@ -97,3 +97,27 @@ def test_a_broken_block_is_caught(tmp_path):
         run_block("assert 1 + 1 == 3", tmp_path)
     with pytest.raises(SyntaxError):
         compile("fetches = kv.FetchStream(batch\n", "<fragment>", "exec")
+
+
+def _masked(line: str) -> str:
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", line.strip())
+
+
+def test_the_readme_quick_start_prints_the_line_it_shows(tmp_path):
+    """The README's quick start shows generate.py --check's verdict line: the run prints a line
+    of that form (its figures vary by machine and are masked), and exits 0."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = re.search(r"^## Quick start\n(.*?)(?=^## )", readme, re.S | re.M).group(1)
+    assert "examples/generate.py --check" in section
+    shown = [line for block in re.findall(r"^```\n(.*?)^```\n", section, re.S | re.M)
+             for line in block.splitlines() if line.startswith("check passed")]
+    assert len(shown) == 1, shown
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "generate.py"),
+                             "--check", "--device", "cpu"], capture_output=True, text=True,
+                            timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    printed = [line for line in result.stdout.splitlines() if line.startswith("check passed")]
+    assert [_masked(line) for line in printed] == [_masked(shown[0])], (printed, shown)
