@@ -165,7 +165,7 @@ class Model:
                 continue
             host = batch.host_token_indices(layer, role, positions).cpu()
             ok = host >= 0
-            view = self.manager.storage.view(layer, role)
+            view = self.manager.buffer_view(layer, role)
             idx = host[ok].long()
             self.check_host_direct(layer, role, idx)
             pos = positions.cpu()[ok]
@@ -211,12 +211,12 @@ class Model:
     def check_host(self, cache):
         """Every token of history reads back from its host page (SAFE-1), once settled."""
         self.settle()
-        storage = self.manager.storage
+        manager = self.manager
         t = torch.arange(cache.history_length)
         ids = self.history_ids(cache)
         for layer, role, key, _, nbytes in self.buffers:
-            pages = torch.tensor(cache.pages(storage.place(layer, role).group), dtype=torch.long)
-            host = storage.slot_pages(layer, role, device_side=False)
+            pages = torch.tensor(cache.pages(manager.buffer(layer, role).pool_group), dtype=torch.long)
+            host = manager.slot_pages(layer, role, device_side=False)
             got = host[pages[t // P], :, t % P].reshape(len(t), nbytes)
             assert torch.equal(got, self.content(key, t, ids, nbytes)), (cache, layer, role)
 

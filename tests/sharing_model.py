@@ -8,29 +8,29 @@ import numpy as np
 import torch
 
 import torch_kvcm2 as kv
+from inspect_state import free_slot_mask, prefix_tables, slot_owners, slot_refs
 from safety_model import MAX_ROWS, P as SAFETY_P, Model
 
 
 def check_references(manager, caches):
     """Every slot's reference count is the number of open caches holding it; a free slot is
     unreferenced and uncommitted; counts per group add up (no slot freed while referenced)."""
-    for group in manager.storage.groups:
-        expected = np.zeros(group.num_slots, dtype=np.int64)
+    for stats in manager.stats()["pool_groups"]:
+        g = stats["index"]
+        refs, owners, free = slot_refs(manager, g), slot_owners(manager, g), free_slot_mask(manager, g)
+        expected = np.zeros(stats["slots"], dtype=np.int64)
         for cache in caches:
             if cache.closed:
                 continue
-            first, keep = cache._live[group.index]
-            row = cache._page_row(group.index)[first:keep]
+            first, keep = cache._live[g]
+            row = cache._page_row(g)[first:keep]
             assert (row >= 0).all()
             np.add.at(expected, row, 1)
-        assert np.array_equal(group.refs, expected), group.index
-        free = np.ones(group.num_slots, dtype=bool)
-        free[:group._next] = False
-        free[group._free] = True
-        assert not (group.refs[free] != 0).any() and not (group.owner[free] != 0).any()
-        cached = (group.refs == 0) & (group.owner != 0)
-        assert int(cached.sum()) == group.cached_slots
-        assert int(free.sum()) == group.free_slots
+        assert np.array_equal(refs, expected), g
+        assert not (refs[free] != 0).any() and not (owners[free] != 0).any()
+        cached = (refs == 0) & (owners != 0)
+        assert int(cached.sum()) == stats["cached_slots"]
+        assert int(free.sum()) == stats["free_slots"]
         assert not (cached & free).any()
     check_index(manager)
 
@@ -39,42 +39,54 @@ def check_index(manager):
     """The prefix index is consistent: each live entry's key maps to it, its slots are owned by
     it, its parent is live, its child count is the entries naming it, and an entry without
     slots is kept only for its children."""
-    prefix = manager.storage.prefix
-    live = sorted(prefix._entry_of.values())
+    prefix = prefix_tables(manager)
+    owners = [slot_owners(manager, g) for g in range(manager.pool_groups)]
+    live = sorted(prefix.entry_of.values())
     assert len(live) == len(set(live))
-    assert all(prefix._entry_of[prefix._keys[e]] == e for e in live)
+    assert all(prefix.entry_of[prefix.keys[e]] == e for e in live)
     children = {e: 0 for e in live}
     for e in live:
-        parent = int(prefix._parent[e])
+        parent = int(prefix.parent[e])
         if parent >= 0:
             assert parent in children, f"entry {e}: parent {parent} was removed"
             children[parent] += 1
     for e in live:
-        assert prefix._children[e] == children[e]
-        slots = prefix._slots[e]
+        assert prefix.children[e] == children[e]
+        slots = prefix.slots[e]
         assert (slots >= 0).any() or children[e], f"entry {e}: no slot and no child"
-        for group in manager.storage.groups:
-            if slots[group.index] >= 0:
-                assert group.owner[slots[group.index]] == e + 1
-    for group in manager.storage.groups:
-        owned = np.flatnonzero(group.owner)
-        entries = group.owner[owned] - 1
-        assert (prefix._slots[entries, group.index] == owned).all()
+        for g, owner in enumerate(owners):
+            if slots[g] >= 0:
+                assert owner[slots[g]] == e + 1
+    for g, owner in enumerate(owners):
+        owned = np.flatnonzero(owner)
+        entries = owner[owned] - 1
+        assert (prefix.slots[entries, g] == owned).all()
 
 
 
 def sized(config, slots, **kwargs):
     """A manager of ``config`` whose pool groups hold ``slots[medium]`` slots each."""
     probe = kv.KVCacheManager(config)
-    per = {m: sum(g.slot_bytes for g in probe.storage.groups if g.medium == m)
-           for m in ("gpu", "host")}
-    reserve = probe._reserve
+    per, reserve = slot_bytes_per_medium(probe), reserved_bytes(probe)
     probe.close()
     config = dataclasses.replace(config, gpu_budget_bytes=reserve["gpu"] + slots["gpu"] * per["gpu"],
                                  host_budget_bytes=reserve["host"] + slots["host"] * per["host"])
     manager = kv.KVCacheManager(config, **kwargs)
-    assert all(g.num_slots == slots[g.medium] for g in manager.storage.groups)
+    assert all(g["slots"] == slots[g["medium"]] for g in manager.stats()["pool_groups"])
     return manager
+
+
+def slot_bytes_per_medium(manager):
+    """{medium: the bytes of one slot of each of its pool groups, summed} (from ``stats()``)."""
+    groups = manager.stats()["pool_groups"]
+    return {m: sum(g["page_bytes"] * g["scale"] for g in groups if g["medium"] == m)
+            for m in ("gpu", "host")}
+
+
+def reserved_bytes(manager):
+    """{medium: the batch reserve the manager took out of that budget} (STO-4)."""
+    stats = manager.stats()
+    return {m: stats[m]["reserved_bytes"] for m in ("gpu", "host")}
 
 
 
@@ -150,11 +162,11 @@ class SharingModel(Model):
                 cache.suspend()
 
     def check_host_direct(self, layer, role, idx):
-        storage = self.manager.storage
-        pool = storage.groups[storage.place(layer, role).group]
-        slots = (idx // SAFETY_P // pool.scale).numpy()
+        info = self.manager.buffer(layer, role)
+        slots = (idx // SAFETY_P // info.scale).numpy()
         # PFX-3: the host-direct path never reaches a shared or committed page
-        assert (pool.refs[slots] == 1).all() and (pool.owner[slots] == 0).all()
+        assert (slot_refs(self.manager, info.pool_group)[slots] == 1).all()
+        assert (slot_owners(self.manager, info.pool_group)[slots] == 0).all()
 
     def ids_at(self, rows, positions):
         return [int(self.tokens_of(int(row))[int(pos)])

@@ -95,9 +95,9 @@ def write_cell(cells, at, key, t, nbytes):
 def finish_token(batch, cache, keys, t):
     """The end of a stand-in decode step of token ``t``: its dense buffers' bytes straight to
     their pages (``keys``: (layer, role) -> (key, nbytes)), the flush, and history t + 1."""
-    storage = batch.manager.storage
+    manager = batch.manager
     for (layer, role), (key, nbytes) in keys.items():
-        if not storage.place(layer, role).sparse:
+        if not manager.buffer(layer, role).sparse:
             write_tokens(cache, layer, role, [t], standin(key, [t], nbytes))
     batch.flush()
     assert cache.resize(history=t + 1)

@@ -174,7 +174,7 @@ def test_per_step_calls_need_a_published_batch(manager):
     batch.resolve("shared0", selected)  # a fresh batch is published (empty)
     batch.add(cache_with(manager, 4))
     for call in (lambda: batch.resolve("shared0", selected), lambda: batch.fetch("shared1"),
-                 lambda: batch.fetch_sparse_pages("private", selected)):
+                 lambda: batch.resolve("private", selected, fetch=True)):
         with pytest.raises(RuntimeError, match="unpublished"):
             call()
     batch.publish()
@@ -210,13 +210,12 @@ def test_per_step_calls_validate_their_arguments(manager):
 
 def fill_host_tokens(manager, cache, layer, value):
     """Every token t of ``cache``'s pages of ``layer``'s latent gets bytes value(t)."""
-    host = manager.storage.view(layer, "kv", device_side=False)
-    place = manager.storage.place(layer, "kv")
-    scale = manager.storage.groups[place.group].scale
+    host = manager.buffer_view(layer, "kv", device_side=False)
+    info = manager.buffer(layer, "kv")
     P = manager.config.tokens_per_page
-    for ordinal, slot in enumerate(cache.pages(place.group)):
+    for ordinal, slot in enumerate(cache.pages(info.pool_group)):
         for t in range(P):
-            host[slot * scale + place.pos, 0, t] = value(ordinal * P + t)
+            host[slot * info.scale + info.pos, 0, t] = value(ordinal * P + t)
 
 
 def shared_layers_batch(layers):
@@ -258,13 +257,13 @@ def test_fetch_of_several_layers_in_one_call_equals_fetch_per_layer(manager):
 
 
 def test_resolve_with_fetch_equals_resolve_then_fetch(manager):
-    """OP-STEP: resolve(group, selected, fetch=True | layers) leaves the cells, index table,
-    residency and write indices of resolve followed by fetch(*layers); a layer name alone is one
-    layer; layers of another group and anything but a bool or a non-empty sequence of names are
-    refused before anything runs."""
+    """OP-STEP: resolve(group, selected, fetch=True) leaves the cells, index table, residency
+    and write indices of resolve followed by fetch(*layers) of every layer of the group;
+    anything but a bool (layer names included: a split fetch is ``fetch``) is refused before
+    anything runs."""
     layers = ["shared0", "shared1", "shared2"]
     results = []
-    for how in ("separate", True, tuple(layers), "shared1"):
+    for how in ("separate", True):
         batch, selected = shared_layers_batch(layers)
         if how == "separate":
             index = batch.resolve("idx", selected)
@@ -272,24 +271,19 @@ def test_resolve_with_fetch_equals_resolve_then_fetch(manager):
         else:
             index = batch.resolve("idx", selected, fetch=how)
         state = batch.group("idx")
-        fetched = ["shared1"] if how == "shared1" else layers
         results.append((index.clone(), state.resident.clone(), state.write_table.clone(),
                         state.inflight_start.clone(),
-                        [batch.cells(layer, "kv").clone() for layer in fetched]))
-        if how == "shared1":
+                        [batch.cells(layer, "kv").clone() for layer in layers]))
+        if how is True:
             before = [t.clone() for t in (state.resident, state.recency, state.counters)]
-            for bad, error in ((("private",), ValueError), (None, TypeError), (1, TypeError),
-                               ((), TypeError), ("nosuchlayer", KeyError)):
-                with pytest.raises(error):
+            for bad in (tuple(layers), "shared1", ("private",), None, 1, (), "nosuchlayer"):
+                with pytest.raises(TypeError, match="fetch must be True .* or False"):
                     batch.resolve("idx", selected, fetch=bad)
             after = (state.resident, state.recency, state.counters)
             assert all(torch.equal(a, b) for a, b in zip(before, after)), "a refused call ran"
-    want = results[0]
-    for got in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]))
-    assert all(torch.equal(a, b) for a, b in zip(results[1][4], want[4]))
-    assert all(torch.equal(a, b) for a, b in zip(results[2][4], want[4]))
-    assert torch.equal(results[3][4][0], want[4][1])  # shared1's cells, fetched alone
+    want, got = results
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]))
+    assert all(torch.equal(a, b) for a, b in zip(got[4], want[4]))
 
 
 def test_write_indices_after_a_publish_without_resolve_are_recomputed(manager):
@@ -321,8 +315,9 @@ def test_write_indices_after_a_publish_without_resolve_are_recomputed(manager):
     assert all(torch.equal(a, b) for a, b in zip(got, fresh()))
 
 
-def test_fused_fetch_is_for_layers_alone_in_their_group(manager):
-    """OP-FETCH-FUSED: a shared group is refused with ValueError."""
+def test_fused_fetch_of_a_layer_alone_in_its_group(manager):
+    """OP-FETCH-FUSED: resolve(layer's group, selected, fetch=True) for a layer alone in its
+    selection group fills its cells with the selected units' host bytes and counts the misses."""
     batch = kv.Batch(manager)
     cache = cache_with(manager, 8)
     batch.add(cache)
@@ -330,9 +325,7 @@ def test_fused_fetch_is_for_layers_alone_in_their_group(manager):
     fill_host_tokens(manager, cache, "private", lambda t: 10 * (t // 4) + t % 4)
     selected = torch.full((4, 4), -1, dtype=torch.int32)
     selected[0, :2] = torch.tensor([6, 2])
-    with pytest.raises(ValueError, match="shares selection group"):
-        batch.fetch_sparse_pages("shared0", selected)
-    index = batch.fetch_sparse_pages("private", selected)
+    index = batch.resolve("private", selected, fetch=True)
     cells = batch.cells("private", "kv")
     for j, unit in enumerate((6, 2)):
         entry = int(index[0, j])
@@ -405,8 +398,8 @@ def test_eager_calls_of_the_bound_shapes_equal_the_checked_calls(device):
     """OP-STEP: an eager call whose tensor has the bound shape (resolve's [max_rows, K]
     selection with fetch True or False, flush's int32[max_rows] targets) skips the batch's
     Python checks and passes the bound argument lists to the op; it leaves every state tensor
-    that the checked call leaves (here: a [max_rows, 1, K] selection with the fetch named by
-    layers, and targets as a sequence), over steps with misses and membership changes."""
+    that the checked call leaves (here: the group by name with a [max_rows, 1, K] selection,
+    and targets as a sequence), over steps with misses and membership changes."""
     from stepping import ROWS, Driver, assert_same_state
     bound, checked = Driver(device, seed=3), Driver(device, seed=3)
     for number in range(12):
@@ -418,8 +411,7 @@ def test_eager_calls_of_the_bound_shapes_equal_the_checked_calls(device):
                 if driver is bound:
                     batch.resolve(spec.index, sel, fetch=fetch)
                 else:
-                    batch.resolve(spec.name, sel[:, None], fetch=list(spec.layers) if fetch
-                                  else False)
+                    batch.resolve(spec.name, sel[:, None], fetch=fetch)
                 if not fetch:
                     batch.fetch(*spec.layers)
 

@@ -4,12 +4,17 @@ import pytest
 import torch_kvcm2 as kv
 from torch_kvcm2 import BAD
 from configs import dsa_config, import_history
+from inspect_state import released_slots, take_slots
+
+
+def free_slots(manager):
+    return [g["free_slots"] for g in manager.stats()["pool_groups"]]
 
 
 def snapshot(manager, cache):
     return (cache.capacity, cache.history_length, cache.state,
-            [list(p) for p in cache._pages], [g.free_slots for g in manager.storage.groups],
-            [sorted(g._free) for g in manager.storage.groups])
+            [list(p) for p in cache._pages], free_slots(manager),
+            [released_slots(manager, g) for g in range(manager.pool_groups)])
 
 
 @pytest.fixture
@@ -27,13 +32,14 @@ def test_resize_allocates_one_page_per_ordinal_in_every_group(manager):
     assert [cache.pages(g) for g in range(3)] == [[0, 1, 2]] * 3
     assert cache.resize(capacity=5)  # shrink: the third page goes back
     assert [cache.pages(g) for g in range(3)] == [[0, 1]] * 3
-    assert manager.storage.groups[0].allocate(1) == [2]
+    other = manager.create_cache()
+    assert other.resize(capacity=1) and other.pages(0) == [2]  # the lowest free slot again
 
 
 def test_failed_resize_returns_false_and_changes_nothing(manager):
     """REQ-1: allocation forced to fail leaves every field as it was."""
-    dense = manager.storage.groups[1]
-    dense.allocate(dense.free_slots - 5)  # the dense indexer group is now nearly full
+    # the dense indexer group is now nearly full
+    assert take_slots(manager, 1, free_slots(manager)[1] - 5) is not None
     cache = manager.create_cache()
     assert cache.resize(capacity=6)
     cache.record_host_write(4)
@@ -72,14 +78,14 @@ def test_bad_argument_types_raise(manager, value):
 def test_windowed_life_cycle_releases_pages_behind_the_window(manager):
     """REQ-3: pages wholly before h - window are released and read back as BAD."""
     cache = manager.create_cache()
-    swa = manager.storage.groups[2]  # window 8, 4 tokens per page
     cache._flushed = 18  # as if tokens 0..17 were on host pages already (SAFE-2 lets h reach 18)
     assert cache.resize(capacity=20, history=12)  # h - w = 4: page 0 is wholly before it
     assert cache.pages(2) == [BAD, 0, 1, 2, 3]  # page 0 never allocated
     assert cache.pages(0) == [0, 1, 2, 3, 4]  # full-attention groups keep everything
     assert cache.resize(history=18)  # h - w = 10: page 1 released too; page 2 holds 8..11, live
     assert cache.pages(2) == [BAD, BAD, 1, 2, 3]
-    assert swa.allocate(1) == [0]  # slot 0 (page 1) went back
+    other = manager.create_cache()  # window 8, 4 tokens per page: group 2 is the windowed one
+    assert other.resize(capacity=1) and other.pages(2) == [0]  # slot 0 (page 1) went back
 
 
 def test_history_cannot_pass_what_was_flushed_or_written_to_host(manager):
@@ -135,12 +141,15 @@ def test_suspend_is_refused_while_tokens_are_in_flight(manager):
 
 
 def test_close_frees_everything_and_refuses_every_later_call(manager):
-    """REQ-4: a closed cache refuses every call with RuntimeError."""
+    """REQ-4: a closed cache refuses every call with RuntimeError, except close, which does
+    nothing again."""
     cache = import_history(manager.create_cache(), 9)
-    free_before = [g.free_slots for g in manager.storage.groups]
+    free_before = free_slots(manager)
     cache.close()
-    assert [g.free_slots for g in manager.storage.groups] == [f + 3 for f in free_before]
-    for call in (lambda: cache.resize(capacity=1), cache.suspend, cache.resume, cache.close,
+    assert free_slots(manager) == [f + 3 for f in free_before]
+    cache.close()  # idempotent: nothing freed twice
+    assert cache.closed and free_slots(manager) == [f + 3 for f in free_before]
+    for call in (lambda: cache.resize(capacity=1), cache.suspend, cache.resume,
                  lambda: cache.pages(0)):
         with pytest.raises(RuntimeError, match="closed"):
             call()

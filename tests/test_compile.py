@@ -21,7 +21,7 @@ def test_state_tensors_never_alias():
     would mutate them through a synthetic base and cudagraph trees would refuse the graph).
     The stepping batch has three layers' latents in one pool group."""
     batch = Driver("cpu", seed=3).batch
-    assert len(batch._step.flush_args) == 1 and len(batch.manager.storage.groups) == 2
+    assert len(batch._step.flush_args) == 1 and batch.manager.pool_groups == 2
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                    for t in batch.state_tensors() if t.numel())
     for (_, end), (start, _) in zip(spans, spans[1:]):

@@ -52,7 +52,7 @@ def test_flush_writes_back_only_the_published_in_flight_range():
     """OP-FLUSH: units outside [max(h, s0), min(new_history, c)) are not written back; flush
     leaves resident and recency bit-identical; a resumed request flushes nothing."""
     model = Model("cpu", 4)
-    batch, storage = model.batch, model.manager.storage
+    batch, manager = model.batch, model.manager
     cache = model.manager.create_cache()
     batch.add(cache)
     assert cache.resize(capacity=9)  # group b (U=1, I=2): s0 = 7, in flight 7, 8
@@ -62,14 +62,14 @@ def test_flush_writes_back_only_the_published_in_flight_range():
         batch.resolve(group.index, torch.full((MAX_ROWS, group.sparse.width), -1, dtype=torch.int32))
     cells = batch.cells("b", "kv")
     cells.fill_(0xAB)
-    host = storage.slot_pages("b", "kv", device_side=False)
+    host = manager.slot_pages("b", "kv", device_side=False)
     host.fill_(0)
     state = batch.group("b")
     resident, recency = state.resident.clone(), state.recency.clone()
     new_history = [8, 0, 0, 0]  # token 8 stays in flight
     batch.flush(new_history)
     assert torch.equal(state.resident, resident) and torch.equal(state.recency, recency)
-    slot = cache.pages(storage.place("b", "kv").group)[1]  # tokens 4..7
+    slot = cache.pages(manager.buffer("b", "kv").pool_group)[1]  # tokens 4..7
     written = (host != 0).any(dim=-1).any(dim=1)  # [slot, token]
     assert written.nonzero().tolist() == [[slot, 3]]  # token 7 only
     assert bool((host[slot, :, 3] == 0xAB).all())
@@ -85,7 +85,7 @@ def resolve_all(model):
 
 
 def host_bytes(model):
-    return [model.manager.storage.slot_pages(layer, role, device_side=False).clone()
+    return [model.manager.slot_pages(layer, role, device_side=False).clone()
             for layer, role, *_ in model.buffers]
 
 
@@ -114,7 +114,7 @@ def test_prefilled_and_resumed_requests_flush_nothing_below_the_in_flight_range(
     for (layer, role, _, group, _), old, new in zip(model.buffers, before, after):
         s0 = model.config.selection_groups[group].sparse.inflight_start(0, 20)
         changed = sorted({(s, t) for s, _, t in (old != new).any(dim=-1).nonzero().tolist()})
-        pages = prefilled.pages(model.manager.storage.place(layer, role).group)
+        pages = prefilled.pages(model.manager.buffer(layer, role).pool_group)
         assert changed == [(pages[t // P], t % P) for t in range(s0, 20)], (layer, role)
 
 

@@ -14,7 +14,9 @@ replay's outputs after the loop.
 import os
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import pytest
 import torch
@@ -274,7 +276,7 @@ def test_decode_host_tops_up_pages_when_the_lengths_come_back_late(flags):
             assert finish(run)[3] == [0, 0]
             assert 0 < run.waits < run.args.steps
         else:
-            run.batch.catch_up()
+            run.batch.poll()
             assert run.batch.advance_counters.tolist()[1] > 0  # rows cut short at their reserve
 
 
@@ -329,3 +331,145 @@ def test_serve_runs_the_engine_and_its_checks_pass():
 def test_serve_bad_flag_is_a_usage_error_naming_it():
     result = run_example("serve.py", "--locality", "1.5")
     assert result.returncode == 2 and "argument --locality" in result.stderr, output(result)
+
+
+# ---- a newcomer's bad flags and long runs (issue 52) ----
+
+@pytest.mark.parametrize("script, args, flag", [
+    ("serve.py", ["--seed", "-1"], "--seed"),  # numpy refuses negative seeds
+    ("sparse_decode.py", ["--seed", "-1"], "--seed"),
+    ("sparse_decode.py", ["--seed", str(1 << 70)], "--seed"),  # past torch's 64 bits
+    # T = 100001 query tokens a step: more than the engine's 8 in flight per row
+    ("serve.py", ["--draft-tokens", "100000"], "--draft-tokens"),
+    # one page cannot hold a request: nothing could ever finish
+    ("serve.py", ["--pool-pages", "1"], "--pool-pages"),
+    # 100000 requests cannot drain in the engine's 2000 drain steps with 8 rows
+    ("serve.py", ["--concurrency", "100000"], "--concurrency"),
+    # the slots follow from --topk (no --slots given): the error names --topk, not --slots
+    ("sparse_decode.py", ["--topk", "100000"], "--topk"),
+    # 1.6 M tokens per row of reserve: the memory error names --reserve-pages
+    ("sparse_decode.py", ["--reserve-pages", "100000"], "--reserve-pages"),
+])
+def test_a_newcomers_bad_flag_is_a_usage_error_naming_the_flag_passed(script, args, flag):
+    """Each of these gave a traceback, a check failure after thousands of steps, or an error
+    naming another flag; now exit status 2, one error line naming the flag that was passed,
+    at once, before anything runs."""
+    started = time.monotonic()
+    result = run_example(script, *args)
+    assert result.returncode == 2, output(result)
+    assert "Traceback" not in result.stderr, output(result)
+    error = [line for line in result.stderr.splitlines() if ": error: " in line]
+    assert len(error) == 1, output(result)
+    assert error[0].split(": error: ", 1)[1].startswith(f"argument {flag}"), output(result)
+    assert result.stdout == "", output(result)
+    assert time.monotonic() - started < 60, output(result)
+
+
+GPU_FLAGS = [("sparse_decode.py", ["--graph", *SMALL]),
+             ("sparse_decode.py", ["--compile", "reduce-overhead", *SMALL]),
+             ("serve.py", ["--graph"])]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="with a usable GPU these modes run (or say: drop --device cpu)")
+@pytest.mark.parametrize("script, args", GPU_FLAGS)
+def test_gpu_only_flag_says_what_is_missing_like_device_cuda(script, args):
+    """--graph and --compile reduce-overhead without a usable GPU list what is missing, as
+    --device cuda does (``torch_kvcm2.missing_for("cuda")``), in one line naming the flag."""
+    result = run_example(script, *args)
+    assert result.returncode == 2, output(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a GPU" in lines[0] and args[0] in lines[0], output(result)
+    assert "; ".join(torch_kvcm2.missing_for("cuda")) in lines[0], output(result)
+
+
+def test_quickstart_budgets_hold_the_batch_reserve():
+    """The quickstart's host budget is the batch reserve (``memory.batch_reserve_bytes``: the
+    pinned staging grows with the rows and their tokens) plus every page: 16 rows of 50,000
+    tokens need a reserve of more than the 1 MiB of slack the budget once had for it, and
+    the first resize found no pages (a bare AssertionError)."""
+    result = run_example("quickstart.py", "--prompt-lengths", ",".join(["50000"] * 16),
+                         "--steps", "1", "--device", "cpu")
+    assert result.returncode == 0, output(result)
+    assert "all history verified on host pages" in result.stdout, output(result)
+
+
+def test_serve_stops_a_day_that_cannot_drain_and_says_so():
+    """1,000 requests in a closed loop: accepted up front (the drain could be fast enough), but
+    when arrivals stop the rate requests end at says the drain would take several times the
+    engine's drain steps: the day stops there with one line saying so and which flags to
+    change, instead of running 2,000 more steps into "CHECK FAILED: the day did not drain"."""
+    result = run_example("serve.py", "--concurrency", "1000", "--every", "1000")
+    assert result.returncode == 1, output(result)
+    assert "Traceback" not in result.stderr and "CHECK FAILED" not in result.stderr, output(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("serve.py: the day cannot drain: at step 300"), \
+        output(result)
+    assert "--concurrency" in lines[0], output(result)
+
+
+def warning_of_long_work(script, *args, deadline=240):
+    """Start ``script`` and read its stderr until it warns that its work will take minutes
+    (the warning comes from the rate of its first few seconds of work), then stop it. Returns
+    the warning lines and whether the script was still working when the first came."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", script), *args],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=env)
+    killer = threading.Timer(deadline, process.kill)
+    killer.start()
+    warnings, working = [], False
+    try:
+        for line in process.stderr:
+            if " will take about " in line:
+                warnings.append(line.rstrip("\n"))
+                working = process.poll() is None
+                break
+    finally:
+        process.kill()
+        killer.cancel()
+        rest = process.stderr.read()
+        process.wait()
+    warnings += [line for line in rest.splitlines() if " will take about " in line]
+    return warnings, working
+
+
+@pytest.mark.parametrize("script, args, flag", [
+    ("sparse_decode.py", ["--steps", "30000", "--device", "cpu"], "--steps"),
+    ("shared_prefix.py", ["--requests", "30000"], "--requests"),
+    ("serve.py", ["--steps", "100000", "--every", "100000"], "--steps"),
+])
+def test_a_run_of_hours_warns_with_an_estimate_before_the_work(script, args, flag):
+    """Work that will take more than a few minutes says so first: one line on stderr with the
+    estimate, measured on its first seconds, naming the flag to lower."""
+    warnings, working = warning_of_long_work(script, *args)
+    assert len(warnings) == 1 and working, warnings
+    assert f"lower {flag}" in warnings[0], warnings
+    estimate = warnings[0].split(" will take about ")[1].split(" more ")[0]
+    assert estimate.endswith((" min", " h")), warnings
+
+
+def test_an_estimate_is_one_line_once_and_only_for_work_of_minutes(monkeypatch, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import running
+    finally:
+        sys.path.pop(0)
+    clock = [0.0]
+    monkeypatch.setattr(running, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(running, "_announced", [])
+    quick = running.Estimate("prefill", 100, "layers", flags=("--layers",))
+    for done in range(1, 100):  # 10 s in all: silent
+        clock[0] += 0.1
+        quick.update(done)
+    slow = running.Estimate("decode", 1000, flags=("--steps",))
+    later = running.Estimate("verify", 1000, "layers")
+    clock[0] += 60  # a first step that compiles: not the rate
+    slow.update(1)
+    for done in range(2, 10):  # then 1 s a step: 17 min for the rest
+        clock[0] += 1
+        slow.update(done)
+        later.update(done - 1)  # as long, but one line per run
+    assert capsys.readouterr().err == (
+        "decode: 1,000 steps will take about 17 min more at the rate so far (1 s each; 3 done); "
+        "lower --steps for a shorter run\n")

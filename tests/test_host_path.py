@@ -48,7 +48,7 @@ def assert_tables_match(batch):
 
 
 def lengths_snapshot(cache):
-    groups = len(cache.manager.storage.groups)
+    groups = cache.manager.pool_groups
     return (cache.capacity, cache.history_length, cache.written, [cache.pages(g) for g in range(groups)])
 
 
@@ -130,7 +130,7 @@ def test_a_decode_step_publishes_only_what_changed():
             assert cache.resize(history=cache.capacity, capacity=cache.capacity + 1)
         batch.publish()
         assert_tables_match(batch)
-    groups = len(manager.storage.groups)
+    groups = manager.pool_groups
     crossing = [4 * groups if (step + 2) % 4 == 1 else 0 for step in range(8)]  # P = 4
     assert sizes == [4 * LENGTH_ROWS + extra for extra in crossing]
 
@@ -293,7 +293,8 @@ def test_advance_equals_the_host_rule(device):
         accepted_t = torch.tensor(accepted, dtype=torch.int32, device=device)
         batch.flush(batch.history + accepted_t)
         batch.advance(accepted_t)
-        if step % 4 == 3:  # the host: catch up, top up rows that ran short
+        if step % 4 == 3:  # the host: catch up (the step's poll), top up rows that ran short
+            batch.poll()
             assert batch.advance_counters.tolist() == [0, shorts]
             assert [c.history_length for c in caches] == [m[0] for m in model]
             assert [c.capacity for c in caches] == [m[1] for m in model]
@@ -348,6 +349,7 @@ def test_reserve_top_ups_come_in_batches_and_never_starve_a_row(device):
         assert_tables_match(batch)
         batch.flush(batch.history + ones)
         batch.advance(ones)
+        batch.poll()  # the step's read-back: the next publish plans pages from these lengths
     assert batch.advance_counters.tolist() == [0, 0]  # nothing refused, no row ran short
     assert [c.history_length for c in caches] == [row + steps for row in range(8)]
     # one top-up per row every P steps would be a publish with page work at nearly every step
@@ -370,6 +372,7 @@ def test_advance_refuses_bad_rows_and_never_passes_the_flush(device):
             batch.advance(accepted)
     assert torch.equal(batch.history, before[0]) and torch.equal(batch.capacity, before[1])
     batch.advance(torch.tensor([2, -1, 4, 2], dtype=torch.int32, device=device))
+    batch.poll()
     # row 0: ok; row 1: negative; row 2: oversize (width 3); row 3: past the flush (1)
     assert [c.history_length for c in caches] == [2, 0, 0, 0]
     assert [c.capacity for c in caches] == [5, 3, 3, 3]
@@ -396,16 +399,18 @@ def test_advance_without_sparse_layers_is_bounded_by_pages_only(device):
     ones = torch.ones(2, dtype=torch.int32, device=device)
     for _ in range(5):
         batch.advance(ones)
+    batch.poll()
     assert (cache.history_length, cache.capacity) == (5, 8)  # 3 + a reserve of 4: 2 pages
     assert batch.advance_counters.tolist() == [0, 0]
     batch.advance(ones)  # capacity would be 9: cut at the pages, the row counted short
+    batch.poll()
     assert (cache.history_length, cache.capacity) == (6, 8)
     assert batch.advance_counters.tolist() == [0, 1]
 
 
 def test_advance_compiles_fullgraph():
-    """HOST-3: flush + advance trace with fullgraph=True; record_advance afterwards brings the
-    host up to date, equal to eager."""
+    """HOST-3: flush + advance trace with fullgraph=True; record_advance afterwards queues the
+    read-back and poll() brings the host up to date, equal to eager."""
     torch._dynamo.reset()
     results = []
     for compiled in (False, True):
@@ -420,6 +425,7 @@ def test_advance_compiles_fullgraph():
             run(torch.tensor(a, dtype=torch.int32))
             if compiled:
                 batch.record_advance()
+        batch.poll()
         results.append(([c.history_length for c in caches], [c.capacity for c in caches],
                         [c.written for c in caches], batch.advance_counters.tolist()))
     assert results[0] == results[1]
@@ -463,6 +469,7 @@ def test_advance_replays_in_a_cuda_graph():
             else:
                 step()
         torch.cuda.synchronize()
+        batch.poll()
         results.append(([c.history_length for c in caches], [c.capacity for c in caches],
                         [c.written for c in caches], batch.advance_counters.tolist()))
     assert results[0] == results[1]
@@ -546,6 +553,7 @@ def test_a_new_reserve_while_the_host_is_ahead_never_frees_pages_in_use(change):
     late = run_ahead(batch, 40)
     for event in late:
         event.done = True
+    batch.poll()
     histories = [c.history_length for c in caches]
     assert histories[1:] == [row + 40 for row in range(1, 8)]
     if smaller:  # row 0 ran out of its pages: refused from then on, its lengths intact
@@ -584,6 +592,7 @@ def test_graph_replays_ahead_of_the_gpu_never_run_short():
             else:
                 step()
         torch.cuda.synchronize()
+        batch.poll()
         results.append(([c.history_length for c in caches], batch.advance_counters.tolist()))
         assert_tables_match(batch)
     assert results[0] == results[1]
@@ -596,13 +605,13 @@ def test_flush_to_a_tensor_records_exactly_what_it_wrote(device, mode):
     device's own watermark through the read-back -- exactly what the flush wrote, never the
     published capacity -- so an eager flush + advance equals the replayed step (flush +
     advance, then ``record_advance``) and the host rule applied to a sequence of targets, in
-    written, history and capacity, step after step; resize(history=...) after such a flush
-    syncs through the read-back and may go exactly as far as the flush wrote."""
+    written, history and capacity, step after step (each read after the step's poll); after
+    such a flush resize(history=...) refuses, naming Batch.poll, until the read-back is polled,
+    and may then go exactly as far as the flush wrote."""
     rng = random.Random(3)
     _, batch, caches = advance_setup(device, 2 * 4)
     model = [[0, T, 0] for _ in caches]  # history, capacity, written
     for step in range(24):
-        batch.poll()
         batch.publish()
         width = [m[1] - m[0] for m in model]
         accepted = [rng.randint(0, w) for w in width]  # often fewer than the width
@@ -615,6 +624,7 @@ def test_flush_to_a_tensor_records_exactly_what_it_wrote(device, mode):
         batch.advance(accepted_t)
         if mode == "tensor+record_advance":
             batch.record_advance()
+        batch.poll()  # the step's read-back
         for m, t in zip(model, targets):
             m[2] = max(m[2], min(t, m[1]))  # the flush writes up to its target, not capacity
             m[1], m[0] = t + (m[1] - m[0]), t
@@ -629,6 +639,12 @@ def test_flush_to_a_tensor_records_exactly_what_it_wrote(device, mode):
         batch.flush(short)
     else:
         batch.flush(torch.tensor(short, dtype=torch.int32, device=device))
+        # the host learns what a flush to a tensor wrote only from the read-back: no host call
+        # changes a row from its lengths before the poll
+        with pytest.raises(RuntimeError, match=r"Batch\.poll\(\)"):
+            caches[0].resize(history=short[0])
+        assert [c.written for c in caches] == [m[2] for m in model]  # the poll's, unchanged
+        batch.poll()
     for cache, t in zip(caches, short):
         if t < cache.capacity:
             with pytest.raises(ValueError, match="SAFE-2"):
@@ -645,13 +661,13 @@ def test_batch_memory_is_what_the_batch_allocates():
     from torch_kvcm2.memory import batch_memory_bytes
     manager = kv.KVCacheManager(dsa_config())
     batch = kv.Batch(manager, max_rows=3)
-    pools = {g.device_data.untyped_storage().data_ptr() for g in manager.storage.groups}
+    pools = {manager.pool(g).untyped_storage().data_ptr() for g in range(manager.pool_groups)}
     tensors = batch.state_tensors() + [batch._table.mirror.delta, batch._sync.snapshot,
                                        batch._sync.counter_snapshot, batch._sync.counter_stage]
     tensors += [staging.tensor for staging in batch._table.mirror.ring]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
                 if t.untyped_storage().data_ptr() not in pools}
-    expected = batch_memory_bytes(manager.config, len(manager.storage.groups), 3)
+    expected = batch_memory_bytes(manager.config, manager.pool_groups, 3)
     assert sum(storages.values()) == expected["gpu"] + expected["host"]
     assert manager.stats()["gpu"]["batch_bytes_in_use"] == expected["gpu"]
 
@@ -669,10 +685,12 @@ class _LateEvent:
         self.done, self.waited = True, self.waited + 1
 
 
-def test_a_late_read_back_is_not_waited_for_unless_the_host_publishes_changes():
+def test_a_late_read_back_is_not_waited_for_and_a_publish_of_changes_needs_the_poll():
     """HOST-2/HOST-3: with advance's read-back still in flight, a publish with nothing to upload
-    neither waits nor does page work; a publish of a membership change waits for it first, so
-    the mirror never takes older lengths after a newer delta; tables stay equal to a restage."""
+    neither waits nor does page work; a publish of a membership change refuses, naming
+    Batch.poll, changing nothing and waiting for nothing (the mirror must never take older
+    lengths after a newer delta); after the poll (which waits for the read-back) it publishes
+    and the tables equal a restage."""
     manager, batch, caches = advance_setup("cpu", 4)
     batch.remove(caches.pop(), discard=True)  # row 3 is free
     batch.publish()
@@ -684,7 +702,12 @@ def test_a_late_read_back_is_not_waited_for_unless_the_host_publishes_changes():
     batch.publish()
     assert late.waited == 0 and batch.pending_readback
     assert batch.add(manager.create_cache()) == 3  # membership: not a length read
+    with pytest.raises(RuntimeError, match=r"Batch\.publish: .*call Batch\.poll\(\) first"):
+        batch.publish()
+    assert late.waited == 0 and batch.pending_readback
+    assert [c.history_length for c in caches] == [0, 0, 0]  # as of the last poll
+    batch.poll()
+    assert late.waited == 1 and not batch.pending_readback
     batch.publish()
-    assert late.waited == 1
     assert [c.history_length for c in caches] == [1, 2, 3]
     assert_tables_match(batch)

@@ -13,6 +13,7 @@ import torch_kvcm2 as kv
 from torch_kvcm2 import host_region
 from torch_kvcm2.host_region import PAGE_SIZE, HostMemoryOps, HostRegion
 from configs import dsa_config, import_history
+from inspect_state import host_region as region_of, pool_group, take_slots, give_back_slots
 
 GiB = 1 << 30
 
@@ -79,14 +80,16 @@ def test_a_host_budget_beyond_physical_memory_starts_at_once_and_commits_nothing
     region = manager.stats()["host_region"]
     assert region["reserved_bytes"] >= 127 * GiB and region["committed_bytes"] == 0
     assert elapsed < 1.0, elapsed
-    host = manager.storage.groups[0]
-    assert host.nbytes > 63 * GiB and host.free_slots == host.num_slots
+    host = manager.stats()["pool_groups"][0]
+    assert host["slots"] * host["page_bytes"] * host["scale"] > 63 * GiB
+    assert host["free_slots"] == host["slots"]
     cache = manager.create_cache()
     assert cache.resize(capacity=64 * 10)  # 10 pages in each group: one chunk each
     stats = manager.stats()
     assert stats["host_region"]["committed_bytes"] == 2 * host_region.DEFAULT_CHUNK_BYTES
     assert stats["host"]["committed_bytes"] == host_region.DEFAULT_CHUNK_BYTES
-    assert stats["host_region"]["used_bytes"] == 10 * sum(g.slot_bytes for g in manager.storage.groups)
+    slot_bytes = sum(g["page_bytes"] * g["scale"] for g in stats["pool_groups"])
+    assert stats["host_region"]["used_bytes"] == 10 * slot_bytes
     manager.close()
 
 
@@ -99,7 +102,7 @@ def chunked_manager(chunk=PAGE_SIZE, ops=None, **kwargs):
 
 def test_growth_commits_whole_chunks_and_keeps_addresses_and_bytes():
     manager = chunked_manager()
-    group = manager.storage.groups[0]  # 128-B slots: 32 per 4 KiB chunk
+    group = pool_group(manager, 0)  # 128-B slots: 32 per 4 KiB chunk
     per_chunk = PAGE_SIZE // group.slot_bytes
     address = group.data.data_ptr()
     first = group.allocate(per_chunk)
@@ -111,7 +114,8 @@ def test_growth_commits_whole_chunks_and_keeps_addresses_and_bytes():
     many = group.allocate(3 * per_chunk + 1)  # spans three more chunks at once
     assert many == list(range(per_chunk + 1, 4 * per_chunk + 2))
     assert group.committed_bytes == 5 * PAGE_SIZE
-    assert group.data.data_ptr() == address and manager.storage.view("shared0", "kv").data_ptr() == address
+    assert group.data.data_ptr() == address and manager.buffer_view("shared0", "kv").data_ptr() == address
+    assert manager.pool(0, device_side=False).shape[0] == 5 * per_chunk  # the committed slots
     assert bool((group.data[:per_chunk] == 7).all()) and bool((group.data[per_chunk] == 9).all())
     assert int(group.data[per_chunk + 1:].sum()) == 0  # fresh pages read zero
     assert manager.stats()["pool_groups"][0]["committed_bytes"] == 5 * PAGE_SIZE
@@ -121,7 +125,7 @@ def test_growth_commits_whole_chunks_and_keeps_addresses_and_bytes():
 def test_lowest_free_first_holds_across_chunks():
     """STO-5: released slots in committed chunks come first, then the next fresh slots."""
     manager = chunked_manager()
-    group = manager.storage.groups[0]
+    group = pool_group(manager, 0)
     per_chunk = PAGE_SIZE // group.slot_bytes
     group.allocate(2 * per_chunk)
     group.release([3, per_chunk + 5, 1])
@@ -135,14 +139,15 @@ def test_lowest_free_first_holds_across_chunks():
 
 def test_resize_across_a_chunk_boundary_uses_the_pages_and_keeps_their_bytes():
     manager = chunked_manager()
-    view = manager.storage.slot_pages("shared0", "kv")
+    view = manager.slot_pages("shared0", "kv")
     a = manager.create_cache()
     import_history(a, 20)
     for p, slot in enumerate(a.pages(0)):
         view[slot] = p + 1
     for _ in range(13):  # 16 more pages each: several chunks of the sparse group
         assert manager.create_cache().resize(capacity=64)
-    assert manager.stats()["host"]["committed_bytes"] >= 208 * manager.storage.groups[0].slot_bytes
+    group = manager.stats()["pool_groups"][0]
+    assert manager.stats()["host"]["committed_bytes"] >= 208 * group["page_bytes"] * group["scale"]
     assert [int(view[s].float().mean()) for s in a.pages(0)] == list(range(1, len(a.pages(0)) + 1))
     manager.close()
 
@@ -213,11 +218,11 @@ def test_a_resize_whose_commit_fails_returns_false_and_changes_nothing():
     ops = CountingOps(available=0)
     manager = chunked_manager(ops=ops)
     cache = manager.create_cache()
-    groups = manager.storage.groups
-    before = ([g.free_slots for g in groups], [g.committed_bytes for g in groups])
+    counts = lambda: [(g["free_slots"], g["committed_bytes"]) for g in manager.stats()["pool_groups"]]
+    before = counts()
     assert cache.resize(capacity=40) is False
     assert (cache.capacity, cache.pages(0), cache.pages(1)) == (0, [], [])
-    assert ([g.free_slots for g in groups], [g.committed_bytes for g in groups]) == before
+    assert counts() == before
     assert "out of host memory" in manager.stats()["host_region"]["last_error"]
     ops.available = None
     assert cache.resize(capacity=40) and cache.pages(0) == list(range(10))
@@ -233,19 +238,23 @@ def test_close_releases_the_region_and_everything_refuses_afterwards():
     import_history(cache, 12)
     batch.add(cache)
     batch.publish()
-    region = manager.storage.region
-    address, nbytes = region.address, region.nbytes
-    assert manager.stats()["host_region"]["committed_bytes"] > 0
+    region = region_of(manager)
+    stats = manager.stats()["host_region"]
+    address, nbytes = stats["address"], stats["reserved_bytes"]
+    assert stats["committed_bytes"] > 0
     manager.close()
     manager.close()  # idempotent
     assert manager.closed and region.closed
     assert all(perms.startswith("---") for _, _, perms in mappings_overlapping(address, nbytes))
     for call in (manager.create_cache, manager.create_batch, lambda: kv.Batch(manager), manager.stats,
-                 lambda: manager.can_fit(8), lambda: cache.resize(capacity=20), cache.close,
-                 lambda: cache.pages(0), batch.publish, batch.close,
-                 lambda: batch.fetch("shared0"), lambda: manager.storage.view("shared0", "kv")):
+                 lambda: manager.can_fit(8), lambda: cache.resize(capacity=20),
+                 lambda: cache.pages(0), batch.publish,
+                 lambda: batch.fetch("shared0"), lambda: manager.buffer_view("shared0", "kv")):
         with pytest.raises(RuntimeError, match="closed"):
             call()
+    cache.close()  # closes after the manager's: nothing left to release, no error
+    batch.close()
+    assert cache.closed
     del manager, batch, cache, region
     gc.collect()
     assert mappings_overlapping(address, nbytes) == []
@@ -256,11 +265,11 @@ def test_garbage_collection_of_an_unclosed_manager_releases_its_region():
     manager = chunked_manager(ops=ops)
     caches = [manager.create_cache() for _ in range(8)]
     assert all(cache.resize(capacity=64) for cache in caches)
-    region = manager.storage.region
-    address, nbytes = region.address, region.nbytes
+    stats = manager.stats()["host_region"]
+    address, nbytes = stats["address"], stats["reserved_bytes"]
     assert mappings_overlapping(address, nbytes)
-    view = manager.storage.view("shared0", "kv")  # a live view keeps the memory
-    del manager, caches, region
+    view = manager.buffer_view("shared0", "kv")  # a live view keeps the memory
+    del manager, caches, stats
     gc.collect()
     assert mappings_overlapping(address, nbytes) and int(view[0].sum()) == 0
     del view
@@ -283,11 +292,11 @@ def test_can_fit_matches_what_the_first_resize_of_a_request_gets():
     manager = kv.KVCacheManager(dsa_config())
     config = manager.config
     history_of = lambda t: min(g.sparse.inflight_start(0, t) for g in config.selection_groups)
-    groups = manager.storage.groups
-    free = [g.free_slots for g in groups]
+    free_slots = lambda: [g["free_slots"] for g in manager.stats()["pool_groups"]]
+    free = free_slots()
     for tokens in (0, 1, 4, 9, 64):
         assert manager.can_fit(tokens) and manager.can_fit(tokens, count=0)
-    assert [g.free_slots for g in groups] == free  # nothing changed
+    assert free_slots() == free  # nothing changed
     # Fill the pools with requests of 64 tokens until can_fit says no; every admitted one fits.
     admitted = 0
     while manager.can_fit(64):
@@ -297,7 +306,7 @@ def test_can_fit_matches_what_the_first_resize_of_a_request_gets():
     cache = manager.create_cache()
     assert prefill(cache, 64, history_of(64)) is False
     assert admitted > 0
-    smallest = min(g.free_slots for g in groups if g.window is None)
+    smallest = min(g["free_slots"] for g in manager.stats()["pool_groups"] if g["window"] is None)
     assert manager.can_fit(4, count=smallest) and not manager.can_fit(4, count=smallest + 1)
 
 
@@ -307,18 +316,19 @@ def test_can_fit_counts_a_windowed_group_at_the_prefill_peak():
     left, and the prefill indeed fails without changing anything; with enough left both agree."""
     config = dsa_config(layers=1, window_layer=True)
     manager = kv.KVCacheManager(config)
-    swa = next(g for g in manager.storage.groups if g.window is not None)
+    free_slots = lambda: [g["free_slots"] for g in manager.stats()["pool_groups"]]
+    swa = next(g["index"] for g in manager.stats()["pool_groups"] if g["window"] is not None)
     history = min(g.sparse.inflight_start(0, 64) for g in config.selection_groups)
-    held = swa.allocate(swa.free_slots - 15)  # 15 pages left; 64 tokens need 16 at first
-    free = [g.free_slots for g in manager.storage.groups]
+    held = take_slots(manager, swa, free_slots()[swa] - 15)  # 15 pages left; 64 tokens need 16
+    free = free_slots()
     assert not manager.can_fit(64)
     assert prefill(manager.create_cache(), 64, history) is False
-    assert [g.free_slots for g in manager.storage.groups] == free
-    swa.release(held[:1])
+    assert free_slots() == free
+    give_back_slots(manager, swa, held[:1])
     assert manager.can_fit(64)
     cache = manager.create_cache()
     assert prefill(cache, 64, history)
-    assert swa.free_slots > 0  # the window gave back what history left behind it
+    assert free_slots()[swa] > 0  # the window gave back what history left behind it
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -420,8 +430,7 @@ def test_a_failed_prefill_raises_and_releases_the_reservation(monkeypatch):
 @pytest.mark.cuda
 def test_cuda_region_registers_each_committed_chunk_and_close_unregisters_them():
     manager = kv.KVCacheManager(dsa_config("cuda", host_budget_bytes=1 << 22), host_chunk_bytes=1 << 16)
-    group = manager.storage.groups[0]
-    region = manager.storage.region
+    group, region = pool_group(manager, 0), region_of(manager)
     assert group.device_data.device.type == "cuda" and region.registered_bytes == 0
     assert group.device_data.data_ptr() == group.data.data_ptr()  # device pointer == host pointer
     slots = group.allocate(2 * (1 << 16) // group.slot_bytes + 1)
@@ -446,7 +455,7 @@ def test_a_captured_step_stays_valid_on_pages_of_chunks_committed_after_capture(
                         functools.partial(kv.KVCacheManager, host_chunk_bytes=PAGE_SIZE))
     twins = stepping.CapturedTwins(seed=5)
     captured = twins.captured
-    region, host = captured.manager.storage.region, captured.manager.storage.groups[0]
+    region, host = region_of(captured.manager), pool_group(captured.manager, 0)
     commits, limit = region.commits, host.committed_slots
     twins.replay(24, churn=(7, 15))
     assert region.commits > commits and region.registered_bytes == region.committed_bytes

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import torch_kvcm2 as kv
+from inspect_state import pool_group
 
 P, ROWS, TOKEN_BYTES = 4, 4, 16
 BAD = -1
@@ -190,7 +191,8 @@ def test_logging_host_region_growth(caplog):
             return True
 
     manager = make_manager()
-    group = next(g for g in manager.storage.groups if g.sparse)
+    group = pool_group(manager, next(g["index"] for g in manager.stats()["pool_groups"]
+                                     if g["sparse"]))
     group.region, saved = Region(), group.region
     try:
         old = group.committed_bytes

@@ -4,7 +4,7 @@ Op level: resolve on ``selected int32[R, T', K]`` against the reference's rule a
 (``reference.resolve_multi``) on hand-made scenarios and long random sequences with heavy
 overlap between a row's query tokens (>= 90%), padding and invalid ordinals per token, T' from 1
 to T; CPU and CUDA (bit-identical; CUDA runs where present). Batch level: MTP-1's validation,
-the shapes ``Batch.resolve`` / ``fetch_sparse_pages`` accept and return, the fixed-address
+the shapes ``Batch.resolve`` (with and without ``fetch=True``) accepts and returns, the fixed-address
 output tables, opcheck and a compiled multi-token step. MTP-4: a randomised data-safety run with
 speculative acceptance (1..T tokens accepted per row per step, rejected positions rewritten
 with different bytes) that reads every token back bit-exactly.
@@ -399,17 +399,16 @@ def test_mtp2_batch_rejects_bad_shapes(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_mtp2_fetch_sparse_pages_multi_token_reads_every_token(device):
-    """fetch_sparse_pages with [max_rows, T', K]: every selected unit of every query token
+def test_mtp2_resolve_with_fetch_multi_token_reads_every_token(device):
+    """resolve(fetch=True) with [max_rows, T', K]: every selected unit of every query token
     reads its host bytes back from the cells."""
     config = mtp_config(device)
     manager = kv.KVCacheManager(config)
     batch = kv.Batch(manager)
     caches = seat(manager, batch, 3)
-    storage = manager.storage
-    host = storage.slot_pages("a", "kv", device_side=False)  # every history token's bytes
+    host = manager.slot_pages("a", "kv", device_side=False)  # every history token's bytes
     for cache in caches:
-        pages = torch.tensor(cache.pages(storage.place("a", "kv").group), dtype=torch.long)
+        pages = torch.tensor(cache.pages(manager.buffer("a", "kv").pool_group), dtype=torch.long)
         t = torch.arange(cache.history_length)
         host[pages[t // 4], :, t % 4] = token_bytes(1, t + 1000 * batch.row_of(cache),
                                                     8).view(len(t), 1, 8)
@@ -417,7 +416,7 @@ def test_mtp2_fetch_sparse_pages_multi_token_reads_every_token(device):
     for _ in range(4):
         sel = torch.randint(0, 20, (4, 2, 3), generator=gen, dtype=I32)
         sel[3] = -1  # the empty row pads
-        table = batch.fetch_sparse_pages("a", sel.to(device)).cpu()
+        table = batch.resolve("a", sel.to(device), fetch=True).cpu()
         cells = batch.cells("a", "kv").cpu()
         for row in range(3):
             for tok in range(2):
@@ -562,7 +561,7 @@ class SpeculativeModel(Model):
         for layer, role, key, group, nbytes in self.buffers:
             if group != group_index:
                 continue
-            view = self.manager.storage.view(layer, role)
+            view = self.manager.buffer_view(layer, role)
             cells = batch.cells(layer, role)
             for row, cache in members.items():
                 h, s0 = cache.history_length, int(start[row])
@@ -606,11 +605,11 @@ class SpeculativeModel(Model):
     def check_host(self, cache):
         """Every token of history reads back from its host page, once settled."""
         self.settle()
-        storage = self.manager.storage
+        manager = self.manager
         t = torch.arange(cache.history_length)
         for layer, role, key, _, nbytes in self.buffers:
-            pages = torch.tensor(cache.pages(storage.place(layer, role).group), dtype=torch.long)
-            host = storage.slot_pages(layer, role, device_side=False)
+            pages = torch.tensor(cache.pages(manager.buffer(layer, role).pool_group), dtype=torch.long)
+            host = manager.slot_pages(layer, role, device_side=False)
             got = host[pages[t // 4], :, t % 4].reshape(len(t), nbytes)
             assert torch.equal(got, self.bytes_of(cache, key, t, nbytes)), (cache, layer, role)
 

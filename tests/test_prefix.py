@@ -11,6 +11,8 @@ import torch
 
 import torch_kvcm2 as kv
 from configs import dsa_config, import_history
+from inspect_state import (collide_prefix_keys, host_region, prefix_keys, prefix_tables,
+                           slot_refs)
 from safety_model import MAX_ROWS, P as SAFETY_P, Model
 from sharing_model import SharingModel, check_index, check_references, sized
 
@@ -24,27 +26,28 @@ def usage(manager):
 
 
 def all_pages(cache):
-    return [cache.pages(g) for g in range(len(cache.manager.storage.groups))]
+    return [cache.pages(g) for g in range(cache.manager.pool_groups)]
 
 
 def fill_pages(cache, seed):
     """Write a distinct byte pattern into every page the cache holds, in every pool group;
     returns {(group, page): bytes} to compare later."""
-    storage, written = cache.manager.storage, {}
+    manager, written = cache.manager, {}
     gen = torch.Generator().manual_seed(seed)
-    for group in storage.groups:
-        for page, slot in enumerate(cache.pages(group.index)):
+    for g in range(manager.pool_groups):
+        pool = manager.pool(g, device_side=False)  # uint8[committed slots, scale, page_bytes]
+        for page, slot in enumerate(cache.pages(g)):
             if slot >= 0:
-                data = torch.randint(0, 256, (group.scale, group.page_bytes), generator=gen,
+                data = torch.randint(0, 256, tuple(pool.shape[1:]), generator=gen,
                                      dtype=torch.uint8)
-                group.data[slot] = data
-                written[(group.index, page)] = data
+                pool[slot] = data
+                written[(g, page)] = data
     return written
 
 
 def read_pages(cache, pages):
-    storage = cache.manager.storage
-    return {(g, p): storage.groups[g].data[cache.pages(g)[p]].clone() for g, p in pages}
+    manager = cache.manager
+    return {(g, p): manager.pool(g, device_side=False)[cache.pages(g)[p]].clone() for g, p in pages}
 
 
 # ---- PFX-1, PFX-2, PFX-4: commit, share, release, cache ----
@@ -64,7 +67,7 @@ def test_commit_share_and_close_keep_pages_cached_and_counted():
     before = usage(manager)
     sharer = manager.create_cache(ids.tolist())
     assert (sharer.history_length, sharer.capacity, sharer.written, sharer.reused_tokens) == (28,) * 4
-    for g in range(len(manager.storage.groups)):
+    for g in range(manager.pool_groups):
         assert sharer.pages(g) == owner.pages(g)[:7]
     after = usage(manager)
     for (u0, s0, c0, f0), (u1, s1, c1, f1) in zip(before, after):
@@ -74,7 +77,7 @@ def test_commit_share_and_close_keep_pages_cached_and_counted():
     assert all(torch.equal(v, written[k]) for k, v in read_pages(sharer, shared).items())
     # growth goes to fresh private pages; the shared ones are untouched
     assert sharer.resize(capacity=40)
-    for g in range(len(manager.storage.groups)):
+    for g in range(manager.pool_groups):
         new = sharer.pages(g)[7:]
         assert not set(new) & set(owner.pages(g))
     owner.close()  # its 8th page is freed; the 7 shared stay referenced by the sharer
@@ -120,8 +123,7 @@ def test_equal_content_committed_twice_stays_private_and_never_double_owned():
     a.close()
     check_references(manager, [a, b, c])
     # b's pages 0 and 1 were private duplicates: freed at close, not cached
-    group = manager.storage.groups[0]
-    assert group.cached_slots == 0 and (group.refs[c.pages(0)] == 1).all()
+    assert usage(manager)[0][2] == 0 and (slot_refs(manager, 0)[c.pages(0)] == 1).all()
 
 
 def test_key_collisions_never_share_other_ids():
@@ -129,13 +131,13 @@ def test_key_collisions_never_share_other_ids():
     made equal (multipliers zeroed), no page of other ids is shared, and a colliding commit
     keeps its pages private."""
     manager = kv.KVCacheManager(dsa_config(window_layer=False))
-    prefix = manager.storage.prefix
-    prefix._token_mult[:] = 0  # key of page i: the depth salt alone
+    collide_prefix_keys(manager)  # key of page i: the depth salt alone
     a_ids = list(range(12))
     a = import_history(manager.create_cache(), 12)
     written = fill_pages(a, 3)
     assert a.commit(a_ids) == 12
-    assert len(set(prefix.keys(np.arange(8), 2).tolist()) & set(prefix._entry_of)) == 2
+    keys = prefix_keys(manager, np.arange(8), 2)
+    assert len(set(keys.tolist()) & set(prefix_tables(manager).entry_of)) == 2
     assert manager.match([50] + a_ids[1:]) == 0  # page 0 differs: its key collides
     assert manager.match(a_ids[:4] + [50] + a_ids[5:]) == 4  # page 1 differs
     b_ids = a_ids[:4] + [7] * 8
@@ -167,7 +169,7 @@ def test_a_page_whose_predecessor_was_evicted_waits_for_it_and_is_shared_again()
     assert manager.stats()["prefix"]["evicted_slots"] == 2
     assert manager.match(list(range(12))) == 0
     assert manager.stats()["prefix"]["entries"] == 1  # b's page 2; pages 0, 1 hold no slot
-    assert len(manager.storage.prefix._entry_of) == 3
+    assert len(prefix_tables(manager).entry_of) == 3
     check_references(manager, [b, hog])
     assert b.commit(list(range(12))) == 12
     assert manager.stats()["prefix"]["entries"] == 3
@@ -177,7 +179,7 @@ def test_a_page_whose_predecessor_was_evicted_waits_for_it_and_is_shared_again()
     for cache in (b, c):
         cache.close()
     assert hog.resize(capacity=32)  # all 8 slots: every cached page evicted, every entry removed
-    assert manager.stats()["prefix"]["entries"] == 0 and not manager.storage.prefix._entry_of
+    assert manager.stats()["prefix"]["entries"] == 0 and not prefix_tables(manager).entry_of
     check_references(manager, [hog])
 
 
@@ -249,23 +251,23 @@ def test_a_failed_host_commit_after_free_slots_evicts_nothing():
     """The free slots' memory is committed before any eviction: a commit failure leaves the
     index and every count as they were (STO-5)."""
     manager = small_manager(40, host_chunk_bytes=4096)
-    storage = manager.storage
-    group = storage.groups[0]  # 128-byte slots: 32 per 4 KiB chunk
-    assert group.slot_bytes == 128
+    group = lambda: manager.stats()["pool_groups"][0]  # 128-byte slots: 32 per 4 KiB chunk
+    assert group()["page_bytes"] * group()["scale"] == 128
     a = import_history(manager.create_cache(), 8)
     a.commit(list(range(8)))
     a.close()  # slots 0, 1 cached
     holders = [manager.create_cache(), manager.create_cache()]
     assert holders[0].resize(capacity=64) and holders[1].resize(capacity=56)  # slots 2..31
-    assert group.free_slots == 8 and group.committed_bytes == 4096  # slots 32..39: no memory
+    assert group()["free_slots"] == 8 and group()["committed_bytes"] == 4096  # 32..39: no memory
     before = (usage(manager), manager.match(list(range(8))), manager.stats()["prefix"])
-    region_commit = storage.region.commit
-    storage.region.commit = lambda ranges: False
+    region = host_region(manager)
+    region_commit = region.commit
+    region.commit = lambda ranges: False
     hog = manager.create_cache()
     try:
         assert not hog.resize(capacity=36)  # 9 pages: 8 free (their commit fails) + 1 evicted
     finally:
-        storage.region.commit = region_commit
+        region.commit = region_commit
     assert (usage(manager), manager.match(list(range(8))), manager.stats()["prefix"]) == before
     assert hog.resize(capacity=36)  # with memory: the free slots, then the LRU page (page 1)
     assert manager.match(list(range(8))) == 4
@@ -279,7 +281,7 @@ def test_windowed_groups_match_only_the_pages_their_window_covers():
     needs full-attention pages [0, m) and windowed pages [(4m - 8) // 4, m); the match is the
     longest m for which they are committed, else shorter."""
     manager = kv.KVCacheManager(dsa_config())
-    swa = next(g.index for g in manager.storage.groups if g.window is not None)
+    swa = next(g["index"] for g in manager.stats()["pool_groups"] if g["window"] is not None)
     ids = list(range(40))
     a = import_history(manager.create_cache(), 24)  # swa holds pages 4, 5
     assert a.pages(swa) == [-1] * 4 + a.pages(swa)[4:] and a.pages(swa)[4] >= 0
@@ -288,7 +290,7 @@ def test_windowed_groups_match_only_the_pages_their_window_covers():
     assert manager.match(ids[:20]) == 0  # h = 20 needs pages 3, 4: 3 is gone; so are 2..0's
     b = manager.create_cache(ids)
     assert b.reused_tokens == 24 and b.pages(swa) == a.pages(swa)[:6]
-    assert manager.storage.groups[swa].refs[a.pages(swa)[4]] == 2
+    assert slot_refs(manager, swa)[a.pages(swa)[4]] == 2
     # b grows: its window moves on and drops the shared windowed pages it no longer covers
     import_history(b, 36)
     assert b.pages(swa)[:7] == [-1] * 7
@@ -311,23 +313,23 @@ def test_windowed_eviction_drops_only_the_windowed_page_and_shortens_the_match()
     config = kv.CacheConfig(tokens_per_page=4, layers=layers, max_rows=2, max_tokens_per_row=64,
                             gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device="cpu")
     manager = sized(config, {"gpu": 6, "host": 32})
-    host, swa = manager.storage.groups
+    cached = lambda: tuple(g["cached_slots"] for g in manager.stats()["pool_groups"])  # host, swa
     ids = list(range(16))
     a = import_history(manager.create_cache(), 16)  # swa holds pages 2, 3
     a.commit(ids)
     a.close()
     assert manager.match(ids) == 16
-    assert (host.cached_slots, swa.cached_slots) == (4, 2)
+    assert cached() == (4, 2)
     hog = manager.create_cache()
     assert hog.resize(capacity=16)  # 4 pages: swa has 4 free
     assert manager.match(ids) == 16
     assert hog.resize(capacity=20)  # a 5th: swa evicts its LRU cached slot (page 3's)
-    assert (host.cached_slots, swa.cached_slots) == (4, 1)
+    assert cached() == (4, 1)
     assert manager.stats()["prefix"]["entries"] == 4
     assert manager.match(ids) == 0  # m = 4 needs swa page 3; m <= 3 needs pages never held
     check_references(manager, [hog])
     assert not hog.resize(capacity=28)  # swa: 1 free + 1 cached < 2 more: nothing changes
-    assert (host.cached_slots, swa.cached_slots) == (4, 1)
+    assert cached() == (4, 1)
 
 
 def test_without_full_attention_groups_only_the_window_is_needed():
@@ -354,8 +356,9 @@ def test_a_shared_cache_writes_only_its_private_pages_through_the_batch():
     ids = list(range(7, 7 + 40))
     owner = import_history(manager.create_cache(), 20)
     owner.commit(ids[:20])
-    committed = {g.index: set(owner.pages(g.index)[:5]) - {-1} for g in manager.storage.groups}
-    snapshot = [g.data.clone() for g in manager.storage.groups]
+    groups = range(manager.pool_groups)
+    committed = {g: set(owner.pages(g)[:5]) - {-1} for g in groups}
+    snapshot = [manager.pool(g, device_side=False).clone() for g in groups]
     sharer = manager.create_cache(ids)
     batch.add(sharer)
     assert sharer.resize(capacity=31)  # a prefill of 11 tokens
@@ -367,22 +370,23 @@ def test_a_shared_cache_writes_only_its_private_pages_through_the_batch():
         positions = torch.full((MAX_ROWS, 11), -1, dtype=torch.int32)
         positions[batch.row_of(sharer)] = torch.arange(20, 31, dtype=torch.int32)
         host = batch.host_token_indices(layer, role, positions.to(batch.config.device))
-        group = manager.storage.groups[manager.storage.place(layer, role).group]
-        slots = host[host >= 0].long() // SAFETY_P // group.scale
-        assert not set(slots.tolist()) & committed[group.index]
+        info = manager.buffer(layer, role)
+        slots = host[host >= 0].long() // SAFETY_P // info.scale
+        assert not set(slots.tolist()) & committed[info.pool_group]
         batch.cells(layer, role).fill_(0x5A)
     batch.record_host_writes()
     batch.flush()
     assert sharer.resize(history=31)
-    for g, before in zip(manager.storage.groups, snapshot):
-        for slot in committed[g.index]:
-            assert torch.equal(g.data[slot], before[slot]), (g.index, slot)
+    for g, before in zip(groups, snapshot):
+        pool = manager.pool(g, device_side=False)
+        for slot in committed[g]:
+            assert torch.equal(pool[slot], before[slot]), (g, slot)
 
 
 # ---- PFX-6: residency ----
 def test_a_shared_request_starts_with_empty_residency_and_fetches_the_shared_pages():
     model = Model("cpu", 12)
-    manager, batch, storage = model.manager, model.batch, model.manager.storage
+    manager, batch = model.manager, model.batch
     ids = list(range(500, 540))
     owner = manager.create_cache()
     batch.add(owner)

@@ -10,6 +10,7 @@ import torch
 
 import torch_kvcm2 as kv
 from conftest import DEVICE_PARAMS
+from inspect_state import drop_windowed_slot
 from standins import check_tokens, prefilled
 from standins import decode as standin_decode
 
@@ -37,7 +38,7 @@ def sinks_config(device="cpu", swa_sinks=5, **kwargs):
 
 
 def group_of(manager, layer):
-    return manager.storage.place(layer, manager.config.layer(layer).buffers[0].role).group
+    return manager.buffer(layer, manager.config.layer(layer).buffers[0].role).pool_group
 
 
 def window_bound(layer):
@@ -238,9 +239,5 @@ def test_a_shared_prefix_brings_the_sink_pages(device):
     cache.close()
     # the prefix index loses the first sink page of the windowed dense group (what evicting
     # it does): every match past the window needs it, and one inside the window needs page 0
-    g = group_of(manager, "swa")
-    group = manager.storage.groups[g]
-    entry = int(group.owner[sink_slot]) - 1
-    group.uncommit(np.array([sink_slot]))
-    manager.storage.prefix._slots[entry, g] = -1
+    drop_windowed_slot(manager, group_of(manager, "swa"), sink_slot)
     assert manager.match(ids) == 0

@@ -3,19 +3,22 @@ import pytest
 
 import torch_kvcm2 as kv
 from configs import dsa_config
+from inspect_state import pool_group, pool_reservation
+from torch_kvcm2.memory import batch_reserve_bytes
 
 
 def test_pool_groups_coalesce_by_life_cycle_sparsity_and_page_bytes():
     """STO-1: buffers sharing (window, sparse, page bytes) share a pool group, in config order."""
-    storage = kv.KVCacheManager(dsa_config()).storage
-    summary = [(g.window, g.sparse, g.page_bytes, g.buffers) for g in storage.groups]
+    manager = kv.KVCacheManager(dsa_config())
+    summary = [(g["window"], g["sparse"], g["page_bytes"], g["buffers"])
+               for g in manager.stats()["pool_groups"]]
     assert summary == [
         (None, True, 32, [("shared0", "kv"), ("shared1", "kv"), ("shared2", "kv"), ("private", "kv")]),
         (None, False, 16, [("shared0", "indexer_k"), ("shared1", "indexer_k"), ("shared2", "indexer_k")]),
         (8, False, 32, [("swa", "k"), ("swa", "v")]),
     ]
-    assert storage.place("private", "kv").pos == 3
-    assert storage.place("private", "scale").group is None  # CFG-6: zero-size takes no memory
+    assert manager.buffer("private", "kv").pos == 3
+    assert manager.buffer("private", "scale").pool_group is None  # CFG-6: zero-size takes no memory
 
 
 @pytest.mark.parametrize("changes", [{}, dict(window_layer=False), dict(layers=1, max_rows=1),
@@ -24,11 +27,11 @@ def test_batch_reserve_from_the_config_alone_is_what_the_manager_reserves(change
     """STO-4: ``memory.batch_reserve_bytes(config)`` (what an example sizes its budgets with
     before building anything) counts the pool groups as Storage makes them and equals the
     reserve the manager takes."""
-    from torch_kvcm2.memory import batch_reserve_bytes, pool_group_count
+    from torch_kvcm2.memory import pool_group_count
 
     config = dsa_config(**changes)
     manager = kv.KVCacheManager(config)
-    assert pool_group_count(config) == len(manager.storage.groups)
+    assert pool_group_count(config) == manager.pool_groups
     stats = manager.stats()
     assert batch_reserve_bytes(config) == {m: stats[m]["reserved_bytes"] for m in ("gpu", "host")}
     assert min(batch_reserve_bytes(config).values()) > 0
@@ -36,24 +39,28 @@ def test_batch_reserve_from_the_config_alone_is_what_the_manager_reserves(change
 
 def test_sparse_groups_live_in_host_memory_dense_in_device_memory():
     """STO-2 (CPU build: every medium is CPU memory, the same code paths run)."""
-    storage = kv.KVCacheManager(dsa_config()).storage
-    assert [g.medium for g in storage.groups] == ["host", "gpu", "gpu"]
-    for g in storage.groups:
-        assert g.data.device.type == "cpu" and g.device_data.data_ptr() == g.data.data_ptr()
+    manager = kv.KVCacheManager(dsa_config())
+    assert [g["medium"] for g in manager.stats()["pool_groups"]] == ["host", "gpu", "gpu"]
+    for g in range(manager.pool_groups):
+        host, device_side = manager.pool(g, device_side=False), manager.pool(g)
+        assert host.device.type == "cpu" and device_side.data_ptr() == host.data_ptr()
 
 
 def test_buffer_view_page_index_is_slot_times_scale_plus_pos():
     """STO-3: page s*scale+pos of a buffer's view is that buffer's page in slot s."""
-    storage = kv.KVCacheManager(dsa_config(latent_chunks=2)).storage
-    view = storage.view("shared1", "kv")
-    group = storage.groups[0]
-    assert tuple(view.shape) == (group.num_slots * 4, 2, 4, 4)
+    manager = kv.KVCacheManager(dsa_config(latent_chunks=2))
+    view = manager.buffer_view("shared1", "kv")
+    info = manager.buffer("shared1", "kv")
+    assert (info.pool_group, info.scale, info.pos) == (0, 4, 1)
+    slots = manager.stats()["pool_groups"][0]["slots"]
+    data = pool_reservation(manager, 0)  # slot 5 is not committed yet: past manager.pool(0)
+    assert tuple(view.shape) == (slots * 4, 2, 4, 4)
     view[5 * 4 + 1] = 7
-    assert bool((group.data[5, 1] == 7).all()) and int(group.data.sum()) == 7 * 32
-    by_slot = storage.slot_pages("shared1", "kv")
-    assert tuple(by_slot.shape) == (group.num_slots, 2, 4, 4)
+    assert bool((data[5, 1] == 7).all()) and int(data.sum()) == 7 * 32
+    by_slot = manager.slot_pages("shared1", "kv")
+    assert tuple(by_slot.shape) == (slots, 2, 4, 4)
     assert bool((by_slot[5] == 7).all())
-    empty = storage.view("private", "scale")
+    empty = manager.buffer_view("private", "scale")
     assert tuple(empty.shape) == (0, 1, 4, 0)
 
 
@@ -61,24 +68,26 @@ def test_budgets_are_split_evenly_over_a_mediums_groups_after_the_batch_reserve(
     """STO-4: GPU and host budgets are accounted separately; stats() reports them."""
     manager = kv.KVCacheManager(dsa_config())
     stats = manager.stats()
-    groups = manager.storage.groups
+    groups = stats["pool_groups"]
+    reserve = batch_reserve_bytes(manager.config)
+    slot_bytes = lambda g: g["page_bytes"] * g["scale"]
     for medium in ("gpu", "host"):
-        mine = [g for g in groups if g.medium == medium]
+        mine = [g for g in groups if g["medium"] == medium]
         budget = 1 << 20
-        expected = (budget - manager._reserve[medium]) // sum(g.slot_bytes for g in mine)
-        assert all(g.num_slots == expected for g in mine)
+        expected = (budget - reserve[medium]) // sum(slot_bytes(g) for g in mine)
+        assert all(g["slots"] == expected for g in mine)
         assert stats[medium]["used_bytes"] == 0
-        assert stats[medium]["free_bytes"] == expected * sum(g.slot_bytes for g in mine)
-        assert stats[medium]["reserved_bytes"] == manager._reserve[medium]
+        assert stats[medium]["free_bytes"] == expected * sum(slot_bytes(g) for g in mine)
+        assert stats[medium]["reserved_bytes"] == reserve[medium]
     cache = manager.create_cache()
     assert cache.resize(capacity=9)  # 3 pages in every group
     stats = manager.stats()
     assert [g["used_slots"] for g in stats["pool_groups"]] == [3, 3, 3]
-    assert stats["host"]["used_bytes"] == 3 * groups[0].slot_bytes
+    assert stats["host"]["used_bytes"] == 3 * slot_bytes(groups[0])
 
 
 def test_a_budget_too_small_for_one_slot_raises_before_allocating():
-    reserve = kv.KVCacheManager(dsa_config())._reserve
+    reserve = batch_reserve_bytes(dsa_config())
     with pytest.raises(ValueError, match="STO-4: the host budget .* cannot hold one slot"):
         kv.KVCacheManager(dsa_config(host_budget_bytes=reserve["host"] + 127))
     with pytest.raises(ValueError, match="STO-4: the gpu budget .* cannot hold one slot"):
@@ -89,7 +98,7 @@ def test_a_budget_too_small_for_one_slot_raises_before_allocating():
 
 def test_slots_are_handed_out_lowest_free_first_and_failures_take_nothing():
     """STO-5."""
-    group = kv.KVCacheManager(dsa_config()).storage.groups[1]
+    group = pool_group(kv.KVCacheManager(dsa_config()), 1)
     assert group.allocate(3) == [0, 1, 2]
     group.release([1])
     assert group.allocate(2) == [1, 3]

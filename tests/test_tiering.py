@@ -21,8 +21,9 @@ import torch
 import torch_kvcm2 as kv
 from configs import dsa_config, import_history
 from conftest import DEVICE_PARAMS
+from inspect_state import slot_owners, slot_refs, tier_slot_refs
 from safety_model import MAX_ROWS, P as SAFETY_P
-from sharing_model import SharingModel, check_index
+from sharing_model import SharingModel, check_index, reserved_bytes, slot_bytes_per_medium
 from torch_kvcm2.config import BAD
 from torch_kvcm2.host_region import PAGE_SIZE, HostMemoryOps
 from torch_kvcm2.tiers import copy_segments, slot_runs
@@ -101,12 +102,12 @@ def check_dense(cache, positions, salt=0):
 def gpu_slots_of(manager, caches):
     """Distinct GPU slots of the dense pool groups that ``caches`` hold."""
     held = set()
+    dense = [g["index"] for g in manager.stats()["pool_groups"] if not g["sparse"]]
     for cache in caches:
-        for group in manager.storage.groups:
-            if not group.sparse:
-                first, keep = cache._live[group.index]
-                row = cache._page_row(group.index)[first:keep]
-                held |= {(group.index, int(s)) for s in row[row >= 0]}
+        for g in dense:
+            first, keep = cache._live[g]
+            row = cache._page_row(g)[first:keep]
+            held |= {(g, int(s)) for s in row[row >= 0]}
     return held
 
 
@@ -115,15 +116,16 @@ def tiered_manager(device, tier_slots=64, gpu_slots=None, **kwargs):
     dense pool groups each have a host tier of ``tier_slots`` slots."""
     config = dsa_config(device, max_rows=4, max_tokens_per_row=64)
     probe = kv.KVCacheManager(config)
-    dense = sum(g.slot_bytes for g in probe.storage.groups if not g.sparse)
-    reserve = probe._reserve
+    dense = slot_bytes_per_medium(probe)["gpu"]  # the dense pool groups
+    reserve = reserved_bytes(probe)
     probe.close()
     budgets = {"host_budget_bytes": config.host_budget_bytes + tier_slots * dense}
     if gpu_slots is not None:
         budgets["gpu_budget_bytes"] = reserve["gpu"] + gpu_slots * dense
     manager = kv.KVCacheManager(dataclasses.replace(config, **budgets),
                                 host_tier_bytes=tier_slots * dense, **kwargs)
-    assert all(t is None or t.num_slots == tier_slots for t in manager.storage.tiers)
+    assert all(g["host_tier"] is None or g["host_tier"]["slots"] == tier_slots
+               for g in manager.stats()["pool_groups"])
     return manager
 
 
@@ -228,7 +230,7 @@ def test_shared_prefix_pages_stay_on_the_gpu(device):
     assert sharer.pages(1)[:4] == shared[1]
     assert set(sharer.pages(1)[4:]) == {BAD}
     assert sharer.offloaded_pages()[1] == -(-h // 4) - 4
-    assert all(manager.storage.groups[1].refs[s] == 2 for s in shared[1])
+    assert all(slot_refs(manager, 1)[s] == 2 for s in shared[1])
     check_dense(owner, np.arange(16))  # the other sharer still reads them
     owner.close()  # the suspended cache keeps the shared pages alive
     assert sharer.resume()
@@ -259,7 +261,7 @@ def test_no_room_on_the_host_tier_or_the_gpu_changes_nothing(device):
     write_dense(small, np.arange(8), salt=3)
     assert small.suspend(offload=True)
     filler = manager.create_cache()  # takes every GPU slot left
-    free = manager.storage.groups[1].free_slots
+    free = manager.stats()["pool_groups"][1]["free_slots"]
     assert filler.resize(capacity=4 * free)
     assert not manager.can_fit(0, resuming=[small])
     held = manager.stats()
@@ -302,7 +304,8 @@ def test_offload_without_a_host_tier_and_bad_tier_sizes_are_refused():
     # the tier comes out of the host budget: the sparse pools get the rest
     plain = kv.KVCacheManager(dsa_config())
     tiered = kv.KVCacheManager(dsa_config(), host_tier_bytes=1 << 19)
-    assert tiered.storage.groups[0].num_slots < plain.storage.groups[0].num_slots
+    slots = lambda m: m.stats()["pool_groups"][0]["slots"]
+    assert slots(tiered) < slots(plain)
     assert tiered.stats()["host"]["host_tier_bytes"] == 1 << 19
     plain.close()
     tiered.close()
@@ -392,8 +395,7 @@ def returning_order(cache):
 
 
 def slot_bytes_of(manager, group, slot):
-    pool = manager.storage.groups[group]
-    return pool.data.view(-1)[slot * pool.slot_bytes:(slot + 1) * pool.slot_bytes].cpu().clone()
+    return manager.pool(group, device_side=False)[slot].reshape(-1).cpu().clone()
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -409,7 +411,7 @@ def test_resume_copies_back_in_pieces_one_per_publish_and_completes_at_the_first
     cache = import_history(manager.create_cache(), 40)
     write_dense(cache, np.arange(40))
     synchronize(manager)
-    dense = [g.index for g in manager.storage.groups if not g.sparse]
+    dense = [g["index"] for g in manager.stats()["pool_groups"] if not g["sparse"]]
     before = {(g, i): slot_bytes_of(manager, g, int(cache._page_row(g)[i]))
               for g in dense for i in range(*cache._live[g])}
     assert cache.suspend(offload=True)
@@ -417,7 +419,7 @@ def test_resume_copies_back_in_pieces_one_per_publish_and_completes_at_the_first
     assert len(order) > 4 and sorted(order) == sorted(before)
     synchronize(manager)
     for g in dense:  # what stays in a GPU slot no piece reached yet
-        manager.storage.groups[g].data.fill_(FILL)
+        manager.pool(g, device_side=False).fill_(FILL)
     used = sum(n for n in tier_used(manager) if n)
     assert used == len(order)
     assert cache.resume()
@@ -431,7 +433,8 @@ def test_resume_copies_back_in_pieces_one_per_publish_and_completes_at_the_first
         assert all(a != b for a, b in zip(done, untouched))  # each page whole or not at all
         return sum(done)
 
-    sizes = [manager.storage.groups[g].slot_bytes for g, _ in order]
+    groups = manager.stats()["pool_groups"]
+    sizes = [groups[g]["page_bytes"] * groups[g]["scale"] for g, _ in order]
     for publishes in range(3):
         k = 1 + publishes
         assert issued() == k, publishes  # the first k pieces, in order
@@ -521,9 +524,7 @@ class TieringModel(SharingModel):
         self.manager.close()
         config = self.config
         probe = kv.KVCacheManager(config)
-        per = {m: sum(g.slot_bytes for g in probe.storage.groups if g.medium == m)
-               for m in ("gpu", "host")}
-        reserve = probe._reserve
+        per, reserve = slot_bytes_per_medium(probe), reserved_bytes(probe)
         probe.close()
         tier_bytes = tier_slots * per["gpu"]
         self.manager = kv.KVCacheManager(dataclasses.replace(
@@ -569,7 +570,7 @@ class TieringModel(SharingModel):
         """History positions whose pages the cache holds (the window releases pages)."""
         P = self.config.tokens_per_page
         h = cache.history_length
-        group = self.manager.storage.place(layer, role).group
+        group = self.manager.buffer(layer, role).pool_group
         first = cache._live[group][0]
         return np.arange(first * P, h) if first * P < h else np.arange(0)
 
@@ -710,19 +711,19 @@ def check_both_tiers(manager, caches):
     """Every GPU slot's reference count is the number of open caches whose page rows hold it,
     every host tier slot is held by exactly one suspended cache (its offload) and the tiers'
     stats add up; free slots are unreferenced and uncommitted."""
-    storage = manager.storage
-    for group in storage.groups:
-        tier = storage.tiers[group.index]
-        expected = np.zeros(group.num_slots, dtype=np.int64)
-        tier_expected = np.zeros(tier.num_slots if tier is not None else 0, dtype=np.int64)
+    for group in manager.stats()["pool_groups"]:
+        g, tier = group["index"], group["host_tier"]
+        refs, owners, tier_refs = slot_refs(manager, g), slot_owners(manager, g), tier_slot_refs(manager, g)
+        expected = np.zeros(group["slots"], dtype=np.int64)
+        tier_expected = np.zeros(tier["slots"] if tier is not None else 0, dtype=np.int64)
         for cache in caches:
             if cache.closed:
                 continue
-            first, keep = cache._live[group.index]
-            row = cache._page_row(group.index)[first:keep]
-            offloaded = cache._tier_pages(group.index)
+            first, keep = cache._live[g]
+            row = cache._page_row(g)[first:keep]
+            offloaded = cache._tier_pages(g)
             if cache._arrival is not None:  # a copy back with pieces not issued yet
-                np.add.at(tier_expected, cache._arrival.tier_slots(group.index), 1)
+                np.add.at(tier_expected, cache._arrival.tier_slots(g), 1)
             if offloaded is None:
                 assert (row >= 0).all()
             else:
@@ -731,13 +732,13 @@ def check_both_tiers(manager, caches):
                 assert ((row >= 0) != (slots >= 0)).all()  # each page in exactly one tier
                 np.add.at(tier_expected, slots[slots >= 0], 1)
             np.add.at(expected, row[row >= 0], 1)
-        assert np.array_equal(group.refs, expected), group.index
-        cached = (group.refs == 0) & (group.owner != 0)
-        assert int(cached.sum()) == group.cached_slots
-        assert int((group.refs > 0).sum()) + group.cached_slots + group.free_slots == group.num_slots
+        assert np.array_equal(refs, expected), g
+        cached = (refs == 0) & (owners != 0)
+        assert int(cached.sum()) == group["cached_slots"]
+        assert int((refs > 0).sum()) + group["cached_slots"] + group["free_slots"] == group["slots"]
         if tier is not None:
-            assert np.array_equal(tier.refs, tier_expected), group.index
-            assert int((tier.refs > 0).sum()) + tier.free_slots == tier.num_slots
+            assert np.array_equal(tier_refs, tier_expected), g
+            assert int((tier_refs > 0).sum()) + tier["free_slots"] == tier["slots"]
     stats = manager.stats()
     used = sum(g["host_tier"]["used_bytes"] for g in stats["pool_groups"] if g["host_tier"])
     assert stats["host"]["host_tier_used_bytes"] == used

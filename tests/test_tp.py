@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import DEVICE_PARAMS
+from inspect_state import host_region
 from stepping import P, ROWS, WORDS, write_tokens  # tokens per page, rows, int32 words per token
 
 import torch_kvcm2 as kv
@@ -166,8 +167,8 @@ class TPDriver:
         length = self.rng.randint(3, 14)
         assert cache.resize(capacity=length + 4)
         for layer in self.config.layers:
-            place = self.manager.storage.place(layer.name, "kv")
-            if self.group.owns(self.layer_index[layer.name], place.group):
+            pool_group = self.manager.buffer(layer.name, "kv").pool_group
+            if self.group.owns(self.layer_index[layer.name], pool_group):
                 tokens = self._host_tokens(cache, layer.name)
                 tokens[:length] = torch.from_numpy(
                     token_values(cache.request_id, self.layer_index[layer.name], range(length)))
@@ -263,10 +264,9 @@ def scenario_decode(rank, world, device, split):
     report("check_ranks")
     driver.settle()
     manager.check_ranks(batch)  # identical calls: no divergence
-    region = manager.storage.region
     stats = manager.stats()["host_region"]
     result = {"read": read, "fetched": driver.checked_fetches,
-              "committed": region.committed_bytes, "node_bytes": stats["node_bytes"],
+              "committed": stats["committed_bytes"], "node_bytes": stats["node_bytes"],
               "shared": stats["shared"], "counters": driver.group.counters()}
     # TP-2: one rank allocates a page the others do not; the check names the pool group
     extra = manager.create_cache()
@@ -365,25 +365,29 @@ def scenario_commit_fault(rank, world, device, split):
                                 host_chunk_bytes=PAGE_SIZE, host_huge_pages=False,
                                 _host_ops=host_ops)
     report("ready")
-    region = manager.storage.region
+
+    def region():
+        stats = manager.stats()["host_region"]
+        return stats["committed_bytes"], stats["node_bytes"]
+
     first = manager.create_cache()
     assert first.resize(capacity=64)  # 16 pages: within the first chunks
     group = manager.host_group
     group.barrier()  # node bytes are read while no rank commits
-    before = (region.committed_bytes, region.node_bytes())
+    before = region()
     group.barrier()
     host_ops.fail = rank == world - 1
     second = manager.create_cache()
     refused = not second.resize(capacity=64)
-    after_failure = (region.committed_bytes, region.node_bytes())
+    after_failure = region()
     manager.check_ranks()  # the failed commit left identical state everywhere (collective)
     host_ops.fail = False
     granted = second.resize(capacity=64)
     manager.check_ranks()
     group.barrier()
     result = {"refused": refused, "granted": granted, "before": before,
-              "after_failure": after_failure, "last_error": region.last_error,
-              "after": (region.committed_bytes, region.node_bytes())}
+              "after_failure": after_failure,
+              "last_error": manager.stats()["host_region"]["last_error"], "after": region()}
     stop_watching()
     manager.close()
     return result
@@ -752,7 +756,7 @@ def test_host_group_arguments():
             kv.KVCacheManager(make_config("cpu"), host_group=driver.group)
         assert driver.group.counters() == [8]
         driver.manager.close()
-        assert driver.group.closed and driver.manager.storage.region.closed
+        assert driver.group.closed and host_region(driver.manager).closed
     finally:
         dist.destroy_process_group()
 

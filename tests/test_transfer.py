@@ -151,7 +151,7 @@ def test_a_windowed_layer_travels_from_its_first_live_page(device):
     target = kv.KVCacheManager(windowed_sparse_config(device, max_rows=3,
                                                       host_budget_bytes=1 << 19))
     moved = target.import_cache(record)
-    local = target.storage.place("local", "kv").group
+    local = target.buffer("local", "kv").pool_group
     assert moved.pages(local)[:4] == [kv.BAD] * 4 and min(moved.pages(local)[4:]) >= 0
     assert check_tokens(moved, 27, source=cache) > 0
     batch = target.create_batch()

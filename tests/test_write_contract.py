@@ -303,6 +303,7 @@ def test_finish_step_with_host_writes_ends_a_prefill_chunk(device):
     write_tokens(manager, batch, cache, range(10))
     accepted = torch.tensor([10, 0], dtype=torch.int32, device=device)
     batch.finish_step(accepted, host_writes=True)
+    batch.poll()  # the step's read-back
     assert (cache.history_length, cache.written) == (10, 10)
     assert cache.capacity == 12  # history + width 10, cut at its pages (3 pages of 4)
     assert (idle.history_length, idle.capacity) == (0, 1)
