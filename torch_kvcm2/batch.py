@@ -423,8 +423,8 @@ class Batch:
         for None or a sequence the host applies the rule itself; for a tensor (whose values
         the host does not read: on CUDA that would synchronise) it takes the device's
         watermark through the read-back of the lengths, queued by the next ``record_advance``
-        (``advance`` right after, or the first host call that needs a length) and applied when
-        the host next needs a length, so it never claims more than the flush wrote. The device
+        (``advance`` right after) or by ``poll()``, and applied by ``poll()``, so it never
+        claims more than the flush wrote. The device
         watermark sees only published declarations: publish after ``record_host_writes`` and
         before a flush to a tensor. Inside ``torch.compile`` or stream capture the host
         bookkeeping is skipped: call ``record_flush()`` (None or sequence targets) or
