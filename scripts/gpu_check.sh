@@ -14,6 +14,7 @@
 #   SHARDS=N runs each suite run as N pytest processes side by side, the test files dealt out
 #   round robin (tests_cuda_1_shard1.log ...): about N times faster on the GPU machine's cores,
 #   and a second process on the GPU shows host reads that do not wait for the device;
+#   SUITE=0 skips the CUDA suite but not the examples (a second call on a warm machine);
 #   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
 #   reduce-overhead, --graph; shared_prefix.py; serve.py eager and --graph --delays; generate.py
 #   --check: both models, bf16, the absorbed kernel, --compile and --graph).
@@ -73,7 +74,7 @@ python3 -c "import torch_kvcm2 as k; assert k.has_cuda_kernels(), 'no CUDA kerne
 [ "$(knobs_in_library)" = 0 ] && echo "production build: no development knob" | tee -a "$OUT/gpu.txt" \
   || { echo "production build names development knobs"; exit 1; }
 if [ "${TESTS:-1}" = 1 ]; then
-  for run in $(seq 1 "${TEST_RUNS:-1}"); do
+  [ "${SUITE:-1}" = 1 ] && for run in $(seq 1 "${TEST_RUNS:-1}"); do
     if [ "${SHARDS:-1}" -gt 1 ]; then
       files=(tests/test_*.py)
       for k in $(seq 1 "$SHARDS"); do
