@@ -24,6 +24,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """argparse type: a seed, an int in [0, 2**62) (numpy's generators refuse negative seeds,
+    torch's those past 64 bits)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if not 0 <= value < 1 << 62:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 2**62)")
+    return value
+
+
+def given(argv: Sequence[str], *names: str) -> bool:
+    """Whether any of the option strings ``names`` (e.g. "--topk", "-K") is on the command line
+    ``argv``, as ``--flag VALUE``, ``--flag=VALUE`` or, for a short one, ``-KVALUE``."""
+    return any(a == name or a.startswith(name + "=") or (len(name) == 2 and a.startswith(name))
+               for a in argv for name in names)
+
+
 def prompt_lengths(text: str) -> list:
     """argparse type: comma-separated prompt lengths, each an int >= 1."""
     try:
@@ -50,11 +69,17 @@ def chosen_device(choice: str) -> torch.device:
                         else "cpu")
 
 
+def needs_gpu(what: str) -> None:
+    """The usage error of a flag that needs a usable GPU where none is: ``what`` (the flag)
+    needs a GPU, and everything ``torch_kvcm2.missing_for("cuda")`` finds missing."""
+    usage_error(f"{what} needs a GPU ({GPU}): {'; '.join(kv.missing_for('cuda'))}")
+
+
 def pick_device(choice: str) -> torch.device:
     """``chosen_device``, where cuda that is not usable is a usage error saying what is
     missing."""
     if choice == "cuda" and not cuda_usable():
-        usage_error(f"--device cuda needs a GPU ({GPU}): {'; '.join(kv.missing_for('cuda'))}")
+        needs_gpu("--device cuda")
     return chosen_device(choice)
 
 

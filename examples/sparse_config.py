@@ -49,7 +49,8 @@ def memory_parts(args) -> list:
     indexer = 4 * R * N * (2 * max_tokens + 2 * max_tokens // U) + R * max_tokens * Di * 4
     attention = R * N * W * U * (6 * D + 12 * H + 9)
     activations = R * N * (4 * (4 * d + 2 * H * D + 2 * Di) + 24) + max(indexer, attention)
-    lengths = ("--rows", "--prompt-lengths", "--steps")
+    # the flags that set the tokens per row (``budgets``' max_tokens), and so most parts
+    lengths = ("--rows", "--prompt-lengths", "--steps", "--reserve-pages")
     return [
         Part("the cache's host pages", host, lengths + ("--layers", "--latent"), "host"),
         Part("the cache's GPU pools, cells and tables", gpu, lengths + ("--layers", "--slots"),
@@ -63,7 +64,7 @@ def memory_parts(args) -> list:
         Part("drawing the sampling noise", 24 * noise,
              ("--steps", "--rows", "--vocab", "--draft-tokens"), "host"),
         Part("the prefill's activations", activations,
-             ("--rows", "--prompt-lengths", "--d-model", "--heads", "--latent"), "device"),
+             lengths + ("--d-model", "--heads", "--latent"), "device"),
     ]
 
 

@@ -59,8 +59,9 @@ import torch
 import torch_kvcm2 as kv
 from torch_kvcm2 import BAD, ops
 
-from flags import (GPU, add_device_flag, check_memory, chosen_device, cuda_usable,
-                   pick_device, positive_int, prompt_lengths, usage_error)  # examples/flags.py
+from flags import (add_device_flag, check_memory, chosen_device, cuda_usable, given,
+                   needs_gpu, pick_device, positive_int, prompt_lengths, seed,
+                   usage_error)  # examples/flags.py
 from running import Progress, Timer, announce  # examples/running.py
 from sparse_config import KEY_DTYPE, KV_DTYPE, build_config, memory_parts  # the cache config
 
@@ -101,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--index-dim", type=positive_int, default=16,
                    help="indexer key width (float32)")
     p.add_argument("--vocab", type=positive_int, default=512, help="vocabulary size")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampling")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the weights and the sampling")
     p.add_argument("--reserve-pages", type=positive_int, default=2,
                    help="pages each row keeps allocated beyond its capacity, so that the device "
                         "advances its lengths without the host (Batch.advance)")
@@ -120,6 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="capture the whole decode step once as one CUDA graph and replay it "
                            "for every step after the first (GPU only)")
     args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     if args.draft_tokens < 0:
         p.error(f"argument --draft-tokens: {args.draft_tokens} is not >= 0")
     args.query_tokens = args.draft_tokens + 1  # T: query tokens per row per step
@@ -132,10 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"{'runs before the capture' if args.graph else 'compiles'} and is timed apart, "
                 f"so at least 2 are needed")
     check_draft_flags(p, args)
-    check_cache_flags(p, args)
+    check_cache_flags(p, args, argv)
     # before anything is built: a config of absurd sizes takes long to build, and more to fill
-    check_memory(p, sys.argv[1:] if argv is None else argv, memory_parts(args),
-                 chosen_device(args.device))
+    check_memory(p, argv, memory_parts(args), chosen_device(args.device))
     args.prompts = [args.prompt_lengths[i % len(args.prompt_lengths)] for i in range(args.rows)]
     try:  # any rule the checks above do not state: the library's own message
         build_config(args, torch.device("cpu"))
@@ -144,9 +145,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def check_cache_flags(p: argparse.ArgumentParser, args) -> None:
+def check_cache_flags(p: argparse.ArgumentParser, args, argv) -> None:
     """The cache config's sparse rules (CFG-3), stated in this script's flags: the library would
-    reject the same values with a ValueError naming its own fields."""
+    reject the same values with a ValueError naming its own fields. Without --slots the slots
+    follow from other flags (those given on the command line ``argv`` are the ones named)."""
     P, U, K, I, T = (args.tokens_per_page, args.tokens_per_unit, args.topk, args.inflight,
                      args.query_tokens)
     if P % U:
@@ -156,9 +158,18 @@ def check_cache_flags(p: argparse.ArgumentParser, args) -> None:
     # tokens per row seats the union of T selections (MTP-1)
     need = T * (K + 1) + kv.SparseSpec(tokens_per_unit=U, width=K + 1, slots=1,
                                        max_inflight_tokens=I).max_inflight_units
-    if getattr(args, "slots", None) is None:  # 32, or the fewest whole pages' units seating T
-        args.slots = max(32, -(-need // units_per_page) * units_per_page)
+    derived = getattr(args, "slots", None) is None
+    if derived:  # 32, or the fewest whole pages' units seating T, in whole pages
+        args.slots = -(-max(32, need) // units_per_page) * units_per_page
     S = args.slots
+    if derived and S > 65535:
+        drivers = [("--topk", "-K"), ("--draft-tokens",), ("--inflight",),
+                   ("--tokens-per-unit", "-U"), ("--tokens-per-page", "-P")]
+        named = ["/".join(d) for d in drivers if given(argv, *d)] or ["/".join(drivers[0])]
+        tokens = "(--draft-tokens + 1) x " if T > 1 else ""
+        p.error(f"argument {', '.join(named)}: the cache would need {tokens}(--topk + 1) + "
+                f"ceil(--inflight / --tokens-per-unit) + 1 = {need} slots per request and "
+                f"selection group ({S} in whole pages), above its limit of 65535")
     if S % units_per_page:
         p.error(f"argument --slots/-S: {S} must be a multiple of the units per page "
                 f"(--tokens-per-page / --tokens-per-unit = {units_per_page})")
@@ -196,7 +207,9 @@ def pick_device_for(args) -> torch.device:
     what = ("--compile reduce-overhead (CUDA graphs)" if args.compile == "reduce-overhead" else
             "--graph (one CUDA graph per decode step)" if args.graph else None)
     if what and device.type != "cuda":
-        usage_error(f"{what} needs a GPU" + (": drop --device cpu" if cuda_usable() else f" ({GPU})"))
+        if cuda_usable():
+            usage_error(f"{what} needs a GPU: drop --device cpu")
+        needs_gpu(what)  # what is missing, as --device cuda says
     return device
 
 
@@ -232,7 +245,8 @@ class Model:
         self.heads = H
         self.embedding = torch.randn(args.vocab, d, generator=g).to(device)
         self.w = {}
-        shown = Progress("making the weights", len(config.layers), "layers")
+        shown = Progress("making the weights", len(config.layers), "layers",
+                         flags=("--layers", "--d-model", "--heads", "--latent", "--vocab"))
         for group in config.selection_groups:
             for i, layer in enumerate(group.layers):
                 shown.update(len(self.w))
@@ -470,18 +484,18 @@ class SparseDecoder:
     def token_indices(self, layer, role, positions):
         """Token indices of ``positions`` (int32[rows, N], -1 = none) in the buffer's paged view,
         through the page table of its pool group (OP-INDEX, token form)."""
-        storage, place = self.manager.storage, self.manager.storage.place(layer, role)
+        buf = self.manager.buffer(layer, role)
         out = torch.empty_like(positions)
-        ops.convert_token_indices(out, positions, self.batch.page_tables[place.group],
-                                  self.batch.capacity, storage.groups[place.group].scale,
-                                  place.pos, self.config.tokens_per_page)
+        ops.convert_token_indices(out, positions, self.batch.page_table(layer, role),
+                                  self.batch.capacity, buf.scale, buf.pos,
+                                  self.config.tokens_per_page)
         return out
 
     def read_indexer_keys(self, layer):
         """Every row's indexer keys for all positions, read from the dense pool through the page
         table, and a mask of those that exist (below capacity). Fixed shapes."""
         index = self.token_indices(layer, "indexer_k", self.all_positions)
-        keys = as_tokens(self.manager.storage.view(layer, "indexer_k"), KEY_DTYPE)
+        keys = as_tokens(self.manager.buffer_view(layer, "indexer_k"), KEY_DTYPE)
         return keys[index.clamp(min=0).long()], index >= 0
 
     def check_indexer_keys(self, layer, keys, ok):
@@ -491,7 +505,7 @@ class SparseDecoder:
         """Tokens at ``positions`` [rows, N] (-1 = none): [history, start) straight to their host
         pages (the prefill path), [start, capacity) into their cells (write_indices)."""
         host = torch.where((positions >= 0) & (positions < start[:, None]), positions, BAD)
-        pages = as_tokens(self.manager.storage.view(layer, "kv"), KV_DTYPE)
+        pages = as_tokens(self.manager.buffer_view(layer, "kv"), KV_DTYPE)
         write_tokens(pages, self.batch.host_token_indices(layer, "kv", host), latent)
         column = (positions - start[:, None]).long()
         in_cells = (positions >= 0) & (column >= 0)
@@ -515,14 +529,15 @@ class SparseDecoder:
         positions = torch.where(qpos < lengths[:, None], qpos, BAD)
         batch.publish()
         x = self.model.embedding[tokens]
-        shown, done = Progress("prefill", len(self.config.layers), "layers"), 0
+        shown, done = Progress("prefill", len(self.config.layers), "layers",
+                               flags=("--prompt-lengths", "--rows", "--layers")), 0
         for group in self.config.selection_groups:
             for i, layer in enumerate(group.layers):
                 h, q, latent = self.model.attention_inputs(layer, x)
                 if i == 0:  # the group's indexer, shared by its layers
                     iq, ik = self.model.indexer_inputs(layer, h)
                     self.ref.store(self.ref.keys[layer], positions, ik)
-                    view = as_tokens(self.manager.storage.view(layer, "indexer_k"), KEY_DTYPE)
+                    view = as_tokens(self.manager.buffer_view(layer, "indexer_k"), KEY_DTYPE)
                     write_tokens(view, self.token_indices(layer, "indexer_k", positions), ik)
                     keys, key_ok = self.read_indexer_keys(layer)
                     self.check_indexer_keys(layer, keys, key_ok)
@@ -577,7 +592,7 @@ class SparseDecoder:
                 if i == 0:  # the group's indexer and its one resolve, shared by its layers
                     iq, ik = model.indexer_inputs(layer, h)
                     index = self.token_indices(layer, "indexer_k", qpos)
-                    write_rows(self.manager.storage.view(layer, "indexer_k"), index.flatten(),
+                    write_rows(self.manager.buffer_view(layer, "indexer_k"), index.flatten(),
                                ik.flatten(0, 1))
                     keys, key_ok = self.read_indexer_keys(layer)
                     selected = select_units(iq, keys, key_ok, qpos, K, U)
@@ -622,7 +637,7 @@ class SparseDecoder:
         drafts the verification's 1..T, known to the host up front) on the device within its
         allocated pages: the host mirror (``Batch.host_tables``) holds the lengths of the last
         read-back the host took, ``behind`` tokens ago; a row it cannot show has room for this
-        step's advance makes the host wait for the latest read-back (``Batch.catch_up``), after
+        step's advance makes the host wait for the latest read-back (``Batch.poll``), after
         which ``publish`` allocates that row's next pages. With a reserve of a few pages this
         happens once every few dozen steps at most, and only when the device's lengths never
         came back in time (the device is that far behind the host)."""
@@ -631,7 +646,7 @@ class SparseDecoder:
         behind = self.start_history + self.advanced[step] - history
         moves = self.advanced[step + 1] - self.advanced[step]  # this step's advance per row
         if (allocated - capacity - behind < moves).any():
-            self.batch.catch_up()
+            self.batch.poll()
             self.waits += 1
 
     # ---- the checks (not timed) ----
@@ -683,7 +698,7 @@ class SparseDecoder:
         it ran; with --graph each replay's outputs are copied aside (untimed) and checked after
         the loop."""
         kept = []
-        shown = Progress("decode", steps)
+        shown = Progress("decode", steps, flags=("--steps",))
         for step in range(steps):
             first = step == 0 and bool(self.args.compile or self.args.graph)
             if first:
@@ -709,7 +724,7 @@ class SparseDecoder:
                 self.host_s.append(host)
             shown.update(step + 1)
         self.timer.stop()
-        checking = Progress("checking the replays", len(kept))
+        checking = Progress("checking the replays", len(kept), flags=("--steps",))
         for number, probes in enumerate(kept):
             self.check_step(probes)
             checking.update(number + 1)
@@ -722,7 +737,8 @@ class SparseDecoder:
         batch = self.batch
         refused, short = batch.advance_counters.tolist()
         check(refused == 0 and short == 0, f"advance refused {refused} and cut short {short} rows")
-        history = [c.history_length for c in self.caches]  # takes the last read-back
+        batch.poll()  # the lengths the device's last advance left (getters read the last poll)
+        history = [c.history_length for c in self.caches]
         expected = (self.start_history + self.advanced[-1]).tolist()
         check(history == expected, f"history {history} after decoding, expected {expected}")
         written = [c.written for c in self.caches]
@@ -731,11 +747,12 @@ class SparseDecoder:
         batch.publish()
         history = torch.tensor(history, device=self.device)
         positions = torch.where(self.all_positions < history[:, None], self.all_positions, BAD)
-        shown = Progress("verifying the host pages", len(self.ref.kv), "layers")
+        shown = Progress("verifying the host pages", len(self.ref.kv), "layers",
+                         flags=("--prompt-lengths", "--steps", "--rows"))
         for number, layer in enumerate(self.ref.kv):
             shown.update(number)
             index = batch.host_token_indices(layer, "kv", positions)
-            pages = as_tokens(self.manager.storage.view(layer, "kv"), KV_DTYPE)
+            pages = as_tokens(self.manager.buffer_view(layer, "kv"), KV_DTYPE)
             ok = index >= 0
             check(torch.equal(ok, positions >= 0), f"{layer}: a history token has no host page")
             check(torch.equal(pages[index[ok].long()], self.ref.kv[layer][ok]),
