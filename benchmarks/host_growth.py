@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -45,27 +44,9 @@ def fresh(nbytes: int) -> int:
     return hr.round_up(address, 2 * MiB)
 
 
-def run_parallel(fn, items, threads: int) -> list:
-    """``[fn(item) ...]`` on up to ``threads`` threads (inline for one), exceptions returned in
-    place of results: how the host region runs its pieces."""
-    def guarded(item):
-        try:
-            return fn(item)
-        except BaseException as exc:  # noqa: BLE001 -- reported by the caller
-            return exc
-
-    if threads <= 1 or len(items) <= 1:
-        return [guarded(item) for item in items]
-    try:
-        with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
-            return list(pool.map(guarded, items))
-    except RuntimeError:  # e.g. no new threads at interpreter shutdown
-        return [guarded(item) for item in items]
-
-
 def timed(fn, pieces, threads) -> float:
     begin = time.perf_counter()
-    results = run_parallel(fn, pieces, threads)
+    results = hr.run_parallel(fn, pieces, threads)  # how the host region runs its pieces
     elapsed = time.perf_counter() - begin
     failed = [r for r in results if isinstance(r, BaseException)]
     assert not failed, failed[0]

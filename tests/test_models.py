@@ -101,6 +101,14 @@ def test_absorbed_path_matches_the_stock_model(arch, dtype, device):
     stated tolerance (reference.TOLERANCE)."""
     model = tiny(arch, dtype, device)
     ours, stock, tokens = lockstep(model, mode="absorbed")
+    diff = assert_close_to_stock(ours, stock, tokens, dtype)
+    if dtype == torch.float32:
+        assert diff.max().item() > 0  # a different computation, not a copy of the stock one
+
+
+def assert_close_to_stock(ours, stock, tokens, dtype):
+    """Logits within the dtype's stated tolerance (reference.TOLERANCE) and, in fp32, the stock
+    greedy tokens; returns the absolute differences."""
     tolerance = reference.TOLERANCE[dtype]
     diff = (ours - stock).abs()
     assert diff.max().item() <= tolerance.max_diff
@@ -108,7 +116,7 @@ def test_absorbed_path_matches_the_stock_model(arch, dtype, device):
         assert diff.mean().item() <= tolerance.mean_diff
     if dtype == torch.float32:
         assert torch.equal(tokens, stock.argmax(-1).T)
-        assert diff.max().item() > 0  # a different computation, not a copy of the stock one
+    return diff
 
 
 # ---- the test of the test: a planted fault must fail the comparison ----
@@ -343,10 +351,4 @@ def test_the_sparse_mla_kernel_reads_the_cells_through_the_index_table(kernel, d
 def test_the_triton_kernel_in_bf16_and_fp32(dtype):
     model = models.tiny_model("glm", dtype=dtype, device="cuda", **REAL_LATENT)
     ours, stock, tokens = lockstep(model, mode="absorbed", kernel="sparse_mla")
-    tolerance = reference.TOLERANCE[dtype]
-    diff = (ours - stock).abs()
-    assert diff.max().item() <= tolerance.max_diff
-    if tolerance.mean_diff is not None:
-        assert diff.mean().item() <= tolerance.mean_diff
-    if dtype == torch.float32:
-        assert torch.equal(tokens, stock.argmax(-1).T)
+    assert_close_to_stock(ours, stock, tokens, dtype)

@@ -200,7 +200,7 @@ class _Mapping:
                 except Exception:  # noqa: BLE001 -- a release must finish; nothing to roll back
                     pass
 
-            _run_parallel(unregister, ranges, threads)
+            run_parallel(unregister, ranges, threads)
             if not self.unmapped:
                 # for a shared backing this drops the process's mapping of the file: its pages
                 # go once every process has dropped its own and the name is gone
@@ -218,7 +218,7 @@ class _Mapping:
                 _libc.munmap(self.address, self.nbytes)
 
 
-def _run_parallel(fn, items: Sequence, threads: int) -> list:
+def run_parallel(fn, items: Sequence, threads: int) -> list:
     """``[fn(item) ...]`` on up to ``threads`` threads (inline for one); exceptions are returned
     in place of results, never raised."""
     def guarded(item):
