@@ -16,9 +16,10 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   torch_index=()
 else
   echo "[setup] no GPU: PyTorch's CPU-only build of torch 2.13.0 (about 200 MB)"
-  torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  torch_index=(--index-url https://download.pytorch.org/whl/cpu)
 fi
-"${pip[@]}" "${torch_index[@]}" torch==2.13.0 numpy ninja "setuptools>=77" pytest expecttest
+"${pip[@]}" "${torch_index[@]}" torch==2.13.0
+"${pip[@]}" numpy ninja "setuptools>=77" pytest expecttest
 echo "[setup] building the extension (about 4-5 min on 2 cores; ninja's [n/N] lines are progress)"
 start=$(date +%s)
 target="."
@@ -27,8 +28,8 @@ target="."
 # environment (which would download torch again and rebuild from scratch)
 set +e  # the filter below may match nothing; the build's own status decides
 MAX_JOBS="${MAX_JOBS:-2}" .venv/bin/python -m pip install -v --no-build-isolation -e "$target" 2>&1 \
-  | grep --line-buffered -E '^\[[0-9]+/[0-9]+\]|^\[torch_kvcm2\]|rror|^Successfully' \
-  | sed -u -E 's#^(\[[0-9]+/[0-9]+\]) .* -c (/[^ ]*/)?([^ /]+\.(cpp|cu)) .*#\1 compiling \3#'
+  | grep --line-buffered -E '^ *(\[[0-9]+/[0-9]+\]|\[torch_kvcm2\])|rror|^Successfully' \
+  | sed -u -E 's#^ *(\[[0-9]+/[0-9]+\]) .* -c (/[^ ]*/)?([^ /]+\.(cpp|cu)) .*#\1 compiling \3#; s#^ +##'
 status=${PIPESTATUS[0]}
 set -e
 [ "$status" = 0 ] || { echo "[setup] the build failed (rerun without the filter: .venv/bin/python -m pip install -v --no-build-isolation -e .)"; exit "$status"; }
