@@ -33,4 +33,5 @@ MAX_JOBS="${MAX_JOBS:-2}" .venv/bin/python -m pip install -v --no-build-isolatio
 status=${PIPESTATUS[0]}
 set -e
 [ "$status" = 0 ] || { echo "[setup] the build failed (rerun without the filter: .venv/bin/python -m pip install -v --no-build-isolation -e .)"; exit "$status"; }
-.venv/bin/python -c "import torch, torch_kvcm2 as kv; print(f'[setup] ready in {$(date +%s) - start} s of build: torch {torch.__version__}, CUDA kernels: {kv.has_cuda_kernels()}')"
+took=$(( $(date +%s) - start ))
+.venv/bin/python -c "import torch, torch_kvcm2 as kv; print(f'[setup] ready after {$took} s of build: torch {torch.__version__}, CUDA kernels: {kv.has_cuda_kernels()}')"
