@@ -88,3 +88,28 @@ def test_a_deferred_release_that_raises_is_reported_and_the_rest_still_run(monke
     _util.release_deferred()  # does not raise
     assert calls == ["after"] and _util._deferred == []
     assert len(reported) == 1 and str(reported[0]) == "unregister failed"
+
+
+def test_a_release_during_a_trace_waits_instead_of_being_traced(monkeypatch):
+    """Garbage collection runs finalizers at any allocation, also while opcheck or torch.compile
+    traces (make_fx, AOTAutograd: their dispatch modes active), where a finalizer's op call is
+    traced into the graph being built instead of run: on CUDA, host_register's unregistration
+    recorded into rank_signal's graph during opcheck broke FX's code generation (``KeyError:
+    host_register``) in a run of several test files in one process. During a trace a release
+    waits, as during a capture, for the library's next host-side call."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(_util, "_deferred", [])
+    ran = []
+    header = torch.zeros(1)
+    release = _util.outside_capture(lambda t: ran.append(t.add_(1)))
+
+    def traced(x):
+        release(header)  # a finalizer firing mid-trace, writing a tensor as a rank's leave does
+        return x + 1
+
+    graph = make_fx(traced)(torch.ones(2))
+    assert ran == [] and len(_util._deferred) == 1
+    assert "add_" not in graph.code, graph.code
+    _util.release_deferred()  # the next host-side call, outside the trace
+    assert len(ran) == 1 and header.tolist() == [1.0] and _util._deferred == []

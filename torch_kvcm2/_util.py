@@ -18,14 +18,13 @@ def cite(message: str) -> str:
 
 def refuse_during_capture(device: torch.device, what: str) -> None:
     """Host-side calls change tables a captured graph would silently bake in: refuse them while
-    the current CUDA stream is capturing (BAT-4, SAFE-3). Outside a capture, the releases that
-    met one run here (``outside_capture``)."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{what} is a host-side call and cannot run during CUDA stream "
-                               f"capture")
-        if _deferred:
-            release_deferred()
+    the current CUDA stream is capturing (BAT-4, SAFE-3). Outside a capture (and a trace), the
+    releases that met one run here (``outside_capture``)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what} is a host-side call and cannot run during CUDA stream "
+                           f"capture")
+    if _deferred:
+        release_deferred()
 
 
 #: finalizer calls that met a CUDA stream capture, in order, with what they hold
@@ -39,6 +38,28 @@ def _capturing() -> bool:
         return False
 
 
+def _tracing() -> bool:
+    """A trace is under way on this thread: a torch dispatch mode is active (make_fx and
+    AOTAutograd, under torch.compile or opcheck: proxy, fake and functional tensor modes), or
+    dynamo is compiling. An op called now would be traced into the graph being built, not run
+    (a finalizer's ``host_register`` recorded into a graph mid-codegen fails FX's code generation
+    with ``KeyError: host_register``)."""
+    for active in (lambda: torch._C._len_torch_dispatch_stack() > 0,
+                   lambda: torch._ops._len_torch_dispatch_stack_pre_dispatch() > 0,
+                   torch.compiler.is_compiling):
+        try:
+            if active():
+                return True
+        except Exception:  # noqa: BLE001 -- a torch without the probe, or interpreter exit
+            continue
+    return False
+
+
+def _held() -> bool:
+    """A finalizer's calls must wait: a CUDA stream capture or a trace is under way."""
+    return _capturing() or _tracing()
+
+
 def outside_capture(fn):
     """``fn`` as a finalizer whose CUDA calls (an event's wait, host-memory unregistration) must
     not run while a CUDA stream captures: garbage collection runs finalizers at any allocation,
@@ -46,9 +67,10 @@ def outside_capture(fn):
     one), where such a call invalidates the caller's capture and fails itself. During a capture
     on this thread the call is kept, and with it everything it holds (the memory it would
     release stays mapped and registered), until ``release_deferred``: the next host-side call of
-    the library outside a capture (``refuse_during_capture``)."""
+    the library outside a capture (``refuse_during_capture``). The same holds during a trace
+    (``_tracing``), where the call would be traced into the graph being built instead of run."""
     def run(*args):
-        if _capturing():
+        if _held():
             _deferred.append((fn, args))
         else:
             fn(*args)
@@ -59,7 +81,7 @@ def release_deferred() -> None:
     """Make the finalizer calls that met a capture, unless one is still under way. One that
     raises is reported as a finalizer's error is (``sys.excepthook``) and the rest still run:
     the host call that happens to release them is not the one that failed."""
-    while _deferred and not _capturing():
+    while _deferred and not _held():
         fn, args = _deferred.pop(0)
         try:
             fn(*args)
