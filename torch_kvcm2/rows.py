@@ -30,10 +30,10 @@ The protocol with ``KVCache`` (private on both sides; nothing else calls it). A 
 the table: ``_changed(row)``, ``_declared(row)``, ``_reserve_set(row)``, ``_grant_lease(row)``,
 ``_release_lease(row)``, ``_cell_lengths(row)``, ``lengths_of(row, ...)`` (its getters: no
 change, no wait), ``take_device_lengths(row, what)`` (before a change: refused, naming
-``Batch.poll``, while a read-back is outstanding) and ``_leave(cache)`` (its close). The table reads a cache through ``_lengths_row``, ``_page_row``,
-``_live_range``, ``_pages_unmoved`` and ``_await_pages`` (a resumed cache's copy back from the
-host tier, TIER-1: the current stream waits for it before the row's first step), and writes it
-through ``_seat``, ``_mark_published``,
+``Batch.poll``, while a read-back is outstanding) and ``_leave(cache)`` (its close). The table
+reads a cache through ``_lengths_row``, ``_page_row``, ``_live_range``, ``_pages_unmoved`` and
+``_await_pages`` (a resumed cache's copy back from the host tier, TIER-1: the current stream
+waits for it before the row's first step), and writes it through ``_seat``, ``_mark_published``,
 ``_retake_pages``, ``_record_flush``, ``_take_written``, ``_take_device_lengths``,
 ``_take_resize`` and ``_discard_in_flight``.
 """
