@@ -16,7 +16,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   torch_index=()
 else
   echo "[setup] no GPU: PyTorch's CPU-only build of torch 2.13.0 (about 200 MB)"
-  torch_index=(--index-url https://download.pytorch.org/whl/cpu)
+  torch_index=(--index-url https://download.pytorch.org/whl/cpu --retries 1)
 fi
 "${pip[@]}" "${torch_index[@]}" torch==2.13.0
 "${pip[@]}" numpy ninja "setuptools>=77" pytest expecttest
