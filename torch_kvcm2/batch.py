@@ -486,11 +486,14 @@ class Batch:
 
     def host_token_indices(self, layer: str, role: str, positions: torch.Tensor,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The prefill path: token indices of ``positions`` (int32[max_rows, N] token positions,
-        negative = padding) in the buffer's view ``manager.buffer_view(layer, role)`` (token
-        ``i`` is ``view[i // P, :, i % P]``), BAD for padding and positions beyond capacity.
-        Write tokens ``[history, inflight_start)`` of a row straight to host pages with it, then
-        declare them (``record_host_writes``) before the step's flush (docs/HOST_PATH.md)."""
+        """Token indices of ``positions`` (int32[max_rows, N] token positions, negative =
+        padding) in the buffer's view ``manager.buffer_view(layer, role)`` (token ``i`` is
+        ``view[i // P, :, i % P]``), BAD for padding and positions beyond capacity, through the
+        page table of the buffer's pool group, for any buffer with pages. For a sparse buffer it
+        is the prefill path: write tokens ``[history, inflight_start)`` of a row straight to host
+        pages with it, then declare them (``record_host_writes``) before the step's flush
+        (docs/HOST_PATH.md). For a dense buffer (an indexer's keys) it is where every token of
+        ``[0, capacity)`` lives in its GPU pool, to write the new ones and read the history."""
         storage = self.manager.storage
         place = storage.place(layer, role)
         self._table.check_step("Batch.host_token_indices")
