@@ -257,7 +257,7 @@ class Batch:
         capture."""
         self._table.check_host_call("Batch.poll")
         sync = self._sync
-        if not sync.queue:
+        if not sync.pending:  # (an owed read-back is queued by catch_up itself)
             sync.queue_readback()
         sync.catch_up(wait=True)
 

@@ -382,6 +382,8 @@ class Storage:
                 self.places[(layer.name, buf.role)] = BufferPlace(
                     layer.name, buf.role, buf.bytes_per_token, buf.chunks, buf.sparse, group, pos
                 )
+        # the public description of every buffer (KVCacheManager.buffer), made once
+        self.infos = {key: self._describe(place) for key, place in self.places.items()}
         self.budget = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
         self.capped = {"gpu": 0, "host": 0}  # budget beyond what int32 indices can address
         self.reserved = {"gpu": 0, "host": 0}
@@ -600,14 +602,20 @@ class Storage:
 
     def info(self, layer: str, role: str) -> BufferInfo:
         """The public description of a buffer (``BufferInfo``)."""
-        place = self.place(layer, role)
-        spec = next(l for l in self.config.layers if l.name == layer)
+        try:
+            return self.infos[(layer, role)]
+        except KeyError:
+            raise KeyError(f"unknown buffer {role!r} of layer {layer!r}") from None
+
+    def _describe(self, place: BufferPlace) -> BufferInfo:
+        layer = place.layer
+        spec = self.config.layer(layer)
         group = None if place.group is None else self.groups[place.group]
         try:
             selection = self.config.group_of(layer).index
         except KeyError:  # a dense layer
             selection = None
-        return BufferInfo(layer, role, place.bytes_per_token, place.chunks, place.sparse,
+        return BufferInfo(layer, place.role, place.bytes_per_token, place.chunks, place.sparse,
                           place.group, place.pos, 1 if group is None else group.scale,
                           None if group is None else group.medium, selection, spec.window,
                           spec.sinks)
