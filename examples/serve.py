@@ -26,7 +26,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine import DELAY_OPS, EngineDayFailed, Workload, run_day  # examples/engine.py
+from engine import (DELAY_OPS, DayDidNotDrain, EngineDayFailed, Workload,  # examples/engine.py
+                    run_day)
 
 from flags import add_device_flag, needs_gpu, pick_device, positive_int, seed  # examples/flags.py
 from running import Estimate  # examples/running.py
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
     except EngineDayFailed as error:
         if isinstance(error.__cause__, Undrainable):  # the flags, not a failed check
             sys.stderr.write(f"serve.py: {error.__cause__}\n")
-        elif "the day did not drain" in str(error.__cause__):  # the outlook was close: ran out
+        elif isinstance(error.__cause__, DayDidNotDrain):  # the outlook was close: ran out
             sys.stderr.write(f"serve.py: the day did not drain: requests were still in the system "
                              f"{workload.max_drain_steps} steps after arrivals stopped at step "
                              f"{workload.steps}. {SERVE_LESS}\n")
