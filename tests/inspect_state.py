@@ -40,8 +40,9 @@ def free_slot_mask(manager, group: int) -> np.ndarray:
     handed out). Public call it needs: ``manager.slot_state(group)["free"]``."""
     g = _groups(manager)[group]
     free = np.ones(g.num_slots, dtype=bool)
-    free[:g._next] = False
-    free[g._free] = True
+    high, released = g.free_state()
+    free[:high] = False
+    free[released] = True
     return free
 
 
@@ -49,7 +50,7 @@ def released_slots(manager, group: int) -> list[int]:
     """The released slots below the high-water mark (the free list's heap), sorted: two states
     with equal ``free_slots`` can differ here. Public call it needs:
     ``manager.slot_state(group)["free"]`` (the mask gives the same comparison)."""
-    return sorted(_groups(manager)[group]._free)
+    return _groups(manager)[group].free_state()[1]
 
 
 def take_slots(manager, group: int, n: int) -> Optional[list[int]]:
@@ -129,3 +130,50 @@ def host_region(manager):
     path and of its release at close (``stats()["host_region"]`` gives its numbers while the
     manager is open). Public call it needs: none (a unit test of an internal class)."""
     return manager.storage.region
+
+
+# ---- a request's state (the manager's request table, by the cache's slot) ----
+def page_rows(cache) -> np.ndarray:
+    """int32[pool groups, max_pages_per_row]: the cache's page rows (a copy). Public calls:
+    ``KVCache.pages(group)`` (up to the allocated pages) or ``manager.requests.pages``."""
+    return cache.manager.requests.pages[cache.slot].copy()
+
+
+def live_range(cache, group: int) -> tuple:
+    """(first live page, allocated pages) of pool group ``group``. Public call:
+    ``manager.requests.live_range(cache.slot, group)[1:3]``."""
+    first, keep = cache.manager.requests.live[cache.slot, group].tolist()
+    return first, keep
+
+
+def page_row(cache, group: int) -> np.ndarray:
+    """The cache's page row of pool group ``group`` (int32[max_pages_per_row], a view)."""
+    return cache.manager.requests.page_row(cache.slot, group)
+
+
+def flushed(cache) -> int:
+    """The SAFE-2 flushed watermark the host holds for the cache (``KVCache.written`` adds the
+    declared host writes)."""
+    from torch_kvcm2.request_table import FLUSHED
+    return int(cache.manager.requests.lengths[cache.slot, FLUSHED])
+
+
+def set_flushed(cache, tokens: int) -> None:
+    """Test hook: as if tokens ``[0, tokens)`` had been flushed to host pages."""
+    from torch_kvcm2.request_table import FLUSHED
+    cache.manager.requests.lengths[cache.slot, FLUSHED] = tokens
+
+
+def offload_of(cache):
+    """The cache's ``tiers.Offload`` (dense pages in the host tier), or None."""
+    return cache.manager.requests.offload[cache.slot]
+
+
+def arrival_of(cache):
+    """The cache's ``tiers.Restore`` (a resume's copy back not yet read), or None."""
+    return cache.manager.requests.arrival[cache.slot]
+
+
+def tier_pages(cache, group: int):
+    """``RequestTable.tier_pages`` of the cache: (tier pool, tier slot per page, event) or None."""
+    return cache.manager.requests.tier_pages(cache.slot, group)

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 import torch_kvcm2 as kv
-from inspect_state import free_slot_mask, prefix_tables, slot_owners, slot_refs
+from inspect_state import (free_slot_mask, live_range, page_row, prefix_tables, slot_owners,
+    slot_refs)
 from safety_model import MAX_ROWS, P as SAFETY_P, Model
 
 
@@ -22,8 +23,8 @@ def check_references(manager, caches):
         for cache in caches:
             if cache.closed:
                 continue
-            first, keep = cache._live[g]
-            row = cache._page_row(g)[first:keep]
+            first, keep = live_range(cache, g)
+            row = page_row(cache, g)[first:keep]
             assert (row >= 0).all()
             np.add.at(expected, row, 1)
         assert np.array_equal(refs, expected), g

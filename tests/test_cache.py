@@ -4,7 +4,7 @@ import pytest
 import torch_kvcm2 as kv
 from torch_kvcm2 import BAD
 from configs import dsa_config, import_history
-from inspect_state import released_slots, take_slots
+from inspect_state import flushed, page_rows, released_slots, set_flushed, take_slots
 
 
 def free_slots(manager):
@@ -13,7 +13,7 @@ def free_slots(manager):
 
 def snapshot(manager, cache):
     return (cache.capacity, cache.history_length, cache.state,
-            [list(p) for p in cache._pages], free_slots(manager),
+            [list(p) for p in page_rows(cache)], free_slots(manager),
             [released_slots(manager, g) for g in range(manager.pool_groups)])
 
 
@@ -78,7 +78,7 @@ def test_bad_argument_types_raise(manager, value):
 def test_windowed_life_cycle_releases_pages_behind_the_window(manager):
     """REQ-3: pages wholly before h - window are released and read back as BAD."""
     cache = manager.create_cache()
-    cache._flushed = 18  # as if tokens 0..17 were on host pages already (SAFE-2 lets h reach 18)
+    set_flushed(cache, 18)  # as if tokens 0..17 were on host pages already (SAFE-2 lets h reach 18)
     assert cache.resize(capacity=20, history=12)  # h - w = 4: page 0 is wholly before it
     assert cache.pages(2) == [BAD, 0, 1, 2, 3]  # page 0 never allocated
     assert cache.pages(0) == [0, 1, 2, 3, 4]  # full-attention groups keep everything
@@ -99,11 +99,11 @@ def test_history_cannot_pass_what_was_flushed_or_written_to_host(manager):
         cache.resize(history=9)
     assert snapshot(manager, cache) == before
     assert cache.resize(history=8)
-    cache._flushed = 10  # what Batch.flush records once the in-flight tokens are written back
+    set_flushed(cache, 10)  # what Batch.flush records once the in-flight tokens are written back
     assert cache.resize(history=10)
     assert cache.resize(capacity=12)
-    assert cache._flushed == 10
-    assert cache.resize(capacity=10) and cache._flushed == 10
+    assert flushed(cache) == 10
+    assert cache.resize(capacity=10) and flushed(cache) == 10
 
 
 def test_in_flight_range_beyond_the_budget_is_refused():

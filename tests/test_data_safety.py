@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from safety_model import MAX_ROWS, P, Model
+from inspect_state import flushed
 
 STEPS = int(os.environ.get("KVCM2_SAFETY_STEPS", "1000"))
 
@@ -137,7 +138,7 @@ def test_an_over_wide_flush_is_refused_before_any_work():
     with pytest.raises(RuntimeError, match="unpublished"):
         batch.flush()
     assert all(torch.equal(a, b) for a, b in zip(before, host_bytes(model)))
-    assert [c._flushed for c in caches] == [0, 0]
+    assert [flushed(c) for c in caches] == [0, 0]
     assert caches[1].resize(capacity=1)  # within the bound again
     batch.publish()
     resolve_all(model)

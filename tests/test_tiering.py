@@ -21,7 +21,8 @@ import torch
 import torch_kvcm2 as kv
 from configs import dsa_config, import_history
 from conftest import DEVICE_PARAMS
-from inspect_state import slot_owners, slot_refs, tier_slot_refs
+from inspect_state import (arrival_of, live_range, offload_of, page_row, slot_owners, slot_refs,
+    tier_pages, tier_slot_refs)
 from safety_model import MAX_ROWS, P as SAFETY_P
 from sharing_model import SharingModel, check_index, reserved_bytes, slot_bytes_per_medium
 from torch_kvcm2.config import BAD
@@ -105,8 +106,8 @@ def gpu_slots_of(manager, caches):
     dense = [g["index"] for g in manager.stats()["pool_groups"] if not g["sparse"]]
     for cache in caches:
         for g in dense:
-            first, keep = cache._live[g]
-            row = cache._page_row(g)[first:keep]
+            first, keep = live_range(cache, g)
+            row = page_row(cache, g)[first:keep]
             held |= {(g, int(s)) for s in row[row >= 0]}
     return held
 
@@ -389,7 +390,7 @@ def returning_order(cache):
     """(pool group, page ordinal, GPU slot) of the cache's offloaded pages in the order the
     copy back issues them: pool group by pool group, page ordinals ascending."""
     order = []
-    for group, ordinals in sorted(cache._offload.ordinals.items()):
+    for group, ordinals in sorted(offload_of(cache).ordinals.items()):
         order += [(group, int(i)) for i in ordinals]
     return order
 
@@ -412,8 +413,8 @@ def test_resume_copies_back_in_pieces_one_per_publish_and_completes_at_the_first
     write_dense(cache, np.arange(40))
     synchronize(manager)
     dense = [g["index"] for g in manager.stats()["pool_groups"] if not g["sparse"]]
-    before = {(g, i): slot_bytes_of(manager, g, int(cache._page_row(g)[i]))
-              for g in dense for i in range(*cache._live[g])}
+    before = {(g, i): slot_bytes_of(manager, g, int(page_row(cache, g)[i]))
+              for g in dense for i in range(*live_range(cache, g))}
     assert cache.suspend(offload=True)
     order = returning_order(cache)
     assert len(order) > 4 and sorted(order) == sorted(before)
@@ -426,9 +427,9 @@ def test_resume_copies_back_in_pieces_one_per_publish_and_completes_at_the_first
 
     def issued():
         synchronize(manager)
-        done = [torch.equal(slot_bytes_of(manager, g, int(cache._page_row(g)[i])), before[g, i])
+        done = [torch.equal(slot_bytes_of(manager, g, int(page_row(cache, g)[i])), before[g, i])
                 for g, i in order]
-        untouched = [bool((slot_bytes_of(manager, g, int(cache._page_row(g)[i])) == FILL).all())
+        untouched = [bool((slot_bytes_of(manager, g, int(page_row(cache, g)[i])) == FILL).all())
                      for g, i in order]
         assert all(a != b for a, b in zip(done, untouched))  # each page whole or not at all
         return sum(done)
@@ -500,7 +501,7 @@ def test_resume_piece_bytes_zero_copies_back_whole_and_bad_values_are_refused():
     cache = import_history(manager.create_cache(), 40)
     write_dense(cache, np.arange(40))
     assert cache.suspend(offload=True) and cache.resume()
-    assert cache.returning_bytes == 0 and cache._arrival.parts == {}
+    assert cache.returning_bytes == 0 and arrival_of(cache).parts == {}
     assert sum(n for n in tier_used(manager) if n) == 0
     check_dense(cache, np.arange(40))
     cache.close()
@@ -571,7 +572,7 @@ class TieringModel(SharingModel):
         P = self.config.tokens_per_page
         h = cache.history_length
         group = self.manager.buffer(layer, role).pool_group
-        first = cache._live[group][0]
+        first = live_range(cache, group)[0]
         return np.arange(first * P, h) if first * P < h else np.arange(0)
 
     def check_dense(self, cache):
@@ -719,11 +720,11 @@ def check_both_tiers(manager, caches):
         for cache in caches:
             if cache.closed:
                 continue
-            first, keep = cache._live[g]
-            row = cache._page_row(g)[first:keep]
-            offloaded = cache._tier_pages(g)
-            if cache._arrival is not None:  # a copy back with pieces not issued yet
-                np.add.at(tier_expected, cache._arrival.tier_slots(g), 1)
+            first, keep = live_range(cache, g)
+            row = page_row(cache, g)[first:keep]
+            offloaded = tier_pages(cache, g)
+            if arrival_of(cache) is not None:  # a copy back with pieces not issued yet
+                np.add.at(tier_expected, arrival_of(cache).tier_slots(g), 1)
             if offloaded is None:
                 assert (row >= 0).all()
             else:
@@ -811,7 +812,7 @@ def test_cuda_copies_run_on_the_copy_stream_without_host_waits_and_in_order():
     assert cache.resume()
     assert not manager.tier.stream.query()  # still copying: resume did not wait
     batch.publish()  # the row's first publish orders the current stream after the copy
-    assert cache._arrival is None
+    assert arrival_of(cache) is None
     got = []
     for key, layer, role, nbytes in dense_buffers(manager.config):
         positions = live(cache, layer, role, np.arange(40))  # the window's pages, and the rest

@@ -78,7 +78,8 @@ class Batch:
                 allocated[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, pin_memory=pin)
             else:
                 allocated[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, device=dev)
-        mirror = TableMirror(config, len(manager.storage.groups), max_rows, allocated)
+        mirror = TableMirror(config, len(manager.storage.groups), max_rows, allocated,
+                             manager.requests)
         self._step = step = DeviceStep(self, allocated, mirror)
         self._table = table = RowTable(self, mirror, step.clear_leases)
         self._sync = table.sync = LengthsSync(table, allocated["snapshot"], step.counter_parts,

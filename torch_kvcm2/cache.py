@@ -1,20 +1,22 @@
 """Requests (REQUIREMENTS §5, REQ-1..4): one ``KVCache`` per request.
 
-A cache holds its pages (one preallocated int32 row per pool group: page ordinal -> slot id, BAD
-outside the live range ``[first_live, allocated)`` and, in a windowed group with sink tokens,
-the sink pages ``[0, min(sink pages, first_live))``, TIER-3), its lengths and its write watermarks (the
-write contract, docs/HOST_PATH.md). Each page it holds is one reference to its slot: a cache
+A ``KVCache`` is a handle: its slot in the manager's request table (``request_table.py``, which
+holds every request's pages, live ranges, lengths and watermarks) and the manager. A request's
+pages are one int32 row per pool group: page ordinal -> slot id, BAD outside the live range
+``[first_live, allocated)`` and, in a windowed group with sink tokens, the sink pages ``[0,
+min(sink pages, first_live))``, TIER-3. Each page it holds is one reference to its slot: a cache
 created from a committed prefix (``create_cache(token_ids)``) starts with references to shared
-slots, and every write path reaches only pages at or above its history (docs/PREFIX.md). Every call validates before it changes anything; a
-``resize`` that cannot be satisfied returns False and leaves the cache exactly as it was. A
-resize costs what changes: the pages allocated or freed, never a loop over the pages a row holds.
+slots, and every write path reaches only pages at or above its history (docs/PREFIX.md). Every
+call validates before it changes anything; a ``resize`` that cannot be satisfied returns False
+and leaves the cache exactly as it was. A resize costs what changes: the pages allocated or
+freed, never a loop over the pages a row holds.
 
-A seated cache talks to its batch's row table (``rows.RowTable``) through a private protocol,
-listed in that module's docstring; nothing else calls those methods. ``transfer.py`` builds an
-imported cache through ``_start_imported`` (TIER-2).
+A seated cache tells its batch's row table what changed through the row table's seat interface
+(``rows.RowTable``: ``mark_changed``, ``mark_declared``, ``mark_reserve``, ``grant_lease``,
+``release_lease``, ``cell_lengths``, ``lengths_of``, ``take_device_lengths``, ``leave``).
 
 A cache suspended with ``offload=True`` (TIER-1, ``tiers.py``) holds its private dense pages in
-the host tier (``_offload``): their page entries read BAD until ``resume`` brings them back.
+the host tier: their page entries read BAD until ``resume`` brings them back.
 """
 from __future__ import annotations
 
@@ -22,85 +24,75 @@ import logging
 from typing import Optional
 
 import numpy as np
-import torch
 
 from . import lengths as rules
 from ._util import check_int, cite, refuse_during_capture
 from .config import BAD
 from .prefix import token_array
+from .request_table import ACTIVE, C, CLOSED, DECLARED, FLUSHED, H, LOWEST, RESERVE, SUSPENDED
 from .transfer import CacheRecord, export_record
 
-ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
+__all__ = ["KVCache", "ACTIVE", "SUSPENDED", "CLOSED"]
 
 logger = logging.getLogger(__name__)
 
 
 class KVCache:
-    """The KV cache of one request.
+    """The KV cache of one request: a handle on its slot of the manager's request table.
 
     ``capacity`` c: positions ``[0, c)`` have pages; ``history_length`` h: positions ``[0, h)``
     are final (held by the host pages of sparse buffers). Created by
-    ``KVCacheManager.create_cache()``. ``manager`` is the KVCacheManager that made it.
+    ``KVCacheManager.create_cache()``. ``manager`` is the KVCacheManager that made it; ``slot``
+    its slot in ``manager.requests`` (None once closed: the slot goes to another request).
     """
 
     def __init__(self, manager, request_id: int):
         self.manager = manager
         self.request_id = request_id
-        config = manager.config
-        self._h = 0
-        self._c = 0
-        self.state = ACTIVE
-        groups = manager.storage.groups
-        self._pages = np.full((len(groups), config.max_pages_per_row), BAD, dtype=np.int32)
-        self._live = [[0, 0] for _ in groups]  # per pool group: [first_live, allocated pages)
-        # per pool group: the sink pages a windowed group keeps below first_live (TIER-3)
-        self._sinks = [rules.sink_pages(g.sinks, config.tokens_per_page) if g.window else 0
-                       for g in groups]
-        self._flushed = 0  # SAFE-2 watermark: tokens below it are on their host pages
-        self._declared = 0  # tokens declared written straight to host pages (record_host_write)
-        self._reserve = 0  # tokens of pages kept allocated beyond capacity (Batch.advance)
-        self._lowest_capacity = 0  # the lowest capacity since the batch last published this row
-        self._lowest_keep = [0 for _ in groups]  # per pool group, likewise for allocated pages
-        self._pages_moved = False  # a live range changed since the batch last published this row
-        self._shapes = rules.shapes_of(config)
-        self._page_tokens, self._max_tokens = config.tokens_per_page, config.max_tokens_per_row
-        self._table = None  # the row table (rows.RowTable) of the batch it is seated in
-        self._row: Optional[int] = None
+        self._requests = manager.requests
+        self.slot: Optional[int] = self._requests.open()
         self.reused_tokens = 0  # tokens shared from committed pages at creation (PFX-2)
-        self._offload = None  # tiers.Offload: dense pages in the host tier while suspended
-        self._arrival = None  # tiers.Restore: resume's copy back, until a reader waited for it
 
     def __repr__(self):
+        if self.slot is None:
+            return f"KVCache(request_id={self.request_id}, state='closed')"
         return (f"KVCache(request_id={self.request_id}, capacity={self.capacity}, "
                 f"history_length={self.history_length}, state={self.state!r})")
 
     # ---- inspection ----
     @property
+    def state(self) -> str:
+        """"active", "suspended" or "closed"."""
+        return CLOSED if self.slot is None else self._requests.state[self.slot]
+
+    @property
     def capacity(self) -> int:
         """Positions ``[0, capacity)`` have pages. Like every getter it reads what the host
         knows, changing nothing and never waiting: lengths ``Batch.advance`` moved on the device
-        show once ``Batch.poll()`` has read them back."""
+        show once ``Batch.poll()`` has read them back. 0 once closed."""
         return self._lengths()[1]
 
     @property
     def history_length(self) -> int:
         """Positions ``[0, history_length)`` are final (on the host pages of sparse buffers);
-        as of the last ``Batch.poll()`` (see ``capacity``)."""
+        as of the last ``Batch.poll()`` (see ``capacity``). 0 once closed."""
         return self._lengths()[0]
 
     @property
     def written(self) -> int:
         """Tokens ``[0, written)`` are on the host pages of every sparse buffer (flushed, or
         declared written straight to host pages): how far history may advance (SAFE-2)."""
+        if self.slot is None:
+            return 0
         h, c, flushed = self._lengths()
-        return rules.written_prefix(h, c, flushed, self._declared, self._shapes, max, min)
+        return self._requests.written(h, c, flushed, self.slot)
 
     @property
     def host_direct_end(self) -> int:
         """The end of the host-direct range: the largest in-flight start over the selection
         groups (history without sparse layers); ``record_host_write`` may declare up to it."""
         h, c, _ = self._lengths()
-        return rules.host_direct_end(h, c, self._shapes, max)
+        return rules.host_direct_end(h, c, self._requests.shapes, max)
 
     @property
     def closed(self) -> bool:
@@ -117,8 +109,9 @@ class KVCache:
         current stream first waits for the pages' copy back (no host wait)."""
         self._check_open()
         self._check_group(group)
-        self._await_pages()
-        return self._pages[group, :self._live[group][1]].tolist()
+        req = self._requests
+        req.await_pages(self.slot)
+        return req.pages[self.slot, group, :int(req.live[self.slot, group, 1])].tolist()
 
     @property
     def returning_bytes(self) -> int:
@@ -129,19 +122,21 @@ class KVCache:
         detached once this is 0, so no step shares the link with more than a piece. 0 when
         nothing is coming back."""
         self._check_open()
-        return 0 if self._arrival is None else self._arrival.pending_bytes(self.manager.storage)
+        arrival = self._requests.arrival[self.slot]
+        return 0 if arrival is None else arrival.pending_bytes(self.manager.storage)
 
     @property
     def offloaded(self) -> bool:
         """Whether some of the cache's dense pages are in the host tier (``suspend(offload)``)."""
-        return self._offload is not None and self._offload.pages > 0
+        offload = None if self.slot is None else self._requests.offload[self.slot]
+        return offload is not None and offload.pages > 0
 
     def offloaded_pages(self) -> list[int]:
         """Per pool group, how many of the cache's pages are in the host tier (0 for sparse
         groups and when not offloaded): the GPU slots ``resume()`` needs."""
         self._check_open()
-        n = len(self._live)
-        return [0] * n if self._offload is None else self._offload.needs(n)
+        n, offload = self._requests.G, self._requests.offload[self.slot]
+        return [0] * n if offload is None else offload.needs(n)
 
     def host_pages(self, layer: str, role: str) -> "np.ndarray":
         """The page indices of this request's pages of one buffer in its view
@@ -152,13 +147,14 @@ class KVCache:
         here (``export`` reads them). After a resume on CUDA the current stream first waits
         for the pages' copy back (no host wait), so reads queued on it afterwards see them."""
         self._check_open()
-        self._await_pages()
-        place = self.manager.storage.place(layer, role)
-        if place.group is None:
+        req = self._requests
+        req.await_pages(self.slot)
+        info = self.manager.buffer(layer, role)
+        if info.pool_group is None:
             raise KeyError(f"buffer {role!r} of layer {layer!r} is zero-size: it has no pages")
-        scale = self.manager.storage.groups[place.group].scale
-        slots = self._pages[place.group, :self._live[place.group][1]].astype(np.int64)
-        return np.where(slots >= 0, slots * scale + place.pos, BAD)
+        g = info.pool_group
+        slots = req.pages[self.slot, g, :int(req.live[self.slot, g, 1])].astype(np.int64)
+        return np.where(slots >= 0, slots * info.scale + info.pos, BAD)
 
     # ---- REQ-1..3 ----
     def resize(self, capacity: Optional[int] = None, history: Optional[int] = None) -> bool:
@@ -177,27 +173,30 @@ class KVCache:
         if self.suspended:
             raise RuntimeError("KVCache.resize: the cache is suspended; resume() it first")
         self._current("KVCache.resize")
-        c = self._c if capacity is None else check_int("capacity", capacity)
-        h = self._h if history is None else check_int("history", history)
+        h0, c0, _ = self._requests.own_lengths(self.slot)
+        c = c0 if capacity is None else check_int("capacity", capacity)
+        h = h0 if history is None else check_int("history", history)
         self._check_lengths(h, c)
         return self._apply(h, c)
 
     def _check_lengths(self, h: int, c: int) -> None:
         """Every rule of a resize to (h, c) (``lengths.resize_violations``), raising ValueError
         for the first one broken; changes nothing."""
-        config = self.manager.config
-        h0, c0 = (0, 0) if self._table is None else self._table._cell_lengths(self._row)
-        cells = (h0, c0, min(c0, self._lowest_capacity))  # a shrink cut the rest off
+        config, req, slot = self.manager.config, self._requests, self.slot
+        seat = req.seat[slot]
+        h0, c0 = (0, 0) if seat is None else seat[0].cell_lengths(seat[1])
+        L = req.lengths[slot].tolist()
+        cells = (h0, c0, min(c0, L[LOWEST]))  # a shrink cut the rest off
         for rule, violated, d in rules.resize_violations(
-                self._h, self._c, h, c, self._flushed, self._declared, cells, self._shapes,
+                L[H], L[C], h, c, L[FLUSHED], L[DECLARED], cells, req.shapes,
                 config.max_tokens_per_row, config.max_total_input_tokens, max, min):
             if violated:
-                raise ValueError(cite(self._message(rule, h, c, d)))
+                raise ValueError(cite(self._message(rule, L[H], h, c, d)))
 
-    def _message(self, rule: str, h: int, c: int, d: dict) -> str:
+    def _message(self, rule: str, h0: int, h: int, c: int, d: dict) -> str:
         config = self.manager.config
         if rule == "decrease":
-            return f"REQ-2: history cannot decrease ({self._h} -> {h})"
+            return f"REQ-2: history cannot decrease ({h0} -> {h})"
         if rule == "above":
             return f"REQ-2: history ({h}) cannot exceed capacity ({c})"
         if rule == "limit":
@@ -219,88 +218,23 @@ class KVCache:
                 f"max_inflight_tokens {I}), whose cells do not hold them; advance history over "
                 f"them first, or shrink capacity to at most {lo}")
 
-    def _apply(self, h: int, c: int, grow_only: bool = False) -> bool:
-        """Allocate and free pages for lengths (h, c) and take them; False (nothing changed) when
-        a pool group cannot supply the pages. The lengths must have passed the checks.
-        ``grow_only``: no page beyond the live range's start is freed (``retake_pages``)."""
-        groups = self.manager.storage.groups
-        plans = [self._plan(group, h, c, grow_only) for group in groups]
-        if all(first == live[0] and keep == live[1] for (first, keep), live in zip(plans, self._live)):
-            # no page enters or leaves a live range (most decode steps): the lengths only
-            changed = (h, c) != (self._h, self._c)
-            self._take_lengths(h, c)
-            if changed and self._table is not None:
-                self._table._changed(self._row)
-            return True
-        # the window's new pages, and sink pages not allocated yet (a jump past the window)
-        needs = [max(keep - max(live[1], first), 0) + max(min(sinks, first) - live[1], 0)
-                 for (first, keep), live, sinks in zip(plans, self._live, self._sinks)]
-        allocated = self.manager.storage.allocate_slots(needs)
-        if allocated is None:
-            self.manager.counts.allocations_failed += 1
-            logger.debug("request %d: %s pages per pool group not available", self.request_id,
-                         needs)
+    def _apply(self, h: int, c: int) -> bool:
+        """Take lengths (h, c) with their pages (``RequestTable.apply``) and tell the row table
+        when something changed; False (nothing changed) when the pools cannot supply them."""
+        changed = self._requests.apply(self.slot, h, c)
+        if changed is None:
+            logger.debug("request %d: pages not available for lengths (%d, %d)",
+                         self.request_id, h, c)
             return False
-        taken = [(group, slots if n else None) for group, slots, n in zip(groups, allocated, needs)]
-        if self._arrival is not None and any(first > live[0] or keep < live[1]
-                                             for (first, keep), live in zip(plans, self._live)):
-            self._await_pages()  # pages are freed: a resume's copy into them must come first
-        changed = (h, c) != (self._h, self._c)
-        for (group, slots), (first, keep) in zip(taken, plans):
-            row, live = self._pages[group.index], self._live[group.index]
-            old_first, old_keep = live
-            changed = changed or (first, keep) != (old_first, old_keep)
-            front_start, front_end = max(old_first, self._sinks[group.index]), min(first, old_keep)
-            if front_end > front_start:  # REQ-3: wholly before h - window, past the sinks
-                group.release(row[front_start:front_end])
-                row[front_start:front_end] = BAD
-            if keep < old_keep:
-                lo = max(keep, old_first)
-                group.release(row[lo:old_keep])
-                row[lo:old_keep] = BAD
-            if slots is not None:
-                sink_end = min(self._sinks[group.index], first)
-                new_sinks = max(sink_end - old_keep, 0)  # TIER-3: kept below the window
-                row[old_keep:old_keep + new_sinks] = slots[:new_sinks]
-                row[max(old_keep, first):keep] = slots[new_sinks:]
-            if (first, keep) != (old_first, old_keep):
-                self._pages_moved = True
-            live[0], live[1] = first, keep
-            self._lowest_keep[group.index] = min(self._lowest_keep[group.index], keep)
-        self._take_lengths(h, c)
-        if changed and self._table is not None:
-            self._table._changed(self._row)
+        if changed:
+            self._tell("mark_changed")
         return True
 
-    def _take_lengths(self, h: int, c: int) -> None:
-        """Lengths (h, c) whose pages are in place."""
-        self._h, self._c = h, c
-        self._lowest_capacity = min(self._lowest_capacity, c)
-        self._flushed = min(self._flushed, c)  # tokens cut off by a shrink are gone
-        self._declared = min(self._declared, c)
-
-    def _plan(self, group, h: int, c: int, grow_only: bool = False) -> tuple[int, int]:
-        """(first live page, allocated pages) of a pool group for lengths (h, c); ``grow_only``
-        keeps at least the pages allocated now."""
-        P, limit = self._page_tokens, self._max_tokens
-        keep = -(-min(c + self._reserve, limit) // P) if c else 0
-        if grow_only:
-            keep = max(keep, self._live[group.index][1])
-        first = max(self._live[group.index][0],
-                    min(rules.first_live_page(h, P, group.window), keep))  # REQ-3
-        return first, keep
-
-    def _held(self, group: int) -> list:
-        """The page ranges ``[lo, hi)`` the cache holds in pool group ``group``: the sink pages
-        ``[0, min(sink pages, first_live))`` (TIER-3) and ``[first_live, allocated)``, non-empty
-        ones only; every other entry of its page row is BAD."""
-        first, keep = self._live[group]
-        return [(lo, hi) for lo, hi in ((0, min(self._sinks[group], first)), (first, keep))
-                if lo < hi]
-
-    def _written(self) -> int:
-        return rules.written_prefix(self._h, self._c, self._flushed, self._declared,
-                                    self._shapes, max, min)
+    def _tell(self, what: str) -> None:
+        """Call the seat interface ``what(row)`` of the row table the cache is seated in."""
+        seat = self._requests.seat[self.slot]
+        if seat is not None:
+            getattr(seat[0], what)(seat[1])
 
     # ---- the write contract (docs/HOST_PATH.md) ----
     def record_host_write(self, end: int) -> None:
@@ -315,15 +249,15 @@ class KVCache:
         self._current("KVCache.record_host_write")
         end = check_int("end", end)
         bound = self.host_direct_end
+        L = self._requests.lengths[self.slot].tolist()
         if end > bound:
             raise ValueError(
                 f"record_host_write: end ({end}) is past the host-direct range, which ends at "
-                f"{bound} (history {self._h}, capacity {self._c}); tokens from {bound} on are "
+                f"{bound} (history {L[H]}, capacity {L[C]}); tokens from {bound} on are "
                 f"in flight: write them into cells and flush them")
-        self.manager.counts.declared(self._h, self._c, self._declared, end)
-        self._declared = max(self._declared, end)
-        if self._table is not None:
-            self._table._declared(self._row)
+        self.manager.counts.declared(L[H], L[C], L[DECLARED], end)
+        self._requests.declare(self.slot, end)
+        self._tell("mark_declared")
 
     def set_reserve(self, tokens: int) -> None:
         """Keep pages allocated for ``tokens`` tokens beyond capacity (rounded up to whole pages,
@@ -332,14 +266,9 @@ class KVCache:
         arguments allocates them now)."""
         self._check_open()
         tokens = check_int("tokens", tokens)
-        if tokens != self._reserve and self._table is not None:
-            self._table._reserve_set(self._row)
-        self._reserve = tokens
-
-    def _record_flush(self, h: int, c: int, target: int) -> None:
-        """A flush of lengths (h, c) to ``target`` ran (Batch.flush / Batch.record_flush)."""
-        self._flushed = rules.flushed_watermark(h, c, self._flushed, self._declared, target,
-                                                self._shapes, max, min, rules.pick)
+        if tokens != self.reserve_tokens:
+            self._tell("mark_reserve")
+        self._requests.lengths[self.slot, RESERVE] = tokens
 
     # ---- prefix sharing (PFX-1..3, docs/PREFIX.md) ----
     def commit(self, token_ids) -> int:
@@ -365,34 +294,17 @@ class KVCache:
                                "(suspended with offload); resume() it first")
         ids = token_array("token_ids", token_ids)
         self._current("KVCache.commit")
-        P = self._page_tokens
+        req, slot = self._requests, self.slot
+        P, h = req.P, int(req.lengths[slot, H])
         pages = len(ids) // P
-        if pages * P > self._h:
+        if pages * P > h:
             raise ValueError(
                 f"commit: token_ids has {pages} whole pages ({pages * P} tokens) but history holds "
-                f"{self._h} tokens ({self._h // P} whole pages); commit at most "
-                f"token_ids[:history_length]")
-        storage = self.manager.storage
-        self._await_pages()  # sharers read these pages on the current stream
-        storage.prefix.commit(ids, pages, self._pages, self._live)  # BAD between sinks and window
+                f"{h} tokens ({h // P} whole pages); commit at most token_ids[:history_length]")
+        req.await_pages(slot)  # sharers read these pages on the current stream
+        # BAD between sinks and window
+        self.manager.storage.prefix.commit(ids, pages, req.pages[slot], req.live[slot])
         return pages * P
-
-    def _start_shared(self, pages: int, entries: np.ndarray) -> None:
-        """Take ``pages`` committed pages (``entries``, page order) as this new cache's first
-        pages: a reference to each slot, lengths and watermarks at the shared length (PFX-2).
-        The match guaranteed every slot the lengths need; nothing is allocated."""
-        storage = self.manager.storage
-        h = pages * self._page_tokens
-        for group in storage.groups:
-            self._live[group.index][:] = self._plan(group, h, h)
-            for lo, hi in self._held(group.index):  # the sink pages too (TIER-3)
-                slots = storage.prefix.slots_of(entries[lo:hi], group.index)
-                group.reference(slots)
-                self._pages[group.index, lo:hi] = slots
-        storage.prefix.touch(entries)
-        self._h = self._c = self._flushed = self._declared = h
-        self.reused_tokens = h
-        self._pages_moved = True
 
     # ---- moving between managers (TIER-2, torch_kvcm2/transfer.py) ----
     def export(self, token_ids=None) -> CacheRecord:
@@ -401,28 +313,13 @@ class KVCache:
         list of ints, a CPU integer tensor or a numpy integer array; stored as int64) and every
         buffer's pages of tokens ``[0, history)`` as CPU uint8 tensors in the page layout (a
         windowed layer's live pages only). Reads only; the cache may be seated, suspended or
-        detached (dense pages in the host tier are read there, once their copy has ended). Raises RuntimeError while tokens are in flight (history < capacity: flush and
-        advance history, or ``resize(capacity=history_length)``, first), for a closed cache or
-        manager, and during stream capture; TypeError / ValueError for bad ``token_ids``."""
+        detached (dense pages in the host tier are read there, once their copy has ended).
+        Raises RuntimeError while tokens are in flight (history < capacity: flush and advance
+        history, or ``resize(capacity=history_length)``, first), for a closed cache or manager,
+        and during stream capture; TypeError / ValueError for bad ``token_ids``."""
         self._check_open()
         self._current("KVCache.export")
         return export_record(self, token_ids)
-
-    def _start_imported(self, history: int, write) -> bool:
-        """Take pages for lengths (history, history) on this new cache, let ``write(self)`` put
-        every byte of ``[0, history)`` on them, and declare those tokens written straight to
-        host pages (what ``record_host_write`` declares; its bound, the in-flight start, stops
-        short of capacity, and an imported cache has nothing in flight). False, with nothing
-        taken, when the pools cannot supply the pages; a failing ``write`` frees them."""
-        if not self._apply(history, history):
-            return False
-        try:
-            write(self)
-        except BaseException:
-            self.close()
-            raise
-        self._declared = history
-        return True
 
     # ---- REQ-4, TIER-1 ----
     def suspend(self, offload: Optional[bool] = None) -> bool:
@@ -444,10 +341,12 @@ class KVCache:
         if self.suspended:
             raise RuntimeError("KVCache.suspend: already suspended")
         self._current("KVCache.suspend")
-        if self._h < self._c:
+        req, slot = self._requests, self.slot
+        h, c, _ = req.own_lengths(slot)
+        if h < c:
             raise RuntimeError(
-                f"KVCache.suspend: tokens are in flight (history {self._h} < capacity "
-                f"{self._c}); flush and advance history, or shrink capacity, first")
+                f"KVCache.suspend: tokens are in flight (history {h} < capacity {c}); flush and "
+                f"advance history, or shrink capacity, first")
         tier = self.manager.tier
         if offload is None:
             offload = tier.enabled
@@ -457,21 +356,20 @@ class KVCache:
             if not tier.enabled:
                 raise ValueError("KVCache.suspend: offload=True needs a host tier; create the "
                                  "manager with host_tier_bytes > 0")
-            self._await_pages()  # a resume's copy into these pages comes first
-            moved = tier.offload(self._pages, [self._held(g) for g in range(len(self._live))])
+            req.await_pages(slot)  # a resume's copy into these pages comes first
+            moved = tier.offload(req.pages[slot], [req.held(slot, g) for g in range(req.G)])
             if moved is None:
                 self.manager.counts.allocations_failed += 1
                 logger.debug("request %d: the host tier cannot take its dense pages",
                              self.request_id)
                 return False
-            self._offload = moved if moved.pages else None
+            req.offload[slot] = moved if moved.pages else None
             if moved.pages:
-                self._pages_moved = True
+                req.moved[slot] = True
                 self.manager.counts.offloads += 1
-        self.state = SUSPENDED
+        req.state[slot] = SUSPENDED
         self.manager.counts.preemptions += 1
-        if self._table is not None:
-            self._table._release_lease(self._row)
+        self._tell("release_lease")
         return True
 
     def resume(self) -> bool:
@@ -484,27 +382,29 @@ class KVCache:
         row makes the current stream wait for the last piece (as do ``host_pages``, ``pages``,
         ``commit``, ``export``, a shrink and ``close``): no host wait. Returns True once
         resumed; False, with nothing changed, when the GPU pools cannot supply the slots
-        (``KVCacheManager.can_fit(tokens, resuming=[cache])`` says so beforehand). Raises RuntimeError when not suspended or during stream capture."""
+        (``KVCacheManager.can_fit(tokens, resuming=[cache])`` says so beforehand). Raises
+        RuntimeError when not suspended or during stream capture."""
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.resume")
         if not self.suspended:
             raise RuntimeError("KVCache.resume: the cache is not suspended")
-        if self._offload is not None:
-            done = self.manager.tier.restore(self._offload, self._pages)
+        req, slot = self._requests, self.slot
+        offload = req.offload[slot]
+        if offload is not None:
+            done = self.manager.tier.restore(offload, req.pages[slot])
             if done is None:
                 self.manager.counts.allocations_failed += 1
                 logger.debug("request %d: %s GPU pages per pool group not available to resume",
-                             self.request_id, self._offload.needs(len(self._live)))
+                             self.request_id, offload.needs(req.G))
                 return False
-            self._arrival, moved = done
+            req.arrival[slot], moved = done
             for group in moved:  # entries from the lowest page brought back on have new slots
-                lowest = int(self._offload.ordinals[group].min())
-                self._lowest_keep[group] = min(self._lowest_keep[group], lowest)
-            self._pages_moved = True
-            self._offload = None
-        if self._table is not None:
-            self._table._grant_lease(self._row)
-        self.state = ACTIVE
+                lowest = int(offload.ordinals[group].min())
+                req.lowest_keep[slot, group] = min(int(req.lowest_keep[slot, group]), lowest)
+            req.moved[slot] = True
+            req.offload[slot] = None
+        req.state[slot] = ACTIVE
+        self._tell("grant_lease")
         self.manager.counts.resumes += 1
         return True
 
@@ -512,155 +412,64 @@ class KVCache:
         """The abort path: leave the batch discarding any in-flight tokens, and free every page
         (host tier pages included). Every later call raises RuntimeError, except ``close``,
         which does nothing again (nor after the manager's close, which released everything)."""
-        if self.state == CLOSED:
+        if self.slot is None:
             return
         if self.manager.closed:
-            self.state = CLOSED
+            self.slot = None
             return
         self._check_open()
         refuse_during_capture(self.manager.config.device, "KVCache.close")
-        if self._table is not None:
-            self._table._leave(self)
-        elif self._c > self._h:  # in-flight tokens dropped (a seated cache: _discard_in_flight)
-            self.manager.counts.aborts += 1
-        self._await_pages()
-        if self._offload is not None:
-            self.manager.tier.discard(self._offload)
-            self._offload = None
-        for group, row, live in zip(self.manager.storage.groups, self._pages, self._live):
-            for lo, hi in self._held(group.index):
-                slots = row[lo:hi]
-                group.release(slots[slots >= 0])  # pages in the host tier have no GPU slot
-            row[:] = BAD
-            live[0] = live[1] = 0
-        self._h = self._c = 0
-        self.state = CLOSED
-
-    def _await_pages(self) -> None:
-        """After a resume: what is left of the copy of the pages back is issued now, and on
-        CUDA the current stream waits for its last piece (once; a stream wait, never a host
-        wait)."""
-        if self._arrival is not None:
-            event = self.manager.tier.complete(self._arrival)
-            if event is not None and not event.query():
-                torch.cuda.current_stream(self.manager.config.device).wait_event(event)
-            self._arrival = None
-
-    def _tier_pages(self, group: int) -> Optional[tuple]:
-        """(the host tier's pool ``uint8[num_slots, scale, page_bytes]``, int64 tier slot per
-        page ordinal of the live range's end, BAD for pages not there, the copy's event) of
-        pool group ``group`` while pages are offloaded; None otherwise."""
-        if self._offload is None or group not in self._offload.ordinals:
-            return None
-        tier = self.manager.storage.tiers[group]
-        return (tier.data, self._offload.tier_index(group, self._live[group][1]),
-                self._offload.event)
-
-    # ---- the row table's side of the protocol (rows.py) ----
-    def _page_row(self, group: int) -> np.ndarray:
-        """The cache's page row of a pool group (int32[max_pages_per_row], BAD outside the live
-        range); read-only for the batch."""
-        return self._pages[group]
-
-    def _live_range(self, group: int) -> tuple[int, int, int, int]:
-        """(sink pages held, first live page, allocated pages, the fewest pages allocated since
-        the batch last published this cache): entries ``[0, sink pages)`` and ``[first,
-        allocated)`` hold slots (TIER-3), and those from the last one on may have new slots."""
-        first, keep = self._live[group]
-        return min(self._sinks[group], first), first, keep, self._lowest_keep[group]
-
-    def _mark_published(self) -> None:
-        """The batch published this cache's lengths and pages."""
-        self._lowest_capacity = self._c
-        if self._pages_moved:
-            self._lowest_keep = [keep for _, keep in self._live]
-            self._pages_moved = False
-
-    def _retake_pages(self, grow_only: bool = False) -> bool:
-        """Plan the pages of the current lengths again: the reserve beyond capacity and the
-        window's releases, after ``Batch.advance`` moved the lengths on the device (the batch
-        calls it at publish, from the lengths read back so far). The
-        lengths do not change, so no rule of ``resize`` can break; False, with nothing changed,
-        when the pools cannot supply the pages (the row's advance then stops at its pages,
-        counted as short). ``grow_only`` (lengths older than the device's: a read-back in
-        flight) frees no page at the end of the live range, so a smaller reserve never takes
-        pages the device's capacity already reached; windowed releases still happen."""
-        if self._table is not None:
-            self._table.take_device_lengths(self._row, None)
-        return self._apply(self._h, self._c, grow_only)
-
-    def _lengths_row(self) -> tuple[int, int, int, int, int, int]:
-        """(history, capacity, written, declared, allocated tokens, reserve tokens) as the batch
-        publishes them."""
-        P = self._page_tokens
-        keep = self._live[0][1] if self._live else -(-self._c // P)
-        allocated = min(keep * P, self._max_tokens)
-        # without sparse layers nothing is flushed: history may advance through capacity
-        # (written_prefix), so the device's advance is bounded by the row's ceiling only
-        written = self._flushed if self._shapes else self._max_tokens
-        return self._h, self._c, written, self._declared, allocated, self._reserve
-
-    def _pages_unmoved(self) -> bool:
-        """No page moved since the batch last published this cache: a publish of its row then
-        sends its lengths only (and calls ``mark_published`` once the delta is uploaded)."""
-        return not self._pages_moved
-
-    def _take_written(self, written: int) -> None:
-        """The written watermark after a flush, as the batch computed it for this row."""
-        self._flushed = max(self._flushed, written)
-
-    def _take_device_lengths(self, h: int, c: int, written: int) -> None:
-        """Lengths advanced on the device (Batch.advance), as the batch read them back."""
-        self._h, self._c = h, c
-        self._lowest_capacity = c
-        self._flushed = max(self._flushed, written)
-
-    def _take_resize(self, h: int, c: int) -> None:
-        """Lengths (h, c) that ``Batch.resize_rows`` checked by resize's rules and that keep
-        every page where it is (no page enters or leaves the live range)."""
-        self._take_lengths(h, c)
-
-    def _discard_in_flight(self) -> None:
-        """Drop the tokens in flight: capacity shrinks back to history (the abort path)."""
-        if self._c > self._h:
-            self.manager.counts.aborts += 1
-            self._apply(self._h, self._h)  # a shrink: always succeeds, breaks no rule
-
-    def _seat(self, table, row: Optional[int]) -> None:
-        self._table, self._row = table, row
+        req, slot = self._requests, self.slot
+        seat = req.seat[slot]
+        if seat is not None:
+            seat[0].leave(self)
+        else:
+            h, c, _ = req.own_lengths(slot)
+            if c > h:  # in-flight tokens dropped (a seated cache: RequestTable.discard_in_flight)
+                self.manager.counts.aborts += 1
+        req.free_pages(slot)
+        req.release(slot)
+        self.slot = None
 
     @property
     def seated_in(self):
         """(batch, row) of the batch this cache is seated in, or (None, None)."""
-        return (None if self._table is None else self._table.batch), self._row
+        seat = None if self.slot is None else self._requests.seat[self.slot]
+        return (None, None) if seat is None else (seat[0].batch, seat[1])
 
     @property
     def reserve_tokens(self) -> int:
         """Tokens of pages kept allocated beyond capacity (``set_reserve``)."""
-        return self._reserve
+        return 0 if self.slot is None else int(self._requests.lengths[self.slot, RESERVE])
 
     # ---- internals ----
     def _lengths(self) -> tuple[int, int, int]:
-        """(history, capacity, flushed watermark) as the host knows them now: the cache's own,
-        or, while seated, those of its batch's last applied read-back of the device lengths
-        when they are newer. Changes nothing and never waits."""
-        if self._table is None:
-            return self._h, self._c, self._flushed
-        return self._table.lengths_of(self._row, self._h, self._c, self._flushed)
+        """(history, capacity, flushed watermark) as the host knows them now: the request
+        table's, or, while seated, those of its batch's last applied read-back of the device
+        lengths when they are newer. Changes nothing and never waits."""
+        if self.slot is None:
+            return 0, 0, 0
+        req = self._requests
+        h, c, flushed = req.own_lengths(self.slot)
+        seat = req.seat[self.slot]
+        if seat is None:
+            return h, c, flushed
+        return seat[0].lengths_of(seat[1], h, c, flushed)
 
     def _current(self, what: str) -> None:
         """Before a call that changes the cache from its lengths: refuse (RuntimeError naming
         ``Batch.poll``) while its batch has device lengths the host has not read back, then take
         the newest lengths read back."""
-        if self._table is not None:
-            self._table.take_device_lengths(self._row, what)
+        seat = self._requests.seat[self.slot]
+        if seat is not None:
+            seat[0].take_device_lengths(seat[1], what)
 
     def _check_open(self) -> None:
         self.manager.check_open(f"request {self.request_id}")
-        if self.state == CLOSED:
+        if self.slot is None:
             raise RuntimeError(f"request {self.request_id}: the cache is closed")
 
     def _check_group(self, group) -> None:
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self._live):
-            raise ValueError(f"group must be a pool group index in [0, {len(self._live)}), "
-                             f"got {group!r}")
+        G = self._requests.G
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < G:
+            raise ValueError(f"group must be a pool group index in [0, {G}), got {group!r}")

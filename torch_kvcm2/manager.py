@@ -15,6 +15,7 @@ from .config import CacheConfig
 from .host_region import DEFAULT_CHUNK_BYTES, check_options, default_threads, resolve_numa
 from .memory import BatchReserve, batch_reserve_bytes
 from .prefix import token_array
+from .request_table import RequestTable
 from .storage import BufferInfo, HostOptions, Storage
 from .telemetry import HostCounters, snapshot
 from .tiers import DEFAULT_PIECE_BYTES, HostTier, check_piece_bytes
@@ -107,6 +108,7 @@ class KVCacheManager:
         self.reserve = BatchReserve(self._reserve)
         self.counts = HostCounters(config)  # what metrics() reports (telemetry.py)
         self.batches = weakref.WeakSet()  # open batches: their device counters
+        self.requests = RequestTable(self)  # every open request's host state (API-1)
         self._ids = itertools.count()
         self._closed = False
 
@@ -131,7 +133,7 @@ class KVCacheManager:
         pages, entries = prefix.match(ids, self.config.max_pages_per_row)
         cache = KVCache(self, next(self._ids))
         if pages:
-            cache._start_shared(pages, entries)
+            cache.reused_tokens = self.requests.start_shared(cache.slot, pages, entries)
         prefix.queries += 1
         prefix.queried_tokens += len(ids)
         prefix.matched_tokens += cache.reused_tokens
@@ -309,7 +311,7 @@ class KVCacheManager:
         entries = []
         for g in self.storage.groups:
             entries.append((f"pool group {g.index} ({g.medium})",
-                            digest(g.num_slots, g._next, sorted(g._free), g.committed_bytes,
+                            digest(g.num_slots, *g.free_state(), g.committed_bytes,
                                    g.refs, g.cached_slots)))
         for i, batch in enumerate(batches):
             batch.poll()

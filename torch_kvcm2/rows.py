@@ -26,16 +26,13 @@ A removed row is a hole with UPLOAD alone; a moved cache takes its state to the 
 ``RowTable.marked`` records which of UPLOAD, DECLARED and PAGES some row may have, so a publish
 with nothing to do scans no row.
 
-The protocol with ``KVCache`` (private on both sides; nothing else calls it). A seated cache calls
-the table: ``_changed(row)``, ``_declared(row)``, ``_reserve_set(row)``, ``_grant_lease(row)``,
-``_release_lease(row)``, ``_cell_lengths(row)``, ``lengths_of(row, ...)`` (its getters: no
-change, no wait), ``take_device_lengths(row, what)`` (before a change: refused, naming
-``Batch.poll``, while a read-back is outstanding) and ``_leave(cache)`` (its close). The table
-reads a cache through ``_lengths_row``, ``_page_row``, ``_live_range``, ``_pages_unmoved`` and
-``_await_pages`` (a resumed cache's copy back from the host tier, TIER-1: the current stream
-waits for it before the row's first step), and writes it through ``_seat``, ``_mark_published``,
-``_retake_pages``, ``_record_flush``, ``_take_written``, ``_take_device_lengths``,
-``_take_resize`` and ``_discard_in_flight``.
+The seat interface, which a seated ``KVCache`` calls: ``mark_changed(row)``,
+``mark_declared(row)``, ``mark_reserve(row)``, ``grant_lease(row)``, ``release_lease(row)``,
+``cell_lengths(row)``, ``lengths_of(row, ...)`` (its getters: no change, no wait),
+``take_device_lengths(row, what)`` (before a change: refused, naming ``Batch.poll``, while a
+read-back is outstanding) and ``leave(cache)`` (its close). The table reads and writes a seated
+request's state through the manager's request table (``request_table.RequestTable``, by the
+cache's ``slot``), never through the cache.
 """
 from __future__ import annotations
 
@@ -75,6 +72,7 @@ class RowTable:
 
     def __init__(self, batch, mirror, clear_leases):
         self.batch, self.manager, self.config = batch, batch.manager, batch.config
+        self.requests = batch.manager.requests  # every request's host state, by slot
         self.max_rows = R = batch.max_rows
         self.mirror = mirror  # tables.TableMirror: the device table store and its host copy
         self.sync = None  # lengths_sync.LengthsSync, set by the batch right after
@@ -113,7 +111,7 @@ class RowTable:
     @property
     def ready(self) -> bool:
         """What ``check_step`` asks, as a predicate (the eager calls; the check raises)."""
-        return not self.unpublished and not self.closed and not self.manager._closed
+        return not self.unpublished and not self.closed and not self.manager.closed
 
     def _mark(self, row: int, flags: int) -> None:
         self.state[row] |= flags
@@ -147,13 +145,13 @@ class RowTable:
                 raise RuntimeError(f"Batch.add: all {self.max_rows} rows are occupied")
         else:
             self._check_free_row(row, "Batch.add")
-        cache._seat(self, row)
+        self.requests.seat[cache.slot] = (self, row)
         self.caches[row] = cache
         self.seated += 1
         self.state[row] = 0
         self._mark(row, UPLOAD)
         if not cache.suspended:
-            self._grant_lease(row)
+            self.grant_lease(row)
         return row
 
     def remove(self, cache, discard: bool, closing: bool = False) -> None:
@@ -168,11 +166,11 @@ class RowTable:
                     f"Batch.remove: tokens are in flight (history {h} < capacity {c}); flush and "
                     f"advance history, or shrink capacity, first, or pass discard=True to drop "
                     f"them")
-            cache._discard_in_flight()
-        self._release_lease(row)
+            self.requests.discard_in_flight(cache.slot)
+        self.release_lease(row)
         self.caches[row] = None
         self.seated -= 1
-        cache._seat(None, None)
+        self.requests.seat[cache.slot] = None
         self.state[row] = 0
         self._mark(row, UPLOAD)
 
@@ -184,7 +182,7 @@ class RowTable:
         self.caches[old], self.caches[row] = None, cache
         self.leases[old], self.leases[row] = BAD, self.leases[old]
         self.state[row], self.state[old] = self.state[old], 0
-        cache._seat(self, row)
+        self.requests.seat[cache.slot] = (self, row)
         self._mark(old, UPLOAD)
         self._mark(row, UPLOAD)
 
@@ -197,27 +195,29 @@ class RowTable:
             raise ValueError(f"{what}: row {row} is occupied")
 
     def member_row(self, cache, what: str) -> int:
-        table, row = getattr(cache, "_table", None), getattr(cache, "_row", None)
-        if table is not self:
+        slot = getattr(cache, "slot", None)
+        seat = None if slot is None or getattr(cache, "manager", None) is not self.manager \
+            else self.requests.seat[slot]
+        if seat is None or seat[0] is not self:
             raise ValueError(f"{what}: the cache is not a member of this batch")
-        return row
+        return seat[1]
 
-    # ---- the protocol a seated cache calls (module docstring) ----
-    def _changed(self, row: int) -> None:
+    # ---- the seat interface, which a seated cache calls (module docstring) ----
+    def mark_changed(self, row: int) -> None:
         """The cache changed its lengths, pages or watermarks: publish it."""
         self._mark(row, UPLOAD)
 
-    def _declared(self, row: int) -> None:
+    def mark_declared(self, row: int) -> None:
         """Only the cache's declared host writes changed: published too, but per-step calls
         still run (the device needs them only for ``advance``'s watermark)."""
         self._mark(row, DECLARED_ONLY)
 
-    def _reserve_set(self, row: int) -> None:
+    def mark_reserve(self, row: int) -> None:
         """The cache set a new reserve, which takes effect at its next resize (so the batched
         path sends the row through ``KVCache.resize``)."""
         self._mark(row, RESERVE)
 
-    def _cell_lengths(self, row: int) -> tuple[int, int]:
+    def cell_lengths(self, row: int) -> tuple[int, int]:
         """(history, capacity) as published for the member at ``row`` with its lease: the cells
         may hold its in-flight range of these lengths; (0, 0) without a published lease."""
         cache = self.caches[row]
@@ -226,13 +226,13 @@ class RowTable:
         L = self.mirror.host_lengths
         return int(L[HISTORY, row]), int(L[CAPACITY, row])
 
-    def _grant_lease(self, row: int) -> None:
+    def grant_lease(self, row: int) -> None:
         """A fresh lease for the member at ``row`` (its residency is cleared at publish)."""
         self.leases[row] = heapq.heappop(self.free_leases)  # never empty: one lease per row
         self.leased += 1
         self._mark(row, UPLOAD | NEW_LEASE)
 
-    def _release_lease(self, row: int) -> None:
+    def release_lease(self, row: int) -> None:
         """The lease of the member at ``row`` goes back (suspend, remove)."""
         lease = self.leases[row]
         if lease != BAD:
@@ -279,10 +279,10 @@ class RowTable:
         # suspended row has nothing of the device's
         if cache is None or s & UPLOAD or L[LEASE, row] < 0:
             return
-        cache._take_device_lengths(int(L[HISTORY, row]), int(L[CAPACITY, row]),
-                                   int(L[WRITTEN, row]))
+        self.requests.take_device_lengths(cache.slot, int(L[HISTORY, row]),
+                                          int(L[CAPACITY, row]), int(L[WRITTEN, row]))
 
-    def _leave(self, cache) -> None:
+    def leave(self, cache) -> None:
         """The cache closes (the abort path): unseat it, dropping its in-flight tokens."""
         self.remove(cache, discard=True, closing=True)
 
@@ -314,7 +314,9 @@ class RowTable:
             for row in due.tolist():
                 cache = self.caches[row]
                 if cache is not None and not cache.suspended:
-                    cache._retake_pages(grow_only=pages_only)
+                    self.take_device_lengths(row, None)
+                    if self.requests.retake_pages(cache.slot, grow_only=pages_only):
+                        self._mark(row, UPLOAD)
         if not self.marked & (UPLOAD | DECLARED_ONLY):
             return
         rows = np.flatnonzero(state & (UPLOAD | DECLARED_ONLY)).tolist()
@@ -327,9 +329,9 @@ class RowTable:
                 reserves.append(0)
             else:
                 owners.append(cache)
-                if cache._arrival is not None:  # resumed from the host tier: its pages first
-                    cache._await_pages()
-                h, c, written, declared, allocated, reserve = cache._lengths_row()
+                # resumed from the host tier: its pages first
+                self.requests.await_pages(cache.slot)
+                h, c, written, declared, allocated, reserve = self.requests.lengths_row(cache.slot)
                 values.append((h, c, lease, written, declared, allocated))
                 reserves.append(reserve)
                 if state[row] & NEW_LEASE:
@@ -386,12 +388,13 @@ class RowTable:
         still = [row for row in np.flatnonzero(seated).tolist()
                  if owners[row] is not None and owners[row] is self.caches[row]]
         declared = self.state & DECLARED_ONLY
+        requests = self.requests
         for row in still:
             if declared[row]:  # declarations the device has not seen yet
-                self.caches[row]._record_flush(int(L[HISTORY, row]), int(L[CAPACITY, row]),
-                                               int(target[row]))
+                requests.record_flush(self.caches[row].slot, int(L[HISTORY, row]),
+                                      int(L[CAPACITY, row]), int(target[row]))
             elif watermark[row] > L[WRITTEN, row]:
-                self.caches[row]._take_written(int(watermark[row]))
+                requests.take_written(self.caches[row].slot, int(watermark[row]))
         self.sync.count_flushed(np.where(seated, watermark, 0), L)
         L[WRITTEN] = np.where(seated, watermark, L[WRITTEN])
 
@@ -477,8 +480,8 @@ class RowTable:
         fast = clean & ~bad & (keep2 == keep)
         moved = np.flatnonzero(fast & ((h2 != h) | (c2 != c)))
         if len(moved):
-            for i, hh, cc in zip(moved.tolist(), h2[moved].tolist(), c2[moved].tolist()):
-                caches[i]._take_resize(hh, cc)
+            slots = np.array([caches[i].slot for i in moved.tolist()], dtype=np.int64)
+            self.requests.take_resize_rows(slots, h2[moved], c2[moved])
             self.state[index[moved]] |= UPLOAD
             self.marked |= UPLOAD
             self.unpublished = True

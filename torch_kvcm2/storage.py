@@ -161,6 +161,12 @@ class PoolGroup:
     def free_slots(self) -> int:
         return len(self._free) + self.num_slots - self._next
 
+    def free_state(self) -> tuple[int, list[int]]:
+        """(high-water mark, the released slots below it, sorted): every slot from the mark on
+        is free and was never handed out. Two groups with equal ``free_slots`` can differ here
+        (``KVCacheManager.check_ranks`` compares it across ranks)."""
+        return self._next, sorted(self._free)
+
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.slot_bytes

@@ -81,8 +81,9 @@ class _Staging:
 class TableMirror:
     """The table store of a batch (device), its host mirror, and the delta publish."""
 
-    def __init__(self, config, num_pool_groups: int, max_rows: int, allocated: dict):
+    def __init__(self, config, num_pool_groups: int, max_rows: int, allocated: dict, requests):
         self.config, self.G, self.R = config, num_pool_groups, max_rows
+        self.requests = requests  # request_table.RequestTable: the owners' pages and live ranges
         self.P = config.max_pages_per_row
         self.store = allocated["tables"]
         self.cuda = self.store.device.type == "cuda"
@@ -128,17 +129,18 @@ class TableMirror:
         or suspended row, and its six length values: int32[len(rows), 6]) and clear the
         residency of ``leases`` (``clear_leases(device int64 tensor)``). ``lengths``: the
         length rows to upload (``memory.HISTORY`` ...; None: all six)."""
+        requests = self.requests
         index_parts, value_parts = [], []
         published = []  # (row, owner, live ranges) whose page state this delta publishes
         for row, owner in zip(rows, owners):
             previous = self.published_owner[row]
-            if owner is previous and (owner is None or owner._pages_unmoved()):
+            if owner is previous and (owner is None or requests.pages_unmoved(owner.slot)):
                 if owner is not None:  # lengths only: no page entry can differ
                     published.append((row, owner, None))
                 continue
             live = list(self.published_live[row])
             for g in range(self.G):
-                sinks, first, end, lowest = (owner._live_range(g) if owner is not None
+                sinks, first, end, lowest = (requests.live_range(owner.slot, g) if owner is not None
                                              else (0, 0, 0, 0))
                 new, old = (sinks, first, end), live[g]
                 if owner is previous and new == old and lowest >= end:
@@ -155,7 +157,7 @@ class TableMirror:
                             ranges.append((lo, hi))
                 for lo, hi in ranges:
                     index_parts.append(np.arange(base + lo, base + hi, dtype=np.int64))
-                    value_parts.append(owner._page_row(g)[lo:hi] if owner is not None
+                    value_parts.append(requests.page_row(owner.slot, g)[lo:hi] if owner is not None
                                        else np.full(hi - lo, BAD, dtype=np.int32))
                 live[g] = new
             published.append((row, owner, live))
@@ -174,13 +176,13 @@ class TableMirror:
         self.host[index] = value
         for row, owner, live in published:  # only once the delta is on its way
             if live is None:  # lengths only
-                owner._mark_published()
+                requests.mark_published(owner.slot)
                 continue
             self.published_live[row] = live
             self.published_owner[row] = owner
             self.active[row] = owner is not None
             if owner is not None:
-                owner._mark_published()
+                requests.mark_published(owner.slot)
 
     def _upload(self, index: np.ndarray, value: np.ndarray, leases: np.ndarray,
                 clear_leases) -> None:

@@ -20,7 +20,7 @@ engine moves whole runs of pinned memory. Ordering, with no host wait:
 * a resume's copy back (``Restore``) is kept by the cache (``KVCache._arrival``); whatever next
   reads or frees its pages — the publish of its row, ``host_pages``, ``commit``, ``export``, a
   shrink, ``close`` — issues what is left of it and makes the current stream wait for its last
-  event first (``KVCache._await_pages``).
+  event first (``RequestTable.await_pages``).
 
 The copy back goes in pieces of at most ``piece_bytes`` (whole slots, at least one): the first
 at ``resume``, then one per ``Batch.publish`` of any batch of the manager (``progress``), each

@@ -139,8 +139,7 @@ def _buffers(config):
 
 
 def export_record(cache, token_ids=None) -> CacheRecord:
-    """``KVCache.export`` (see there)."""
-    cache._check_open()
+    """``KVCache.export`` (see there; it checked the cache is open)."""
     manager, config = cache.manager, cache.manager.config
     refuse_during_capture(config.device, "KVCache.export")
     ids = None if token_ids is None else torch.from_numpy(
@@ -153,13 +152,14 @@ def export_record(cache, token_ids=None) -> CacheRecord:
             f"resize(capacity={h}), first")
     P = config.tokens_per_page
     end = -(-h // P)
-    cache._await_pages()  # a resume's copy back from the host tier (TIER-1)
+    requests, slot = manager.requests, cache.slot
+    requests.await_pages(slot)  # a resume's copy back from the host tier (TIER-1)
     _synchronize(config.device)
     pages, first_page, sink_pages = {}, {}, {}
     for layer, buf in _buffers(config):
         idx = cache.host_pages(layer.name, buf.role)[:end]
         place = manager.storage.place(layer.name, buf.role)
-        tier = cache._tier_pages(place.group)  # a suspended cache's pages in the host tier
+        tier = requests.tier_pages(slot, place.group)  # a suspended cache's pages in the host tier
         tier_idx = None
         if tier is not None:
             tier_data, tier_slots, event = tier
@@ -256,9 +256,19 @@ def import_record(manager, record: CacheRecord, token_ids=None):
             source = record.pages[layer.name][buf.role].to(view.device)
             view.index_copy_(0, torch.from_numpy(idx).to(view.device), source)
 
-    if not cache._start_imported(h, write):
+    # pages for lengths (h, h), every byte of [0, h) written on them, and those tokens declared
+    # written straight to host pages (what record_host_write declares; its bound, the in-flight
+    # start, stops short of capacity, and an imported cache has nothing in flight)
+    requests = manager.requests
+    if requests.apply(cache.slot, h, h) is None:
         cache.close()  # it holds nothing; no one else has it
         return None
+    try:
+        write(cache)
+    except BaseException:
+        cache.close()
+        raise
+    requests.declare(cache.slot, h)
     if ids is not None:
         cache.commit(ids[:h])
     return cache
