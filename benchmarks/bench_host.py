@@ -105,12 +105,11 @@ def host_run(device, quick, max_tokens, path) -> dict:
             batch.publish()  # takes the read-back of the last advance, re-takes reserves
             batch.record_advance()  # what follows the next replay
         else:
-            batch.flush()  # untimed; its host record (idempotent) is timed again below
+            batch.flush()  # untimed (with its host record of the watermark)
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
             counter.counting = step >= steps
-            batch.record_flush()
             if path == "per-row":
                 for cache in caches:
                     assert cache.resize(history=cache.capacity, capacity=cache.capacity + 1)

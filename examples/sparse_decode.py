@@ -619,7 +619,7 @@ class SparseDecoder:
         allocates the next pages of rows that reached their reserve); the step; after a step run
         without the host, ``record_advance``, which queues the read-back of what the step's
         flush and advance moved on the device (lengths and the written watermark: with a
-        read-back pending, ``record_flush`` would queue just that again)."""
+        read-back pending, ``poll`` would queue just that again)."""
         self.noise.copy_(self.gumbel[step + 1])
         if self.T > 1:  # the draft head's noise and the verification's verdicts
             self.draft_noise.copy_(self.draft_gumbel[step])

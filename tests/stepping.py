@@ -146,7 +146,7 @@ def run(driver, fn, steps):
     for number in range(steps):
         selected, new_tokens = driver.inputs()
         outputs.append([o.cpu() for o in fn(driver.batch, selected, new_tokens)])
-        driver.batch.record_flush()  # a compiled flush skips its host bookkeeping
+        driver.batch.poll()  # a compiled flush leaves its watermark on the device
         driver.advance()
         if number == 1:  # a membership change between steps
             driver.leave()
@@ -197,7 +197,7 @@ class CapturedTwins:
             expected = self.eager_fn(eager.batch, selected, tokens)
             mirror_inputs(captured, self.selected, self.tokens)  # same values as the twin's
             self.graph.replay()
-            captured.batch.record_flush()  # the host bookkeeping the replay cannot do
+            captured.batch.poll()  # what the replay's flush moved on the device
             for a, b in zip(expected, self.outputs):
                 assert torch.equal(a, b), number
             eager.advance()

@@ -286,17 +286,20 @@ def test_resolve_with_fetch_equals_resolve_then_fetch(manager):
     assert all(torch.equal(a, b) for a, b in zip(got[4], want[4]))
 
 
-def test_write_indices_after_a_publish_without_resolve_are_recomputed(manager):
+def test_write_indices_are_resolves_eager_and_compiled_and_refuse_when_stale(manager):
     """OP-WRITE: write_indices(group) returns the tables this step's resolve computed (no
-    launch) and, after a publish or advance that moved the lengths with no resolve since,
-    computes them again: it always equals write_indices(group, out)."""
+    launch), eager as compiled; after a publish or advance with no resolve since, eagerly it
+    refuses (naming resolve) rather than return stale tables, and write_indices(group, out)
+    computes them now (after the next resolve, the same as resolve's)."""
     batch = kv.Batch(manager)
     cache = cache_with(manager, 12, history=11)
     batch.add(cache)
     batch.publish()
-    batch.resolve("idx", torch.full((4, 4), -1, dtype=torch.int32))
+    none = torch.full((4, 4), -1, dtype=torch.int32)
+    batch.resolve("idx", none)
     table, start = batch.write_indices("idx")
     assert int(start[0]) == 11 and int(table[0, 0]) >= 0  # token 11 is in flight
+    assert batch.write_indices("idx")[0] is table  # the batch's own tensor: no launch
     other = cache_with(manager, 40, history=20)  # seated after the resolve
     batch.add(other)
     batch.publish()
@@ -306,13 +309,18 @@ def test_write_indices_after_a_publish_without_resolve_are_recomputed(manager):
         got = batch.write_indices("idx", out)
         return out.clone(), got[1].clone()
 
+    with pytest.raises(RuntimeError, match="resolve it first"):
+        batch.write_indices("idx")
+    assert int(fresh()[1][1]) >= 20  # the new row's in-flight start, not BAD
+    batch.resolve("idx", none)  # admits the new row's in-flight units
     got_table, got_start = (t.clone() for t in batch.write_indices("idx"))
     want_table, want_start = fresh()
-    assert int(got_start[1]) >= 20 and torch.equal(got_start, want_start)  # not stale (BAD)
-    assert torch.equal(got_table, want_table)
+    assert int(got_table[1, 0]) >= 0
+    assert torch.equal(got_start, want_start) and torch.equal(got_table, want_table)
     batch.advance(torch.zeros(4, dtype=torch.int32))  # accepted nothing: the same lengths
-    got = [t.clone() for t in batch.write_indices("idx")]
-    assert all(torch.equal(a, b) for a, b in zip(got, fresh()))
+    with pytest.raises(RuntimeError, match="resolve it first"):
+        batch.write_indices("idx")
+    assert all(torch.equal(a, b) for a, b in zip(fresh(), (want_table, want_start)))
 
 
 def test_fused_fetch_of_a_layer_alone_in_its_group(manager):

@@ -108,10 +108,13 @@ class Twin:
         for cache, n in zip(self.caches, extra):
             assert cache.resize(capacity=cache.history_length + n)
 
-    def write(self, values):
-        """Every in-flight token of every resolved group's layers gets ``values``' bytes (a
-        function of the row, the token and the layer), through the write indices."""
+    def write(self, values, resolved):
+        """Every in-flight token of the layers of the groups ``resolved`` this step gets
+        ``values``' bytes (a function of the row, the token and the layer), through the write
+        indices (resolve's: a group left out has none this step)."""
         for group in self.batch.config.selection_groups:
+            if group.index not in resolved:
+                continue
             table, start = (t.cpu() for t in self.batch.write_indices(group.index))
             for layer in group.layers:
                 cells = self.batch.cells(layer, "kv")
@@ -207,7 +210,7 @@ def run_twins(device, seed, make_config, leave_out=True, membership=True, random
             in_flight = a.capacity - a.history_length
             accepted[a] = accepted[b] = rng.randint(1, in_flight) if random_accept else 1
         for twin in (ref, grp):
-            twin.write(values)
+            twin.write(values, {g for g, sel in enumerate(sels) if sel is not None})
             twin.accept(accepted)
         assert_same_state(ref.batch, grp.batch)
     for g in range(len(groups)):

@@ -196,7 +196,7 @@ def captured_run(where, steps=6, skip_wait=False):
         expected = step(eager.batch, selected, tokens)
         mirror_inputs(captured, static_selected, static_tokens)  # same values as the twin's
         graph.replay()
-        captured.batch.record_flush()
+        captured.batch.poll()
         bad += mismatches([expected], [static_outputs])
         eager.advance()
         captured.advance()

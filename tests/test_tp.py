@@ -446,7 +446,6 @@ def scenario_graph(rank, world, device, split):
 
     inputs()
     captured_step(batch, selected, tokens, driver.layer_index)  # warm-up, eager
-    batch.record_flush()
     advance()
     replay = lambda: captured_step(batch, selected, tokens, driver.layer_index)  # noqa: E731
     if device == "cuda":
@@ -459,7 +458,7 @@ def scenario_graph(rank, world, device, split):
         report("replay", number)
         inputs()
         replay()
-        batch.record_flush()  # the host bookkeeping a replay cannot do
+        batch.poll()  # what the replay's flush moved on the device
         for group, sel in zip(config.selection_groups, selected):  # the fetched units
             index = batch.group(group.index).index_table.cpu()
             U = group.sparse.tokens_per_unit
@@ -832,7 +831,7 @@ def test_sync_compiles_fullgraph_in_place(one_rank_group):
     compiled = torch.compile(body, fullgraph=True)
     for n in (1, 2, 3):
         compiled()
-        batch.record_flush()
+        batch.poll()
         assert int(driver.group.gen.item()) == n and driver.group.counters() == [n]
     batch.sync()
     assert driver.read_back() > 0

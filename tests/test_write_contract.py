@@ -40,6 +40,8 @@ def write_tokens(manager, batch, cache, positions):
     start straight to host pages (host_token_indices), from it on into cells (write_indices)."""
     dev = batch.config.device
     row = batch.row_of(cache)
+    K = batch.group(0).index_table.shape[1]  # an all-padding selection seats the in-flight tail
+    batch.resolve(0, torch.full((batch.max_rows, K), -1, dtype=torch.int32, device=dev), fetch=True)
     table, start = batch.write_indices(0)
     s0 = int(start[row])
     host = [t for t in positions if t < s0]

@@ -389,11 +389,11 @@ class Batch:
         ``[history, start)`` are written straight to host pages (``host_token_indices``).
 
         The group's resolve computes them in the same call (from the lengths and residency it
-        leaves): without ``out``, after this step's resolve, they are returned as they are, the
-        batch's own tensors, with no launch; after a publish or ``advance`` (or ``record_advance``)
-        with no resolve since, and into an ``out``, the ``write_indices`` op computes them again.
-        Inside ``torch.compile`` they are always resolve's: resolve the group first, as the
-        model's write needs."""
+        leaves). Without ``out`` they are resolve's, the batch's own tensors, with no launch,
+        eager and compiled alike: resolve the group first, as the model's write needs (eagerly,
+        a call after a publish or ``advance`` with no resolve of the group since raises
+        RuntimeError; a traced call cannot tell). Into an ``out`` the ``write_indices`` op
+        computes them now, from the lengths and residency the device holds."""
         step = self._step
         index = self._group_index.get(group) if group.__class__ in (int, str) else None
         if (index is not None and out is None and not torch.compiler.is_compiling()
@@ -403,9 +403,12 @@ class Batch:
         state = self.group(group)
         self._table.check_step("Batch.write_indices")
         if out is None:
-            if torch.compiler.is_compiling() or step.write_tables_current(state.spec.index):
-                return state.write_table, state.inflight_start
-            out = state.write_table
+            if not (torch.compiler.is_compiling() or step.write_tables_current(state.spec.index)):
+                raise RuntimeError(
+                    f"Batch.write_indices: selection group {state.spec.index} has not been "
+                    f"resolved since the last publish or advance, so its write indices are "
+                    f"stale; resolve it first, or pass out= to compute them now")
+            return state.write_table, state.inflight_start
         check_index_tensor("out", out, self.config.device,
                            (self.max_rows, state.write_table.shape[1]))
         step.write_indices(state, out)
@@ -428,9 +431,9 @@ class Batch:
         claims more than the flush wrote. The device
         watermark sees only published declarations: publish after ``record_host_writes`` and
         before a flush to a tensor. Inside ``torch.compile`` or stream capture the host
-        bookkeeping is skipped: call ``record_flush()`` (None or sequence targets) or
-        ``record_advance()`` (tensor targets, or a graph that also advances) after the
-        compiled call or the replay. The work-list bound (``max_total_input_tokens``) is
+        bookkeeping is skipped: ``poll()`` after the compiled call or the replay reads the
+        watermark the flush left on the device (``record_advance()`` queues that read-back
+        without waiting). The work-list bound (``max_total_input_tokens``) is
         enforced by ``publish``."""
         step, compiling = self._step, torch.compiler.is_compiling()
         known = None  # host-visible per-row targets
@@ -463,18 +466,6 @@ class Batch:
             self._sync.owed = True  # a read-back queued before this flush lacks its watermark
         else:
             self._table.record_flush(known)
-
-    def record_flush(self, new_history: Optional[list] = None) -> None:
-        """Host bookkeeping of a flush (the SAFE-2 watermark, KVCache.written): every seated
-        row's tokens up to ``min(new_history[row], published capacity)`` are on its host pages
-        when its tokens below the in-flight range were (the capacity when ``new_history`` is
-        None). ``flush`` calls it for None and sequence targets; call it yourself after
-        replaying a captured graph that contains such a flush. A graph whose flush takes a
-        tensor of targets is followed by ``record_advance()`` instead (the device's own
-        watermark comes back with the lengths). A row credits the cache that was published
-        there, and only while it still sits there (a member removed or moved since has nothing
-        of this flush to claim)."""
-        self._table.record_flush(new_history)
 
     def record_host_writes(self, ends=None) -> None:
         """Declare, for every seated row with a lease, that its host-direct tokens were written

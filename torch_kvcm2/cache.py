@@ -173,7 +173,7 @@ class KVCache:
         if self.suspended:
             raise RuntimeError("KVCache.resize: the cache is suspended; resume() it first")
         self._current("KVCache.resize")
-        h0, c0, _ = self._requests.own_lengths(self.slot)
+        h0, c0 = self._requests.own_lengths(self.slot)[:2]
         c = c0 if capacity is None else check_int("capacity", capacity)
         h = h0 if history is None else check_int("history", history)
         self._check_lengths(h, c)
@@ -342,7 +342,7 @@ class KVCache:
             raise RuntimeError("KVCache.suspend: already suspended")
         self._current("KVCache.suspend")
         req, slot = self._requests, self.slot
-        h, c, _ = req.own_lengths(slot)
+        h, c = req.own_lengths(slot)[:2]
         if h < c:
             raise RuntimeError(
                 f"KVCache.suspend: tokens are in flight (history {h} < capacity {c}); flush and "
@@ -424,7 +424,7 @@ class KVCache:
         if seat is not None:
             seat[0].leave(self)
         else:
-            h, c, _ = req.own_lengths(slot)
+            h, c = req.own_lengths(slot)[:2]
             if c > h:  # in-flight tokens dropped (a seated cache: RequestTable.discard_in_flight)
                 self.manager.counts.aborts += 1
         req.free_pages(slot)
@@ -450,7 +450,7 @@ class KVCache:
         if self.slot is None:
             return 0, 0, 0
         req = self._requests
-        h, c, flushed = req.own_lengths(self.slot)
+        h, c, flushed = req.own_lengths(self.slot)[:3]
         seat = req.seat[self.slot]
         if seat is None:
             return h, c, flushed

@@ -44,6 +44,8 @@ import torch
 
 from . import lengths as rules
 from .config import BAD
+from .memory import ALLOCATED, CAPACITY, HISTORY, LEASE, LENGTH_ROWS, WRITTEN
+from .memory import DECLARED as DECLARED_ROW
 
 ACTIVE, SUSPENDED, CLOSED = "active", "suspended", "closed"
 H, C, FLUSHED, DECLARED, RESERVE, LOWEST = range(6)
@@ -66,6 +68,8 @@ class RequestTable:
         # per pool group: the sink pages a windowed group keeps below first_live (TIER-3)
         self.sinks = [rules.sink_pages(g.sinks, config.tokens_per_page) if g.window else 0
                       for g in groups]
+        self.windows = [g.window for g in groups]
+        self.windowed = any(self.windows)
         self.pages = np.full((0, self.G, self.MP), BAD, dtype=np.int32)
         self.live = np.zeros((0, self.G, 2), dtype=np.int64)
         self.lowest_keep = np.zeros((0, self.G), dtype=np.int64)
@@ -117,10 +121,10 @@ class RequestTable:
         return len(self.seat) - len(self.free)
 
     # ---- reads (never change anything) ----
-    def own_lengths(self, slot: int) -> tuple[int, int, int]:
-        """(history, capacity, flushed watermark) as the slot holds them."""
-        h, c, flushed = self.lengths[slot, :FLUSHED + 1].tolist()
-        return h, c, flushed
+    def own_lengths(self, slot: int) -> list:
+        """[history, capacity, flushed watermark, ...] as the slot holds them (every field, in
+        ``FIELDS`` order)."""
+        return self.lengths[slot].tolist()
 
     def written(self, h: int, c: int, flushed: int, slot: int) -> int:
         """Tokens ``[0, written)`` are on host pages for lengths (h, c) and the watermark
@@ -153,16 +157,28 @@ class RequestTable:
         lengths only."""
         return not self.moved[slot]
 
-    def lengths_row(self, slot: int) -> tuple[int, int, int, int, int, int]:
-        """(history, capacity, written, declared, allocated tokens, reserve tokens) as a publish
-        uploads them."""
-        h, c, flushed, declared, reserve, _ = self.lengths[slot].tolist()
-        keep = int(self.live[slot, 0, 1]) if self.G else -(-c // self.P)
-        allocated = min(keep * self.P, self.max_tokens)
-        # without sparse layers nothing is flushed: history may advance through capacity
-        # (written_prefix), so the device's advance is bounded by the row's ceiling only
-        written = flushed if self.shapes else self.max_tokens
-        return h, c, written, declared, allocated, reserve
+    def lengths_rows(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``lengths_row`` for many slots at once, as a publish uploads them: int64[n,
+        memory.LENGTH_ROWS] (history, capacity, lease (BAD: the row table fills it), written,
+        declared, allocated tokens) and the reserve tokens int64[n]; a slot of -1 (a hole or
+        suspended row) gets 0 / BAD / 0."""
+        n = len(slots)
+        out = np.zeros((n, LENGTH_ROWS), dtype=np.int64)
+        out[:, LEASE] = BAD
+        reserves = np.zeros(n, dtype=np.int64)
+        held = slots >= 0
+        if held.any():
+            s = slots[held]
+            L = self.lengths[s]
+            keep = self.live[s, 0, 1] if self.G else -(-L[:, C] // self.P)
+            out[held, HISTORY], out[held, CAPACITY] = L[:, H], L[:, C]
+            # without sparse layers nothing is flushed: history may advance through capacity
+            # (written_prefix), so the device's advance is bounded by the row's ceiling only
+            out[held, WRITTEN] = L[:, FLUSHED] if self.shapes else self.max_tokens
+            out[held, DECLARED_ROW] = L[:, DECLARED]
+            out[held, ALLOCATED] = np.minimum(keep * self.P, self.max_tokens)
+            reserves[held] = L[:, RESERVE]
+        return out, reserves
 
     def tier_pages(self, slot: int, group: int) -> Optional[tuple]:
         """(the host tier's pool ``uint8[num_slots, scale, page_bytes]``, int64 tier slot per
@@ -175,13 +191,13 @@ class RequestTable:
         return tier.data, offload.tier_index(group, int(self.live[slot, group, 1])), offload.event
 
     # ---- lengths ----
-    def take_lengths(self, slot: int, h: int, c: int) -> None:
-        """Lengths (h, c) whose pages are in place."""
+    def take_lengths(self, slot: int, h: int, c: int) -> bool:
+        """Lengths (h, c) whose pages are in place; whether they differ from the slot's."""
         row = self.lengths[slot]
-        row[H], row[C] = h, c
-        row[LOWEST] = min(row[LOWEST], c)
-        row[FLUSHED] = min(row[FLUSHED], c)  # tokens cut off by a shrink are gone
-        row[DECLARED] = min(row[DECLARED], c)
+        h0, c0, flushed, declared, reserve, lowest = row.tolist()
+        # tokens cut off by a shrink are gone
+        row[:] = h, c, min(flushed, c), min(declared, c), reserve, min(lowest, c)
+        return (h, c) != (h0, c0)
 
     def take_device_lengths(self, slot: int, h: int, c: int, written: int) -> None:
         """Lengths advanced on the device (Batch.advance), as the batch read them back."""
@@ -200,14 +216,14 @@ class RequestTable:
     def take_resize_rows(self, slots: np.ndarray, h: np.ndarray, c: np.ndarray) -> None:
         """Lengths that ``Batch.resize_rows`` checked by resize's rules and that keep every page
         where it is (no page enters or leaves a live range), for many slots at once."""
-        L = self.lengths
-        L[slots, H], L[slots, C] = h, c
-        L[slots, LOWEST] = np.minimum(L[slots, LOWEST], c)
-        L[slots, FLUSHED] = np.minimum(L[slots, FLUSHED], c)
-        L[slots, DECLARED] = np.minimum(L[slots, DECLARED], c)
+        block = self.lengths[slots]  # one gather and one scatter: fancy indexing is the cost
+        block[:, H], block[:, C] = h, c
+        np.minimum(block[:, FLUSHED:DECLARED + 1], c[:, None], out=block[:, FLUSHED:DECLARED + 1])
+        np.minimum(block[:, LOWEST], c, out=block[:, LOWEST])
+        self.lengths[slots] = block
 
     def record_flush(self, slot: int, h: int, c: int, target: int) -> None:
-        """A flush of lengths (h, c) to ``target`` ran (Batch.flush / Batch.record_flush)."""
+        """A flush of lengths (h, c) to ``target`` ran (an eager Batch.flush)."""
         row = self.lengths[slot]
         row[FLUSHED] = rules.flushed_watermark(h, c, int(row[FLUSHED]), int(row[DECLARED]),
                                                target, self.shapes, max, min, rules.pick)
@@ -223,18 +239,19 @@ class RequestTable:
             self.moved[slot] = False
 
     # ---- pages ----
-    def plan(self, slot: int, group: int, h: int, c: int, grow_only: bool = False
-             ) -> tuple[int, int]:
-        """(first live page, allocated pages) of a pool group for lengths (h, c); ``grow_only``
+    def plans(self, slot: int, h: int, c: int, grow_only: bool = False) -> list:
+        """Per pool group, (first live page, allocated pages) for lengths (h, c); ``grow_only``
         keeps at least the pages allocated now."""
         P = self.P
-        first0, keep0 = self.live[slot, group].tolist()
         reserve = int(self.lengths[slot, RESERVE])
         keep = -(-min(c + reserve, self.max_tokens) // P) if c else 0
-        if grow_only:
-            keep = max(keep, keep0)
-        first = max(first0, min(rules.first_live_page(h, P, self.groups[group].window), keep))
-        return first, keep
+        if not grow_only and not self.windowed:  # every live range starts at page 0
+            return [(0, keep)] * self.G
+        out = []
+        for (first0, keep0), window in zip(self.live[slot].tolist(), self.windows):
+            k = max(keep, keep0) if grow_only else keep
+            out.append((max(first0, min(rules.first_live_page(h, P, window), k)), k))  # REQ-3
+        return out
 
     def apply(self, slot: int, h: int, c: int, grow_only: bool = False) -> Optional[bool]:
         """Allocate and free pages for lengths (h, c) and take them: True when the lengths or
@@ -244,12 +261,10 @@ class RequestTable:
         groups = self.groups
         live = self.live[slot]
         old = live.tolist()
-        h0, c0 = self.lengths[slot, :C + 1].tolist()
-        plans = [self.plan(slot, g.index, h, c, grow_only) for g in groups]
-        if all(first == o[0] and keep == o[1] for (first, keep), o in zip(plans, old)):
+        plans = self.plans(slot, h, c, grow_only)
+        if plans == [(first, keep) for first, keep in old]:
             # no page enters or leaves a live range (most decode steps): the lengths only
-            self.take_lengths(slot, h, c)
-            return (h, c) != (h0, c0)
+            return self.take_lengths(slot, h, c)
         # the window's new pages, and sink pages not allocated yet (a jump past the window)
         needs = [max(keep - max(o[1], first), 0) + max(min(sinks, first) - o[1], 0)
                  for (first, keep), o, sinks in zip(plans, old, self.sinks)]
@@ -313,8 +328,8 @@ class RequestTable:
         shared tokens."""
         prefix = self.manager.storage.prefix
         h = pages * self.P
+        self.live[slot] = self.plans(slot, h, h)
         for group in self.groups:
-            self.live[slot, group.index] = self.plan(slot, group.index, h, h)
             for lo, hi in self.held(slot, group.index):  # the sink pages too (TIER-3)
                 slots = prefix.slots_of(entries[lo:hi], group.index)
                 group.reference(slots)

@@ -320,23 +320,23 @@ class RowTable:
         if not self.marked & (UPLOAD | DECLARED_ONLY):
             return
         rows = np.flatnonzero(state & (UPLOAD | DECLARED_ONLY)).tolist()
-        owners, values, reserves, leases = [], [], [], []
+        requests = self.requests
+        owners, slots, leases = [], [], []
         for row in rows:
             cache, lease = self.caches[row], self.leases[row]
             if cache is None or lease == BAD:  # hole or suspended: BAD / 0
                 owners.append(None)
-                values.append((0, 0, BAD, 0, 0, 0))
-                reserves.append(0)
+                slots.append(-1)
             else:
                 owners.append(cache)
-                # resumed from the host tier: its pages first
-                self.requests.await_pages(cache.slot)
-                h, c, written, declared, allocated, reserve = self.requests.lengths_row(cache.slot)
-                values.append((h, c, lease, written, declared, allocated))
-                reserves.append(reserve)
+                slots.append(cache.slot)
+                requests.await_pages(cache.slot)  # resumed from the host tier: its pages first
                 if state[row] & NEW_LEASE:
                     leases.append(lease)
-        values = np.array(values, dtype=np.int32)
+        slots = np.asarray(slots, dtype=np.int64)
+        block, reserves = requests.lengths_rows(slots)  # holes and suspended rows: 0 / BAD
+        block[:, LEASE] = np.asarray(self.leases, dtype=np.int64)[rows]
+        values = block.astype(np.int32)
         width = self.flush_width(self.mirror.lengths_after(rows, values))
         if width > self.config.max_total_input_tokens:
             raise ValueError(
@@ -346,7 +346,7 @@ class RowTable:
         self.mirror.publish(rows, owners, values, sorted(leases), self._clear_leases,
                             lengths=(ALLOCATED,) if pages_only else None)
         self.mirror.epoch += 1
-        sync.published(rows, values, np.asarray(reserves, dtype=np.int64))
+        sync.published(rows, values, reserves)
         done = UPLOAD | DECLARED_ONLY | NEW_LEASE
         if not pages_only:  # a pages-only publish may keep old pages
             done |= RESERVE
@@ -365,8 +365,12 @@ class RowTable:
         return widest
 
     # ---- the host's bookkeeping of the write contract (SAFE-2) ----
-    def record_flush(self, new_history) -> None:
-        self.check_host_call("Batch.record_flush")
+    def record_flush(self, new_history: Optional[list]) -> None:
+        """The host's record of an eager flush (its SAFE-2 watermark per seated row, by the rule
+        the flush applies on the device): ``new_history`` None (the published capacity) or the
+        ``max_rows`` targets ``Batch.flush`` checked. A row credits the cache that was published
+        there, and only while it still sits there."""
+        self.check_host_call("Batch.flush")
         if self.sync.pending:
             # the device lengths are ahead of the host (advance): its watermark, computed by
             # the flush itself, comes back with a fresh read-back of the lengths
@@ -376,10 +380,7 @@ class RowTable:
         if new_history is None:
             target = L[CAPACITY]
         else:
-            target = np.asarray(list(new_history), dtype=np.int64)
-            if target.shape != (self.max_rows,):
-                raise ValueError(f"Batch.record_flush: new_history must have {self.max_rows} "
-                                 f"values (one per row), got {len(target)}")
+            target = np.asarray(new_history, dtype=np.int64)
         # the device's watermark (the flush_watermark op applies the same rule)
         watermark = rules.flushed_watermark(L[HISTORY], L[CAPACITY], L[WRITTEN], L[DECLARED],
                                             target, self.shapes, np.maximum, np.minimum, np.where)
