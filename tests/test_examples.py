@@ -263,7 +263,7 @@ def test_decode_host_tops_up_pages_when_the_lengths_come_back_late(flags):
     With drafts a row advances by the 1..T tokens it accepts, which the host knows up front."""
     for tops_up in (True, False):
         run = decoder("--reserve-pages", "1", "--tokens-per-page", "4", "--steps", "12", *flags)
-        sync = run.batch._sync  # the batch's lengths sync: its read-backs come late
+        sync = run.batch._readback  # the batch's read-back: its read-backs come late
         take = sync.catch_up
         sync.catch_up = lambda wait=True: take() if wait else None
         if not tops_up:

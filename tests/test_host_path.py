@@ -492,7 +492,7 @@ def test_a_host_ahead_of_the_gpu_catches_up_and_tops_up_without_waiting(window_l
         batch.flush(batch.history + ones)
         batch.advance(ones)  # eager: queues its read-back
         late.append(_LateEvent())
-        batch._sync.events[batch._sync.queue[-1]] = late[-1]  # not arrived yet
+        batch._readback.events[batch._readback.queue[-1]] = late[-1]  # not arrived yet
         if step >= lag:
             late[step - lag].done = True  # the GPU finished the step `lag` steps ago
         assert all(e.waited == 0 for e in late)  # no publish waited for the GPU
@@ -526,7 +526,7 @@ def run_ahead(batch, steps, lag=2):
         batch.flush(batch.history + ones)
         batch.advance(ones)
         late.append(_LateEvent())
-        batch._sync.events[batch._sync.queue[-1]] = late[-1]
+        batch._readback.events[batch._readback.queue[-1]] = late[-1]
         if step >= lag:
             late[step - lag].done = True
     return late
@@ -662,8 +662,8 @@ def test_batch_memory_is_what_the_batch_allocates():
     manager = kv.KVCacheManager(dsa_config())
     batch = kv.Batch(manager, max_rows=3)
     pools = {manager.pool(g).untyped_storage().data_ptr() for g in range(manager.pool_groups)}
-    tensors = batch.state_tensors() + [batch._table.mirror.delta, batch._sync.snapshot,
-                                       batch._sync.counter_snapshot, batch._sync.counter_stage]
+    tensors = batch.state_tensors() + [batch._table.mirror.delta, batch._readback.snapshot,
+                                       batch._readback.counter_snapshot, batch._readback.counter_stage]
     tensors += [staging.tensor for staging in batch._table.mirror.ring]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
                 if t.untyped_storage().data_ptr() not in pools}
@@ -698,7 +698,7 @@ def test_a_late_read_back_is_not_waited_for_and_a_publish_of_changes_needs_the_p
     batch.flush(batch.history + accepted)
     batch.advance(accepted)
     late = _LateEvent()
-    batch._sync.events[batch._sync.queue[-1]] = late  # as on CUDA before the copy has run
+    batch._readback.events[batch._readback.queue[-1]] = late  # as on CUDA before the copy has run
     batch.publish()
     assert late.waited == 0 and batch.pending_readback
     assert batch.add(manager.create_cache()) == 3  # membership: not a length read

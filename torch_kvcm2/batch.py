@@ -3,8 +3,8 @@
 A batch is three parts, each with its own state (docs/DESIGN.md, "Objects"):
 
 * the row table (``rows.RowTable``): which cache sits in which row with which lease, each row's
-  sync state, and ``publish``, which uploads what changed as one delta (HOST-1, HOST-2);
-* the lengths sync (``lengths_sync.LengthsSync``): the read-back ring that brings the host up to
+  row flags, and ``publish``, which uploads what changed as one delta (HOST-1, HOST-2);
+* the read-back (``readback.Readback``): the read-back ring that brings the host up to
   date with lengths ``advance`` moved on the device, and the reserve top-ups it queues (HOST-3);
 * the device step (``device_step.DeviceStep``): the selection groups' residency state, the
   cells, and the per-step ops over these fixed tensors.
@@ -28,7 +28,7 @@ from .arguments import (check_index_tensor, check_not_meta, check_row, check_row
 from ._util import ceil_div, refuse_during_capture
 from .cache import KVCache
 from .device_step import DeviceStep, GroupState
-from .lengths_sync import LengthsSync, readback_ring
+from .readback import Readback, readback_ring
 from .memory import batch_memory_bytes, batch_tensor_specs
 from .rows import RowTable
 from .tables import TableMirror
@@ -82,12 +82,12 @@ class Batch:
                              manager.requests)
         self._step = step = DeviceStep(self, allocated, mirror)
         self._table = table = RowTable(self, mirror, step.clear_leases)
-        self._sync = table.sync = LengthsSync(table, allocated["snapshot"], step.counter_parts,
+        self._readback = table.readback = Readback(table, allocated["snapshot"], step.counter_parts,
                                               step.counter_stage, allocated["counter_snapshot"])
-        self._sync.flush_token_bytes = step.flush_token_bytes
+        self._readback.flush_token_bytes = step.flush_token_bytes
         manager.batches.add(self)
         # a batch collected unclosed still adds its last read-back counters to the manager's
-        self._retire = weakref.finalize(self, manager.counts.retire, self._sync.counters)
+        self._retire = weakref.finalize(self, manager.counts.retire, self._readback.counters)
         self.page_tables = step.page_tables
         self.history, self.capacity, self.lease = step.history, step.capacity, step.lease
         self.written, self.advance_counters = step.written, step.advance_counters
@@ -214,7 +214,7 @@ class Batch:
             step.advance(accepted)
             if torch.compiler.is_compiling():
                 return
-        self._sync.queue_readback()  # not while capturing
+        self._readback.queue_readback()  # not while capturing
 
     def finish_step(self, accepted: torch.Tensor, host_writes: bool = False) -> None:
         """The end of a step in the order the write contract needs (docs/ENGINE.md), one call
@@ -236,13 +236,13 @@ class Batch:
             check_rows_tensor("accepted", accepted, self.config.device, self.max_rows)
         step.finish(accepted)
         if not compiling:
-            self._sync.queue_readback()  # also the flush's watermark; nothing while capturing
+            self._readback.queue_readback()  # also the flush's watermark; nothing while capturing
 
     def record_advance(self) -> None:
         """Queue the read-back of the device lengths after ``advance`` (on the current stream;
         ``advance`` calls it eagerly; call it after replaying a graph that contains
         ``advance``). ``poll()`` applies it."""
-        self._sync.record_advance()
+        self._readback.record_advance()
 
     def poll(self) -> None:
         """The one device -> host call of a step: read back the device's lengths and counters
@@ -257,17 +257,17 @@ class Batch:
         so counters count from the first step whatever ends the step. Refused during stream
         capture."""
         self._table.check_host_call("Batch.poll")
-        sync = self._sync
-        if not sync.pending:  # (an owed read-back is queued by catch_up itself)
-            sync.queue_readback()
-        sync.catch_up(wait=True)
+        readback = self._readback
+        if not readback.pending:  # (an owed read-back is queued by catch_up itself)
+            readback.queue_readback()
+        readback.catch_up(wait=True)
 
     @property
     def pending_readback(self) -> bool:
         """The device holds lengths the host has not read back (an ``advance``, ``finish_step``
         or flush to a tensor of targets since the last ``poll``): calls that change rows refuse
         until ``poll()``."""
-        return self._sync.pending
+        return self._readback.pending
 
     # ---- per-step entry points (REQUIREMENTS §8) ----
     def group(self, group: Union[int, str]) -> GroupState:
@@ -463,7 +463,7 @@ class Batch:
         if compiling or (step.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         if isinstance(new_history, torch.Tensor):
-            self._sync.owed = True  # a read-back queued before this flush lacks its watermark
+            self._readback.owed = True  # a read-back queued before this flush lacks its watermark
         else:
             self._table.record_flush(known)
 
@@ -571,7 +571,7 @@ class Batch:
         """The device counters (per selection group hits, misses, invalid; then ``advance``'s
         refused and short rows) of the newest read-back that has arrived, int64, without
         waiting or applying it (what ``KVCacheManager.metrics`` sums)."""
-        return self._sync.latest_counters()
+        return self._readback.latest_counters()
 
     def row_counts(self) -> dict:
         """``{"seated": members, "suspended": members without a lease}``, from the host."""

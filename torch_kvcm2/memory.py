@@ -113,10 +113,10 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
     ]
     specs += [TensorSpec(f"staging{i}", (staging_bytes(config, num_pool_groups, max_rows),),
                          UINT8, "host") for i in range(STAGING_BUFFERS)]
-    # on CUDA the read-back ring is whole pages of its own, registered (lengths_sync.py)
+    # on CUDA the read-back ring is whole pages of its own, registered (readback.py)
     page = mmap.PAGESIZE if config.device.type == "cuda" else 1
     specs.append(TensorSpec("snapshot", (READBACKS, LENGTH_ROWS, max_rows), INT32, "host", page))
-    # the counters' read-back ring, filled by the same read-back call (lengths_sync.py)
+    # the counters' read-back ring, filled by the same read-back call (readback.py)
     specs.append(TensorSpec("counter_snapshot", (READBACKS, counter_words(config)), INT64, "host",
                             page))
     for group in config.selection_groups:

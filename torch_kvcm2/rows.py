@@ -1,9 +1,9 @@
 """The row table of a batch (BAT-2..4, HOST-1..4): which cache sits in which row with which lease,
 what of each row the device does not have yet, and ``publish``, which uploads it.
 
-Every row has one sync state, ``RowTable.state[row]``: a set of the ``RowSync`` flags below
+Every row has one row flags, ``RowTable.state[row]``: a set of the ``RowFlags`` flags below
 (none: the device, the host mirror and the cache agree). Host calls set flags, ``publish`` and
-the read-back of the device lengths (``lengths_sync``) clear them:
+the read-back of the device lengths (``readback``) clear them:
 
 =========== ============================================ =============================================
 flag        set by                                       cleared by
@@ -49,8 +49,8 @@ from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN
 from ._util import refuse_during_capture
 
 
-class RowSync(enum.IntFlag):
-    """The flags of a row's sync state (the module's table says who sets and clears each)."""
+class RowFlags(enum.IntFlag):
+    """The flags of a row's row flags (the module's table says who sets and clears each)."""
 
     UPLOAD = 1
     NEW_LEASE = 2
@@ -60,7 +60,7 @@ class RowSync(enum.IntFlag):
     BEHIND = 32
 
 
-UPLOAD, NEW_LEASE, DECLARED_ONLY, RESERVE, PAGES, BEHIND = (int(f) for f in RowSync)
+UPLOAD, NEW_LEASE, DECLARED_ONLY, RESERVE, PAGES, BEHIND = (int(f) for f in RowFlags)
 #: the flags that keep a row out of ``resize_rows``' vectorised path (its host state is ahead)
 UNCLEAN = UPLOAD | DECLARED_ONLY | RESERVE | PAGES
 #: the flags that make publish upload or plan something
@@ -68,14 +68,14 @@ PUBLISHED = UPLOAD | DECLARED_ONLY | PAGES
 
 
 class RowTable:
-    """Rows, leases, sync states and the publish of one batch (see the module docstring)."""
+    """Rows, leases, row flags and the publish of one batch (see the module docstring)."""
 
     def __init__(self, batch, mirror, clear_leases):
         self.batch, self.manager, self.config = batch, batch.manager, batch.config
         self.requests = batch.manager.requests  # every request's host state, by slot
         self.max_rows = R = batch.max_rows
         self.mirror = mirror  # tables.TableMirror: the device table store and its host copy
-        self.sync = None  # lengths_sync.LengthsSync, set by the batch right after
+        self.readback = None  # readback.Readback, set by the batch right after
         self._clear_leases = clear_leases  # empties the residency of int64 device leases
         self.caches: list = [None] * R
         self.leases = [BAD] * R  # each row's lease as the next publish uploads it
@@ -90,9 +90,9 @@ class RowTable:
         self.closed = False
         self.seated = self.leased = 0  # members, and members with a lease (metrics)
 
-    def describe(self, row: int) -> RowSync:
-        """A row's sync state as flags (for messages and debugging)."""
-        return RowSync(int(self.state[row]))
+    def describe(self, row: int) -> RowFlags:
+        """A row's row flags as flags (for messages and debugging)."""
+        return RowFlags(int(self.state[row]))
 
     # ---- checks ----
     def check_host_call(self, what: str) -> None:
@@ -120,7 +120,7 @@ class RowTable:
             self.unpublished = True
 
     def mark_pages(self, rows: np.ndarray) -> None:
-        """PAGES for the rows of the bool mask ``rows`` (the lengths sync's read-backs)."""
+        """PAGES for the rows of the bool mask ``rows`` (the read-back's read-backs)."""
         self.state[rows] |= PAGES
         self.marked |= PAGES
 
@@ -246,7 +246,7 @@ class RowTable:
         """RuntimeError naming ``Batch.poll`` while the device holds lengths the host has not
         read back (an ``advance``, ``finish_step`` or a flush to a tensor since the last poll):
         ``what`` changes state from lengths, and the host never waits for them implicitly."""
-        if self.sync.pending:
+        if self.readback.pending:
             raise RuntimeError(
                 f"{what}: the device moved this batch's lengths (advance, finish_step or a "
                 f"flush to a tensor of targets) since the host last read them; call "
@@ -289,14 +289,14 @@ class RowTable:
     # ---- publish (BAT-3, HOST-1, HOST-2) ----
     def publish(self) -> None:
         self.check_host_call("Batch.publish")
-        sync, state = self.sync, self.state
-        if sync.pending:
+        readback, state = self.readback, self.state
+        if readback.pending:
             # host changes are published over the device's newest lengths only (the mirror must
             # not take an older read-back after this publish's delta): the engine polls first;
             # without changes, the read-backs that have arrived are applied, never waited for
             if self.marked & (UPLOAD | DECLARED_ONLY):
                 self.require_polled("Batch.publish")
-            sync.catch_up(wait=False)
+            readback.catch_up(wait=False)
         self.manager.tier.progress()  # the next piece of the copies back of resumed requests
         pages_only = False
         due = ()
@@ -309,7 +309,7 @@ class RowTable:
             # or two old, so such a publish only adds pages (a smaller reserve frees pages at a
             # publish without one in flight), leaves the device's lengths alone and uploads page
             # entries and allocated tokens only
-            pages_only = sync.pending
+            pages_only = readback.pending
             state[due] &= ~PAGES & 0xFF
             for row in due.tolist():
                 cache = self.caches[row]
@@ -346,7 +346,7 @@ class RowTable:
         self.mirror.publish(rows, owners, values, sorted(leases), self._clear_leases,
                             lengths=(ALLOCATED,) if pages_only else None)
         self.mirror.epoch += 1
-        sync.published(rows, values, reserves)
+        readback.published(rows, values, reserves)
         done = UPLOAD | DECLARED_ONLY | NEW_LEASE
         if not pages_only:  # a pages-only publish may keep old pages
             done |= RESERVE
@@ -371,10 +371,10 @@ class RowTable:
         ``max_rows`` targets ``Batch.flush`` checked. A row credits the cache that was published
         there, and only while it still sits there."""
         self.check_host_call("Batch.flush")
-        if self.sync.pending:
+        if self.readback.pending:
             # the device lengths are ahead of the host (advance): its watermark, computed by
             # the flush itself, comes back with a fresh read-back of the lengths
-            self.sync.queue_readback()
+            self.readback.queue_readback()
             return
         L = self.mirror.host_lengths
         if new_history is None:
@@ -396,7 +396,7 @@ class RowTable:
                                       int(L[CAPACITY, row]), int(target[row]))
             elif watermark[row] > L[WRITTEN, row]:
                 requests.take_written(self.caches[row].slot, int(watermark[row]))
-        self.sync.count_flushed(np.where(seated, watermark, 0), L)
+        self.readback.count_flushed(np.where(seated, watermark, 0), L)
         L[WRITTEN] = np.where(seated, watermark, L[WRITTEN])
 
     def record_host_writes(self, ends) -> None:
@@ -475,7 +475,7 @@ class RowTable:
                 h, c, h2, c2, L[WRITTEN], L[DECLARED], (h, c, c), self.shapes,
                 config.max_tokens_per_row, config.max_total_input_tokens, np.maximum, np.minimum):
             bad |= violated
-        reserve = self.sync.reserve_tokens[index]
+        reserve = self.readback.reserve_tokens[index]
         keep = -(-L[ALLOCATED] // P)
         keep2 = np.where(c2 > 0, -(-np.minimum(c2 + reserve, config.max_tokens_per_row) // P), 0)
         fast = clean & ~bad & (keep2 == keep)

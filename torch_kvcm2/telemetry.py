@@ -3,7 +3,7 @@
 Host events are counted where they happen (``HostCounters``, owned by the manager). Device
 counters (per selection group hits, misses, invalid selections; ``advance``'s refused and short
 rows) live in one int64 tensor per batch and reach the host only through the batch's read-back
-of its lengths (``lengths_sync``): ``metrics()`` reads the newest read-back that has arrived and
+of its lengths (``readback``): ``metrics()`` reads the newest read-back that has arrived and
 never the device, so it never synchronises. A closed (or collected) batch's last counters are
 added to the manager's totals, so the figures are "since the manager started".
 

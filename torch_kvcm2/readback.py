@@ -1,4 +1,4 @@
-"""The lengths sync of a batch (HOST-3): bringing the host up to date with lengths ``advance``
+"""The read-back of a batch (HOST-3): bringing the host up to date with lengths ``advance``
 moved on the device, without a per-step synchronisation.
 
 ``Batch.advance`` queues a copy of the device's length rows into the next pinned buffer of a
@@ -21,7 +21,7 @@ newest arrived one without waiting (``KVCacheManager.metrics``).
 State: the ring (``buffers``, their ``events`` on CUDA), ``queue`` (ring positions queued and
 not applied, oldest first), ``owed``, and per row the reserve as published
 (``reserve_tokens``) and the capacity from which its top-up is urgent (``urgent_at``). The row
-flags it sets live in the row table (``rows.RowSync``).
+flags it sets live in the row table (``rows.RowFlags``).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def readback_ring(spec, device: torch.device) -> torch.Tensor:
     not the pinned allocator's: that allocator creates an event for every stream a block was
     copied on when the block is freed, which throws, and so aborts the process from a
     destructor, once a device fault has ended the context (a rank that traps in ``rank_wait``,
-    TP-4). ``LengthsSync`` unregisters them once their copies are done."""
+    TP-4). ``Readback`` unregisters them once their copies are done."""
     if device.type != "cuda":
         return torch.zeros(spec.shape, dtype=spec.dtype)
     memory = mmap.mmap(-1, spec.nbytes)  # zeroed, page-aligned
@@ -75,7 +75,7 @@ def _release_ring(rings: tuple, events: list, device: int) -> None:
         pass
 
 
-class LengthsSync:
+class Readback:
     """The read-back ring of one batch and what applying a read-back does (module docstring)."""
 
     def __init__(self, table, snapshot: torch.Tensor, counter_parts: list,
