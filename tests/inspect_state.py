@@ -177,3 +177,9 @@ def arrival_of(cache):
 def tier_pages(cache, group: int):
     """``RequestTable.tier_pages`` of the cache: (tier pool, tier slot per page, event) or None."""
     return cache.manager.requests.tier_pages(cache.slot, group)
+
+
+def replayed_advance(batch, accepted) -> None:
+    """Test hook: the device's ``advance`` alone, as a replayed graph runs it (no read-back
+    queued, nothing told to the host)."""
+    batch._step.advance(accepted)

@@ -5,6 +5,7 @@ import torch
 import torch_kvcm2 as kv
 from torch_kvcm2 import BAD
 from configs import dsa_config, import_history
+from inspect_state import replayed_advance
 
 
 @pytest.fixture
@@ -317,10 +318,19 @@ def test_write_indices_are_resolves_eager_and_compiled_and_refuse_when_stale(man
     want_table, want_start = fresh()
     assert int(got_table[1, 0]) >= 0
     assert torch.equal(got_start, want_start) and torch.equal(got_table, want_table)
+    batch.poll()  # a read-back of lengths that did not move: resolve's tables stay current
+    assert torch.equal(batch.write_indices("idx")[0], want_table)
     batch.advance(torch.zeros(4, dtype=torch.int32))  # accepted nothing: the same lengths
     with pytest.raises(RuntimeError, match="resolve it first"):
         batch.write_indices("idx")
     assert all(torch.equal(a, b) for a, b in zip(fresh(), (want_table, want_start)))
+    batch.poll()
+    batch.resolve("idx", none)
+    batch.flush()
+    replayed_advance(batch, torch.ones(4, dtype=torch.int32))  # not announced to the host
+    batch.poll()  # its read-back moved the lengths: the tables are dated
+    with pytest.raises(RuntimeError, match="resolve it first"):
+        batch.write_indices("idx")
 
 
 def test_fused_fetch_of_a_layer_alone_in_its_group(manager):
@@ -480,3 +490,21 @@ def test_finish_step_is_flush_to_the_accepted_tokens_then_advance(device):
         one.batch.finish_step(torch.zeros(ROWS, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match=r"accepted must have shape \(4,\)"):
         one.batch.finish_step(torch.zeros(ROWS + 1, dtype=torch.int32, device=device))
+
+
+def test_a_discarding_remove_takes_no_page_even_with_a_new_reserve(manager):
+    """REQ-4 / the abort path: remove(discard=True) shrinks capacity back to history without
+    allocating, so a reserve set since the last resize (which a resize would take) cannot make
+    it fail when the pools are empty; nothing in flight is left behind."""
+    from inspect_state import take_slots
+    batch = kv.Batch(manager)
+    cache = cache_with(manager, 6, history=4)
+    batch.add(cache)
+    batch.publish()
+    cache.set_reserve(40)  # takes effect at the next resize
+    for g in range(manager.pool_groups):
+        take_slots(manager, g, manager.stats()["pool_groups"][g]["free_slots"])
+    failed = manager.metrics()["allocations_failed"]
+    batch.remove(cache, discard=True)
+    assert (cache.history_length, cache.capacity) == (4, 4)
+    assert manager.metrics()["aborts"] == 1 and manager.metrics()["allocations_failed"] == failed

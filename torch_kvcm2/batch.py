@@ -214,7 +214,7 @@ class Batch:
             step.advance(accepted)
             if torch.compiler.is_compiling():
                 return
-        self._readback.queue_readback()  # not while capturing
+        self._readback.queue_readback(moved=True)  # not while capturing
 
     def finish_step(self, accepted: torch.Tensor, host_writes: bool = False) -> None:
         """The end of a step in the order the write contract needs (docs/ENGINE.md), one call
@@ -236,7 +236,7 @@ class Batch:
             check_rows_tensor("accepted", accepted, self.config.device, self.max_rows)
         step.finish(accepted)
         if not compiling:
-            self._readback.queue_readback()  # also the flush's watermark; nothing while capturing
+            self._readback.queue_readback(moved=True)  # and the watermark; not when capturing
 
     def record_advance(self) -> None:
         """Queue the read-back of the device lengths after ``advance`` (on the current stream;

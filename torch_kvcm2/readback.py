@@ -117,11 +117,14 @@ class Readback:
 
     def record_advance(self) -> None:
         self.table.check_host_call("Batch.record_advance")
-        self.queue_readback()
+        self.queue_readback(moved=True)
 
-    def queue_readback(self) -> None:
+    def queue_readback(self, moved: bool = False) -> None:
         """Queue the copy of the device lengths into the ring's next buffer on the current
-        stream (nothing while it is capturing: the replay's ``record_advance`` queues it)."""
+        stream (nothing while it is capturing: the replay's ``record_advance`` queues it).
+        ``moved``: the device's lengths moved since the last publish or read-back (an
+        ``advance``), so the groups' write tables are dated (``TableMirror.epoch``); applying
+        a read-back whose lengths differ from the mirror's dates them too."""
         k = self.next
         if self.cuda:
             if torch.cuda.is_current_stream_capturing():
@@ -133,7 +136,8 @@ class Readback:
         else:
             self.buffers[k].copy_(self.source)
             torch.cat(self.counter_parts, out=self.counter_buffers[k])
-        self.table.mirror.epoch += 1  # the lengths moved under the groups' write tables
+        if moved:
+            self.table.mirror.epoch += 1  # the lengths moved under the groups' write tables
         ring = len(self.buffers)
         self.next = (k + 1) % ring
         if len(self.queue) == ring:  # the oldest buffer is copied into again: superseded
@@ -194,6 +198,8 @@ class Readback:
         # the rows the device writes (history, capacity, written); lease, declared and
         # allocated tokens are the host's (only a publish changes them, and a publish may have
         # changed allocated tokens since this copy was queued)
+        if not np.array_equal(snapshot[:CAPACITY + 1], L[:CAPACITY + 1]):
+            table.mirror.epoch += 1  # e.g. a replayed advance no record_advance announced
         L[:CAPACITY + 1] = snapshot[:CAPACITY + 1]
         self.count_flushed(snapshot[WRITTEN], L)
         L[WRITTEN] = snapshot[WRITTEN]

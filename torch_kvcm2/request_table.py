@@ -116,10 +116,6 @@ class RequestTable:
         self.seat[slot] = self.state[slot] = self.offload[slot] = self.arrival[slot] = None
         self.free.append(slot)
 
-    @property
-    def open_slots(self) -> int:
-        return len(self.seat) - len(self.free)
-
     # ---- reads (never change anything) ----
     def own_lengths(self, slot: int) -> list:
         """[history, capacity, flushed watermark, ...] as the slot holds them (every field, in
@@ -158,7 +154,7 @@ class RequestTable:
         return not self.moved[slot]
 
     def lengths_rows(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``lengths_row`` for many slots at once, as a publish uploads them: int64[n,
+        """Every slot's length row as a publish uploads it: int64[n,
         memory.LENGTH_ROWS] (history, capacity, lease (BAD: the row table fills it), written,
         declared, allocated tokens) and the reserve tokens int64[n]; a slot of -1 (a hole or
         suspended row) gets 0 / BAD / 0."""
@@ -209,10 +205,6 @@ class RequestTable:
         """The written watermark after a flush, as the batch computed it for the row."""
         self.lengths[slot, FLUSHED] = max(int(self.lengths[slot, FLUSHED]), written)
 
-    def take_written_rows(self, slots: np.ndarray, written: np.ndarray) -> None:
-        """``take_written`` for many slots at once."""
-        self.lengths[slots, FLUSHED] = np.maximum(self.lengths[slots, FLUSHED], written)
-
     def take_resize_rows(self, slots: np.ndarray, h: np.ndarray, c: np.ndarray) -> None:
         """Lengths that ``Batch.resize_rows`` checked by resize's rules and that keep every page
         where it is (no page enters or leaves a live range), for many slots at once."""
@@ -239,29 +231,33 @@ class RequestTable:
             self.moved[slot] = False
 
     # ---- pages ----
-    def plans(self, slot: int, h: int, c: int, grow_only: bool = False) -> list:
+    def plans(self, slot: int, h: int, c: int, grow_only: bool = False,
+              shrink_only: bool = False) -> list:
         """Per pool group, (first live page, allocated pages) for lengths (h, c); ``grow_only``
-        keeps at least the pages allocated now."""
+        keeps at least the pages allocated now, ``shrink_only`` at most (a reserve set since
+        is not taken)."""
         P = self.P
         reserve = int(self.lengths[slot, RESERVE])
         keep = -(-min(c + reserve, self.max_tokens) // P) if c else 0
-        if not grow_only and not self.windowed:  # every live range starts at page 0
+        if not (grow_only or shrink_only or self.windowed):  # every range starts at page 0
             return [(0, keep)] * self.G
         out = []
         for (first0, keep0), window in zip(self.live[slot].tolist(), self.windows):
-            k = max(keep, keep0) if grow_only else keep
+            k = max(keep, keep0) if grow_only else min(keep, keep0) if shrink_only else keep
             out.append((max(first0, min(rules.first_live_page(h, P, window), k)), k))  # REQ-3
         return out
 
-    def apply(self, slot: int, h: int, c: int, grow_only: bool = False) -> Optional[bool]:
+    def apply(self, slot: int, h: int, c: int, grow_only: bool = False,
+              shrink_only: bool = False) -> Optional[bool]:
         """Allocate and free pages for lengths (h, c) and take them: True when the lengths or
         pages changed, False when nothing did, None (nothing changed) when a pool group cannot
         supply the pages. The lengths must have passed resize's checks. ``grow_only``: no page
-        beyond the live range's start is freed (``retake_pages``)."""
+        beyond the live range's start is freed (``retake_pages``); ``shrink_only``: none is
+        allocated (``discard_in_flight``), so it cannot fail."""
         groups = self.groups
         live = self.live[slot]
         old = live.tolist()
-        plans = self.plans(slot, h, c, grow_only)
+        plans = self.plans(slot, h, c, grow_only, shrink_only)
         if plans == [(first, keep) for first, keep in old]:
             # no page enters or leaves a live range (most decode steps): the lengths only
             return self.take_lengths(slot, h, c)
@@ -319,7 +315,7 @@ class RequestTable:
         h, c = self.lengths[slot, :C + 1].tolist()
         if c > h:
             self.manager.counts.aborts += 1
-            self.apply(slot, h, h)  # a shrink: always succeeds, breaks no rule
+            self.apply(slot, h, h, shrink_only=True)  # takes no page: cannot fail
 
     def start_shared(self, slot: int, pages: int, entries: np.ndarray) -> int:
         """Take ``pages`` committed pages (``entries``, page order) as the new request's first

@@ -1,7 +1,7 @@
 """The row table of a batch (BAT-2..4, HOST-1..4): which cache sits in which row with which lease,
 what of each row the device does not have yet, and ``publish``, which uploads it.
 
-Every row has one row flags, ``RowTable.state[row]``: a set of the ``RowFlags`` flags below
+Every row has its flags, ``RowTable.state[row]``: a set of the ``RowFlags`` below
 (none: the device, the host mirror and the cache agree). Host calls set flags, ``publish`` and
 the read-back of the device lengths (``readback``) clear them:
 
@@ -50,7 +50,7 @@ from ._util import refuse_during_capture
 
 
 class RowFlags(enum.IntFlag):
-    """The flags of a row's row flags (the module's table says who sets and clears each)."""
+    """The flags of a row (the module's table says who sets and clears each)."""
 
     UPLOAD = 1
     NEW_LEASE = 2
@@ -91,7 +91,7 @@ class RowTable:
         self.seated = self.leased = 0  # members, and members with a lease (metrics)
 
     def describe(self, row: int) -> RowFlags:
-        """A row's row flags as flags (for messages and debugging)."""
+        """A row's flags (for messages and debugging)."""
         return RowFlags(int(self.state[row]))
 
     # ---- checks ----
@@ -120,7 +120,7 @@ class RowTable:
             self.unpublished = True
 
     def mark_pages(self, rows: np.ndarray) -> None:
-        """PAGES for the rows of the bool mask ``rows`` (the read-back's read-backs)."""
+        """PAGES for the rows of the bool mask ``rows`` (applied read-backs)."""
         self.state[rows] |= PAGES
         self.marked |= PAGES
 

@@ -17,7 +17,7 @@ engine moves whole runs of pinned memory. Ordering, with no host wait:
   allocation that hands one out makes the stream that will write it wait for that event
   (``PoolGroup.await_fences``), so the slots are free for the host at once and the compute
   stream waits only when it really reuses a slot before the copy ended;
-* a resume's copy back (``Restore``) is kept by the cache (``KVCache._arrival``); whatever next
+* a resume's copy back (``Restore``) is kept by the request table (``RequestTable.arrival``); whatever next
   reads or frees its pages — the publish of its row, ``host_pages``, ``commit``, ``export``, a
   shrink, ``close`` — issues what is left of it and makes the current stream wait for its last
   event first (``RequestTable.await_pages``).
