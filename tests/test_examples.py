@@ -436,7 +436,7 @@ def warning_of_long_work(script, *args, deadline=240):
 
 @pytest.mark.parametrize("script, args, flag", [
     ("sparse_decode.py", ["--steps", "30000", "--device", "cpu"], "--steps"),
-    ("shared_prefix.py", ["--requests", "30000"], "--requests"),
+    ("shared_prefix.py", ["--requests", "100000"], "--requests"),
     ("serve.py", ["--steps", "100000", "--every", "100000"], "--steps"),
 ])
 def test_a_run_of_hours_warns_with_an_estimate_before_the_work(script, args, flag):
