@@ -449,9 +449,9 @@ class KVCache:
         lengths when they are newer. Changes nothing and never waits."""
         if self.slot is None:
             return 0, 0, 0
-        req = self._requests
-        h, c, flushed = req.own_lengths(self.slot)[:3]
-        seat = req.seat[self.slot]
+        req, slot = self._requests, self.slot
+        h, c, flushed = req.lengths[slot, :3].tolist()  # history, capacity, flushed watermark
+        seat = req.seat[slot]
         if seat is None:
             return h, c, flushed
         return seat[0].lengths_of(seat[1], h, c, flushed)

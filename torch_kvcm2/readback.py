@@ -198,7 +198,8 @@ class Readback:
         # the rows the device writes (history, capacity, written); lease, declared and
         # allocated tokens are the host's (only a publish changes them, and a publish may have
         # changed allocated tokens since this copy was queued)
-        if not np.array_equal(snapshot[:CAPACITY + 1], L[:CAPACITY + 1]):
+        # (compared as bytes: a third of np.array_equal's cost on these two short rows)
+        if snapshot[:CAPACITY + 1].tobytes() != L[:CAPACITY + 1].tobytes():
             table.mirror.epoch += 1  # e.g. a replayed advance no record_advance announced
         L[:CAPACITY + 1] = snapshot[:CAPACITY + 1]
         self.count_flushed(snapshot[WRITTEN], L)

@@ -148,10 +148,10 @@ class RequestTable:
         first, keep = self.live[slot, group].tolist()
         return min(self.sinks[group], first), first, keep, int(self.lowest_keep[slot, group])
 
-    def pages_unmoved(self, slot: int) -> bool:
-        """No page moved since the last publish of the request's row: a publish then sends its
-        lengths only."""
-        return not self.moved[slot]
+    def pages_moved(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot (-1: none, False), whether a page moved since the last publish of the
+        request's row (without, a publish sends its lengths only)."""
+        return self.moved[slots] & (slots >= 0)
 
     def lengths_rows(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every slot's length row as a publish uploads it: int64[n,
@@ -190,9 +190,11 @@ class RequestTable:
     def take_lengths(self, slot: int, h: int, c: int) -> bool:
         """Lengths (h, c) whose pages are in place; whether they differ from the slot's."""
         row = self.lengths[slot]
-        h0, c0, flushed, declared, reserve, lowest = row.tolist()
-        # tokens cut off by a shrink are gone
-        row[:] = h, c, min(flushed, c), min(declared, c), reserve, min(lowest, c)
+        h0, c0 = row[:C + 1].tolist()
+        row[H], row[C] = h, c
+        if c < c0:  # tokens cut off by a shrink are gone
+            np.minimum(row[FLUSHED:DECLARED + 1], c, out=row[FLUSHED:DECLARED + 1])
+            row[LOWEST] = min(int(row[LOWEST]), c)
         return (h, c) != (h0, c0)
 
     def take_device_lengths(self, slot: int, h: int, c: int, written: int) -> None:
@@ -223,12 +225,14 @@ class RequestTable:
     def declare(self, slot: int, end: int) -> None:
         self.lengths[slot, DECLARED] = max(int(self.lengths[slot, DECLARED]), end)
 
-    def mark_published(self, slot: int) -> None:
-        """The row table published the request's lengths and pages."""
-        self.lengths[slot, LOWEST] = self.lengths[slot, C]
-        if self.moved[slot]:
-            self.lowest_keep[slot] = self.live[slot, :, 1]
-            self.moved[slot] = False
+    def mark_published(self, slots: np.ndarray) -> None:
+        """The row table published these requests' lengths and pages (-1: no request)."""
+        slots = slots[slots >= 0]
+        self.lengths[slots, LOWEST] = self.lengths[slots, C]
+        moved = slots[self.moved[slots]]
+        if len(moved):
+            self.lowest_keep[moved] = self.live[moved, :, 1]
+            self.moved[moved] = False
 
     # ---- pages ----
     def plans(self, slot: int, h: int, c: int, grow_only: bool = False,
@@ -256,9 +260,9 @@ class RequestTable:
         allocated (``discard_in_flight``), so it cannot fail."""
         groups = self.groups
         live = self.live[slot]
-        old = live.tolist()
         plans = self.plans(slot, h, c, grow_only, shrink_only)
-        if plans == [(first, keep) for first, keep in old]:
+        old = list(map(tuple, live.tolist()))
+        if plans == old:
             # no page enters or leaves a live range (most decode steps): the lengths only
             return self.take_lengths(slot, h, c)
         # the window's new pages, and sink pages not allocated yet (a jump past the window)

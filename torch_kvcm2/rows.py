@@ -224,7 +224,7 @@ class RowTable:
         if cache is None or self.mirror.published_owner[row] is not cache:
             return 0, 0
         L = self.mirror.host_lengths
-        return int(L[HISTORY, row]), int(L[CAPACITY, row])
+        return L.item(HISTORY, row), L.item(CAPACITY, row)
 
     def grant_lease(self, row: int) -> None:
         """A fresh lease for the member at ``row`` (its residency is cleared at publish)."""
@@ -257,11 +257,13 @@ class RowTable:
         """(history, capacity, flushed watermark) of the member at ``row`` as the host knows
         them: the mirror's when it holds a read-back the cache has not taken (BEHIND), else the
         cache's own ``h``, ``c``, ``flushed``. Changes nothing."""
-        s = int(self.state[row])
-        L = self.mirror.host_lengths
-        if not s & BEHIND or s & UPLOAD or L[LEASE, row] < 0:
+        s = self.state.item(row)
+        if not s & BEHIND or s & UPLOAD:
             return h, c, flushed
-        return int(L[HISTORY, row]), int(L[CAPACITY, row]), max(flushed, int(L[WRITTEN, row]))
+        L = self.mirror.host_lengths
+        if L.item(LEASE, row) < 0:
+            return h, c, flushed
+        return L.item(HISTORY, row), L.item(CAPACITY, row), max(flushed, L.item(WRITTEN, row))
 
     def take_device_lengths(self, row: int, what: Optional[str]) -> None:
         """The member at ``row`` takes the lengths of the last applied read-back, if newer than
@@ -343,7 +345,7 @@ class RowTable:
                 f"Batch.publish: {width} in-flight tokens over all rows exceed "
                 f"max_total_input_tokens ({self.config.max_total_input_tokens}), the bound of "
                 f"the flush work list; nothing was published")
-        self.mirror.publish(rows, owners, values, sorted(leases), self._clear_leases,
+        self.mirror.publish(rows, owners, slots, values, sorted(leases), self._clear_leases,
                             lengths=(ALLOCATED,) if pages_only else None)
         self.mirror.epoch += 1
         readback.published(rows, values, reserves)

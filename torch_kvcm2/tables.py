@@ -123,20 +123,20 @@ class TableMirror:
             out[:, rows] = values.T
         return out
 
-    def publish(self, rows: list, owners: list, values: np.ndarray, leases: list,
-                clear_leases, lengths: Optional[tuple] = None) -> None:
+    def publish(self, rows: list, owners: list, slots: np.ndarray, values: np.ndarray,
+                leases: list, clear_leases, lengths: Optional[tuple] = None) -> None:
         """Stage and apply the delta of ``rows`` (each with its owner cache or None for a hole
-        or suspended row, and its six length values: int32[len(rows), 6]) and clear the
-        residency of ``leases`` (``clear_leases(device int64 tensor)``). ``lengths``: the
-        length rows to upload (``memory.HISTORY`` ...; None: all six)."""
+        or suspended row, the owner's request slot or -1, and its six length values:
+        int32[len(rows), 6]) and clear the residency of ``leases`` (``clear_leases(device int64
+        tensor)``). ``lengths``: the length rows to upload (``memory.HISTORY`` ...; None: all
+        six)."""
         requests = self.requests
         index_parts, value_parts = [], []
-        published = []  # (row, owner, live ranges) whose page state this delta publishes
-        for row, owner in zip(rows, owners):
+        published = []  # (row, owner, live ranges) whose page state changes with this delta
+        moved = requests.pages_moved(slots).tolist()
+        for row, owner, pages_moved in zip(rows, owners, moved):
             previous = self.published_owner[row]
-            if owner is previous and (owner is None or requests.pages_unmoved(owner.slot)):
-                if owner is not None:  # lengths only: no page entry can differ
-                    published.append((row, owner, None))
+            if owner is previous and not pages_moved:  # a hole, or lengths only
                 continue
             live = list(self.published_live[row])
             for g in range(self.G):
@@ -175,14 +175,10 @@ class TableMirror:
         self._upload(index, value, np.asarray(leases, dtype=np.int64), clear_leases)
         self.host[index] = value
         for row, owner, live in published:  # only once the delta is on its way
-            if live is None:  # lengths only
-                requests.mark_published(owner.slot)
-                continue
             self.published_live[row] = live
             self.published_owner[row] = owner
             self.active[row] = owner is not None
-            if owner is not None:
-                requests.mark_published(owner.slot)
+        requests.mark_published(slots)
 
     def _upload(self, index: np.ndarray, value: np.ndarray, leases: np.ndarray,
                 clear_leases) -> None:
