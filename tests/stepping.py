@@ -260,6 +260,14 @@ def op_samples(device):
                          sp.tokens_per_unit, 4, sp.max_inflight_tokens, 0, None, 0),
         "resolve_groups": (*batch._step.groups_args[True][0], selected,
                            *batch._step.groups_args[True][1]),
+        # rows 1 and 2 on GPU pages (ids 0..31 over 16 page ordinals), after the cells
+        "resolve_gpu_history": (state.index_table, state.write_table, state.inflight_start,
+                                state.counters, selected[0],
+                                torch.tensor([0, 1, 1, 0], dtype=torch.int32, device=device),
+                                torch.arange(4 * 16, dtype=torch.int32, device=device)
+                                .view(4, 16) % 32, batch.history, batch.capacity, batch.lease,
+                                state.resident.numel(), 32, sp.tokens_per_unit, 4,
+                                sp.max_inflight_tokens, 0, 0),
         "locate_inflight": (state.inflight_slots, state.resident, batch.history, batch.capacity,
                             batch.lease, sp.tokens_per_unit, sp.max_inflight_tokens),
         "write_indices": (state.write_table, state.inflight_start, state.resident,

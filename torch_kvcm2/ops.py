@@ -42,6 +42,7 @@ __all__ = [
     "BUFFER_FIELDS",
     "GROUP_FIELDS",
     "resolve",
+    "resolve_gpu_history",
     "resolve_groups",
     "resolve_step",
     "uva_view",
@@ -276,6 +277,44 @@ def locate_inflight(
     without a resolve)."""
     _ops.locate_inflight(inflight_slots, resident, history, capacity, lease, tokens_per_unit,
                          max_inflight_tokens)
+
+
+def resolve_gpu_history(
+    index_table: Tensor,
+    write_table: Tensor,
+    write_start: Tensor,
+    counters: Tensor,
+    selected: Tensor,
+    gpu_rows: Tensor,
+    gpu_pages: Tensor,
+    history: Tensor,
+    capacity: Tensor,
+    lease: Tensor,
+    cell_entries: int,
+    gpu_slots: int,
+    tokens_per_unit: int,
+    tokens_per_page: int,
+    max_inflight_tokens: int,
+    window: int = 0,
+    sinks: int = 0,
+) -> None:
+    """RSD-1: resolve and OP-WRITE for the rows of one selection group whose history is on GPU
+    pages (``gpu_rows[r] != 0`` and a lease), which ``resolve`` was given as holes. The index
+    space of each sparse buffer is its cells (``cell_entries`` = leases x S entries) followed
+    by ``gpu_slots`` GPU pages of E = P/U entries; ``gpu_pages[r, p]`` (int32[R, pages]) is the
+    GPU page slot of the row's page ordinal p, BAD for none.
+
+    Per such row: ``index_table[r, j]`` = ``cell_entries + page*E + u % E`` for a selected,
+    selectable unit u whose page is on the GPU (MTP: the columns of every query token, as
+    ``resolve`` takes them), BAD otherwise; ``write_table[r, j]`` = ``entry*U + t % U`` for
+    in-flight token ``t = s0 + j < c`` (BAD beyond, or without a GPU page), ``write_start[r]`` =
+    s0. Each distinct selected ordinal counts once in ``counters``: a hit with a GPU entry, else
+    invalid (not selectable; or no GPU page, which is bad data for such a row). Nothing is
+    missed, fetched or made resident. Other rows keep what ``resolve`` wrote. Mutates
+    ``index_table``, ``write_table``, ``write_start`` and ``counters``."""
+    _ops.resolve_gpu_history(index_table, write_table, write_start, counters, selected, gpu_rows,
+                             gpu_pages, history, capacity, lease, cell_entries, gpu_slots,
+                             tokens_per_unit, tokens_per_page, max_inflight_tokens, window, sinks)
 
 
 def write_indices(
@@ -661,6 +700,52 @@ def _fake_write_indices(out, inflight_start, resident, inflight_slots, history, 
     """check_write_indices, all of it."""
     _check_write_indices(out, inflight_start, resident, inflight_slots, history, capacity, lease,
                          tokens_per_unit, max_inflight_tokens)
+
+
+@torch.library.register_fake("torch_kvcm2::resolve_gpu_history")
+def _fake_resolve_gpu_history(index_table, write_table, write_start, counters, selected,
+                              gpu_rows, gpu_pages, history, capacity, lease, cell_entries,
+                              gpu_slots, tokens_per_unit, tokens_per_page, max_inflight_tokens,
+                              window, sinks):
+    """check_resolve_gpu_history, all of it. Left out: the CUDA kernel's shared-memory bound
+    on the columns of a row (a set of at least twice as many words), which depends on the
+    device."""
+    op = "resolve_gpu_history"
+    _int32_selection(index_table, op, "index_table")
+    _int32_selection(selected, op, "selected")
+    _check(index_table.shape == selected.shape, lambda: f"{op}: index_table has shape "
+           f"{_shape(index_table)} but selected has {_shape(selected)}")
+    rows = selected.shape[0]
+    _int32_2d(write_table, op, "write_table")
+    _int32_1d(write_start, rows, op, "write_start")
+    _int32_1d(gpu_rows, rows, op, "gpu_rows")
+    _int32_2d(gpu_pages, op, "gpu_pages")
+    _check(write_table.shape[0] == rows and gpu_pages.shape[0] == rows,
+           lambda: f"{op}: write_table and gpu_pages need one row per selected row ({rows}), got "
+           f"{_shape(write_table)} and {_shape(gpu_pages)}")
+    _lengths(selected, rows, history, capacity, lease, op)
+    _check(counters.dtype == torch.int64 and counters.dim() == 1
+           and counters.shape[0] == NUM_COUNTERS and counters.is_contiguous(),
+           f"{op}: counters must be a contiguous int64 tensor of shape [{NUM_COUNTERS}]")
+    for t in (index_table, write_table, write_start, counters, gpu_rows, gpu_pages):
+        _same_device(selected, t, op, "every tensor")
+    _check(tokens_per_unit > 0 and tokens_per_page > 0 and tokens_per_page % tokens_per_unit == 0,
+           f"{op}: tokens_per_unit must be positive and divide tokens_per_page")
+    _check(max_inflight_tokens > 0 and window >= 0,
+           f"{op}: max_inflight_tokens must be positive and window non-negative (0 = none)")
+    _check(sinks >= 0 and (sinks == 0 or window > 0),
+           f"{op}: sinks must be non-negative, and 0 without a window (window 0)")
+    _check(write_table.shape[1] >= max_inflight_tokens + tokens_per_unit - 1,
+           lambda: f"{op}: write_table is too narrow: {write_table.shape[1]} columns, an "
+           f"in-flight range can hold {max_inflight_tokens + tokens_per_unit - 1} tokens")
+    _check(cell_entries >= 0 and gpu_slots >= 0,
+           f"{op}: cell_entries and gpu_slots must be non-negative")
+    entries = cell_entries + gpu_slots * (tokens_per_page // tokens_per_unit)
+    _check(entries * tokens_per_unit <= _INT32_MAX, lambda: f"{op}: {entries} entries of "
+           f"{tokens_per_unit} tokens exceed the int32 token indices")
+    width = selected.shape[1] * selected.shape[2] if selected.dim() == 3 else selected.shape[1]
+    _check(width <= 65535, lambda: f"{op}: at most 65535 selected columns per row (query tokens "
+           f"x K), got {width}")
 
 
 @torch.library.register_fake("torch_kvcm2::resolve_groups")

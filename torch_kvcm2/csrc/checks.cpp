@@ -354,4 +354,56 @@ bool check_resolve_write(const std::optional<at::Tensor>& write_table,
   return true;
 }
 
+int64_t check_resolve_gpu_history(const at::Tensor& index_table, const at::Tensor& write_table,
+                                  const at::Tensor& write_start, const at::Tensor& counters,
+                                  const at::Tensor& selected, const at::Tensor& gpu_rows,
+                                  const at::Tensor& gpu_pages, const at::Tensor& history,
+                                  const at::Tensor& capacity, const at::Tensor& lease,
+                                  int64_t cell_entries, int64_t gpu_slots,
+                                  int64_t tokens_per_unit, int64_t tokens_per_page,
+                                  int64_t max_inflight_tokens, int64_t window, int64_t sinks) {
+  const char* op = "resolve_gpu_history";
+  check_int32_selection(index_table, op, "index_table");
+  check_int32_selection(selected, op, "selected");
+  TORCH_CHECK(index_table.sizes() == selected.sizes(), op, ": index_table has shape ",
+              index_table.sizes(), " but selected has ", selected.sizes());
+  const int64_t rows = selected.size(0);
+  check_int32_2d(write_table, op, "write_table");
+  check_int32_1d(write_start, rows, op, "write_start");
+  check_int32_1d(gpu_rows, rows, op, "gpu_rows");
+  check_int32_2d(gpu_pages, op, "gpu_pages");
+  TORCH_CHECK(write_table.size(0) == rows && gpu_pages.size(0) == rows, op,
+              ": write_table and gpu_pages need one row per selected row (", rows, "), got ",
+              write_table.sizes(), " and ", gpu_pages.sizes());
+  check_lengths(selected, rows, history, capacity, lease, op);
+  TORCH_CHECK(counters.scalar_type() == at::kLong && counters.dim() == 1 &&
+                  counters.size(0) == kNumCounters && counters.is_contiguous(),
+              op, ": counters must be a contiguous int64 tensor of shape [", kNumCounters, "]");
+  for (const at::Tensor* t : {&index_table, &write_table, &write_start, &counters, &gpu_rows,
+                              &gpu_pages}) {
+    check_same_device(selected, *t, op, "every tensor");
+  }
+  TORCH_CHECK(tokens_per_unit > 0 && tokens_per_page > 0 && tokens_per_page % tokens_per_unit == 0,
+              op, ": tokens_per_unit must be positive and divide tokens_per_page");
+  TORCH_CHECK(max_inflight_tokens > 0 && window >= 0, op,
+              ": max_inflight_tokens must be positive and window non-negative (0 = none)");
+  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), op,
+              ": sinks must be non-negative, and 0 without a window (window 0)");
+  TORCH_CHECK(write_table.size(1) >= max_inflight_tokens + tokens_per_unit - 1, op,
+              ": write_table is too narrow: ", write_table.size(1),
+              " columns, an in-flight range can hold ", max_inflight_tokens + tokens_per_unit - 1,
+              " tokens");
+  const int64_t E = tokens_per_page / tokens_per_unit;
+  TORCH_CHECK(cell_entries >= 0 && gpu_slots >= 0, op,
+              ": cell_entries and gpu_slots must be non-negative");
+  const int64_t entries = cell_entries + gpu_slots * E;
+  // a token index (entry * U + offset) is int32, as every index the attention kernel reads
+  TORCH_CHECK(entries * tokens_per_unit <= INT32_MAX, op, ": ", entries,
+              " entries of ", tokens_per_unit, " tokens exceed the int32 token indices");
+  const int64_t width = selected.dim() == 3 ? selected.size(1) * selected.size(2) : selected.size(1);
+  TORCH_CHECK(width <= 65535, op, ": at most 65535 selected columns per row (query tokens x K), "
+              "got ", width);
+  return entries;
+}
+
 }  // namespace torch_kvcm2

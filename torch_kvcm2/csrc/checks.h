@@ -97,5 +97,15 @@ bool check_resolve_write(const std::optional<at::Tensor>& write_table,
                          const at::Tensor& lease, int64_t tokens_per_unit,
                          int64_t max_inflight_tokens);
 
+// resolve_gpu_history (RSD-1): the resolve outputs of one selection group and the rows' GPU
+// history pages. Returns the entries of the index space: cell_entries + gpu_slots * E.
+int64_t check_resolve_gpu_history(const at::Tensor& index_table, const at::Tensor& write_table,
+                                  const at::Tensor& write_start, const at::Tensor& counters,
+                                  const at::Tensor& selected, const at::Tensor& gpu_rows,
+                                  const at::Tensor& gpu_pages, const at::Tensor& history,
+                                  const at::Tensor& capacity, const at::Tensor& lease,
+                                  int64_t cell_entries, int64_t gpu_slots,
+                                  int64_t tokens_per_unit, int64_t tokens_per_page,
+                                  int64_t max_inflight_tokens, int64_t window, int64_t sinks);
 
 }  // namespace torch_kvcm2

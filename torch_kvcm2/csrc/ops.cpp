@@ -115,6 +115,19 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "write_indices(Tensor(a!) out, Tensor(b!) inflight_start, Tensor resident, "
       "Tensor inflight_slots, Tensor history, Tensor capacity, Tensor lease, int tokens_per_unit, "
       "int max_inflight_tokens) -> ()");
+  // RSD-1: the rows of one selection group whose history is on GPU pages (gpu_rows[r] != 0,
+  // seated), after resolve saw them as holes. gpu_pages int32[rows, pages]: the row's GPU page
+  // slot per page ordinal (BAD: none). A selected, selectable unit u on GPU page p gets entry
+  // cell_entries + p*E + u mod E, the pages lying after the cells in one index space; in-flight
+  // token t goes to token index (entry of t div U)*U + t mod U; write_start = s0. Each distinct
+  // ordinal counts once: a hit, or invalid (not selectable, or no GPU page: bad data). Other
+  // rows are left as resolve wrote them.
+  m.def(
+      "resolve_gpu_history(Tensor(a!) index_table, Tensor(b!) write_table, "
+      "Tensor(c!) write_start, Tensor(d!) counters, Tensor selected, Tensor gpu_rows, "
+      "Tensor gpu_pages, Tensor history, Tensor capacity, Tensor lease, int cell_entries, "
+      "int gpu_slots, int tokens_per_unit, int tokens_per_page, int max_inflight_tokens, "
+      "int window, int sinks) -> ()");
   // OP-FLUSH: one sparse pool group (host_pool); cells -> host pages for [s0, min(new_history, c)).
   m.def(
       "flush(Tensor(a!) host_pool, int[] positions, Tensor[] cells, Tensor[] resident, "

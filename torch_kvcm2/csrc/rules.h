@@ -249,4 +249,19 @@ KVCM2_HD int64_t table_host_slot(const int32_t* table, int64_t row, int64_t page
   return (h >= 0 && h < host_slots) ? h : -1;
 }
 
+// RSD-1: the index-space entry of unit u of a row whose history is on GPU pages: with the row's
+// GPU page slots per page ordinal `pages_row` (`pages` of them), E units per page, the cells'
+// `cell_entries` entries first and `gpu_slots` GPU pages after them, cell_entries + p*E + u mod E
+// for the unit's page p; BAD when u is negative or its page has no GPU slot (past the table, a
+// negative id or one >= gpu_slots: bad device data reads as "no page", never out of bounds).
+KVCM2_HD int64_t gpu_history_entry(const int32_t* pages_row, int64_t pages, int64_t u, int64_t E,
+                                   int64_t cell_entries, int64_t gpu_slots) {
+  if (u < 0) return BAD;
+  const int64_t page = floor_div(u, E);
+  if (page >= pages) return BAD;
+  const int64_t p = pages_row[page];
+  if (p < 0 || p >= gpu_slots) return BAD;
+  return cell_entries + p * E + (u - page * E);
+}
+
 }  // namespace torch_kvcm2

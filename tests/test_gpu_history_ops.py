@@ -1,0 +1,204 @@
+"""resolve_gpu_history (RSD-1) at op level against the reference model of GPU-resident history
+(tests/reference.py: ``resolve_resident``, ``write_indices_resident``).
+
+A batch mixes rows on cells with rows whose whole history is on GPU pages (the library's
+residency is per request: all of a row's pages or none, docs/DESIGN.md). The library step for
+one selection group is ``resolve`` with the GPU rows given as holes (their lease masked), then
+``resolve_gpu_history`` over the same outputs; the reference is one ``resolve_resident`` with
+every row's true lease. Index tables, miss lists, counters, the leases' residency and recency
+and the write tables must agree in full, on CPU and CUDA alike.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from torch_kvcm2 import ops
+
+import reference as ref
+from conftest import DEVICE_PARAMS
+from residency_harness import BAD, I32, Group, t32
+
+
+class GpuRows(Group):
+    """A selection group's op state (``Group``, resolve writing its write outputs) plus the
+    rows' GPU history: ``gpu_rows`` (int32[R], nonzero: the row's history is on GPU pages) and
+    ``gpu_pages`` (int32[R, pages], the GPU page slot of each page ordinal)."""
+
+    def __init__(self, device, *, pages, gpu_slots, **kw):
+        super().__init__(device, writes=True, **kw)
+        self.pages, self.gpu_slots = pages, gpu_slots
+        self.cell_entries = self.num_leases * self.S
+        self.flags = [0] * self.rows
+        self.tables = [[BAD] * pages for _ in range(self.rows)]
+        self.free = list(range(gpu_slots))
+
+    def make_resident(self, r, capacity, lease):
+        """Row r's pages [0, ceil(c/P)) on GPU page slots (taken from the free list, in a
+        shuffled order), its lease emptied (as the library does when a row's history moves to
+        GPU pages: the lease holds nothing until a demotion seeds it)."""
+        self.flags[r] = 1
+        self.grow(r, capacity)
+        self.reset_lease(lease)
+
+    def grow(self, r, capacity):
+        for p in range(ref.ceil_div(capacity, self.P)):
+            if self.tables[r][p] == BAD:
+                self.tables[r][p] = self.free.pop(random.randrange(len(self.free)))
+
+    def library_step(self, selected, history, capacity, lease, fault=None):
+        masked = [BAD if f else ell for f, ell in zip(self.flags, lease)]
+        self.run_op(selected, history, capacity, masked)
+        gpu_pages = t32(self.tables, self.device)
+        if fault == "page":  # a planted fault: one GPU page id off by one
+            r = self.flags.index(1)
+            gpu_pages[r, 0] = (gpu_pages[r, 0] + 1) % self.gpu_slots
+        ops.resolve_gpu_history(
+            self.index_table, self.write_table, self.write_start, self.counters,
+            t32(selected, self.device), t32(self.flags, self.device), gpu_pages,
+            t32(history, self.device), t32(capacity, self.device), t32(lease, self.device),
+            self.cell_entries, self.gpu_slots, self.U, self.P, self.I, self.window, self.sinks)
+
+    def step(self, selected, history, capacity, lease, fault=None):
+        """One step on both sides; asserts everything agrees. Returns the counter deltas."""
+        old = self.counters.cpu().tolist()
+        self.library_step(selected, history, capacity, lease, fault)
+        tables = [t if f else None for f, t in zip(self.flags, self.tables)]
+        want_index, want_misses, want_deltas = ref.resolve_resident(
+            self.ref, selected, history, capacity, lease, self.U, self.P, self.I, tables,
+            self.gpu_slots, self.window, self.sinks)
+        ctx = dict(selected=selected, history=history, capacity=capacity, lease=lease,
+                   flags=self.flags)
+        assert self.index_table.cpu().tolist() == want_index, ctx
+        assert sorted(self.op_misses()) == sorted(want_misses), ctx
+        deltas = [a - b for a, b in zip(self.counters.cpu().tolist(), old)]
+        assert deltas == want_deltas, ctx
+        assert self.resident.cpu().tolist() == self.ref.resident, ctx
+        assert self.recency.cpu().tolist() == self.ref.recency, ctx
+        slots = ref.locate_inflight(self.ref.resident, history, capacity, lease, self.U, self.I)
+        want_write, want_start = ref.write_indices_resident(
+            self.ref.resident, slots, history, capacity, lease, self.U, self.I,
+            self.write_table.shape[1], self.P, tables, self.gpu_slots)
+        assert self.write_table.cpu().tolist() == want_write, ctx
+        assert self.write_start.cpu().tolist() == want_start, ctx
+        return deltas
+
+
+def small(device, **kw):
+    cfg = dict(leases=3, rows=3, K=6, U=2, P=8, I=3, S=8, pages=12, gpu_slots=40)
+    cfg.update(kw)
+    return GpuRows(device, **cfg)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_gpu_row_hand_computed(device):
+    """A GPU-resident row: every selectable unit a hit at cells + page*E + u % E, no miss, its
+    lease untouched; padding BAD, an unselectable ordinal BAD and invalid, a duplicate counted
+    once; its in-flight tokens written to its GPU page."""
+    g = small(device, leases=3, rows=1)
+    g.flags, g.tables[0][:3] = [1], [7, 3, 5]
+    g.reset_lease(1)
+    # E = 4; h = 13, c = 15: units 0..5 history, 6 (partly written head) and 7 in flight
+    deltas = g.step([[5, 0, 7, 5, -1, 9]], [13], [15], [1])
+    base = 3 * g.S
+    assert g.index_table.cpu().tolist() == [[base + 3 * 4 + 1, base + 7 * 4 + 0,
+                                             base + 3 * 4 + 3, base + 3 * 4 + 1, BAD, BAD]]
+    assert deltas == [3, 0, 1] and g.op_misses() == []
+    assert g.write_start.cpu().tolist() == [13]
+    # tokens 13 (unit 6, token 1 of it) and 14 (unit 7, token 0) on page 1 (GPU slot 3)
+    assert g.write_table.cpu().tolist()[0][:3] == [(base + 3 * 4 + 2) * 2 + 1,
+                                                  (base + 3 * 4 + 3) * 2 + 0, BAD]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("shape", [
+    dict(),                                            # U=2, P=8
+    dict(U=1, P=4, I=2, S=8, K=5),                     # token units
+    dict(U=4, P=8, I=6, S=8, K=4),                     # units wider than the in-flight range
+    dict(window=16, sinks=8),                          # a windowed group keeping sink pages
+])
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_batches_equal_the_reference(device, shape, seed):
+    """Random steps of a batch of rows on cells and rows on GPU pages (decode and prefills,
+    selections with padding, duplicates, in-flight and unselectable ordinals): everything the
+    library writes equals the reference's, step after step."""
+    random.seed(seed)
+    g = small(device, **shape)
+    rows, U, P, I = g.rows, g.U, g.P, g.I
+    max_tokens = g.pages * P
+    lease = [0, 1, 2]
+    h = [random.randrange(0, 20) for _ in range(rows)]
+    c = [x + random.randrange(0, I + 1) for x in h]
+    for r in random.sample(range(rows), 2):
+        g.make_resident(r, c[r], lease[r])
+    hits = 0
+    for _ in range(12):
+        selected = []
+        for r in range(rows):
+            top = max(c[r] // U + 2, 1)
+            row = [random.randrange(-1, top) for _ in range(g.K)]
+            if random.random() < 0.3:
+                row[-1] = row[0]  # a duplicate
+            selected.append(row)
+        g.step(selected, h, c, lease)
+        hits += sum(e >= g.cell_entries for row in g.index_table.cpu().tolist() for e in row)
+        # next step: the in-flight tokens become history, some new ones arrive
+        h = list(c)
+        c = [min(x + random.randrange(0, I + 1), max_tokens) for x in h]
+        for r in range(rows):
+            if g.flags[r]:
+                g.grow(r, c[r])
+    assert hits > 0  # GPU entries were read
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_bad_gpu_page_ids_read_as_no_page(device):
+    """Bad device data: a page id past gpu_slots or negative, and a unit past the table, give
+    BAD entries counted invalid, never an out-of-range entry; the write table goes BAD there."""
+    g = small(device, rows=1, pages=2)
+    g.flags = [1]
+    g.tables[0] = [g.gpu_slots, -5]  # page 0 past the slots, page 1 negative
+    g.reset_lease(0)
+    g.library_step([[0, 1, 4, 5, 8, -1]], [16], [18], [0])
+    assert g.index_table.cpu().tolist() == [[BAD] * 6]
+    assert g.counters.cpu().tolist() == [0, 0, 5]
+    assert g.write_table.cpu().tolist() == [[BAD] * g.write_table.shape[1]]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_a_planted_fault_is_caught(device):
+    """The comparison is exact: one GPU page id off by one in the library's input (the
+    reference keeps the true one) fails it."""
+    g = small(device, rows=1)
+    g.make_resident(0, 16, 0)
+    with pytest.raises(AssertionError):
+        g.step([[0, 1, 2, 3, 4, 5]], [16], [16], [0], fault="page")
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_wide_rows_count_distinct_ordinals(device):
+    """Thousands of columns per row (the CUDA kernel's shared-memory set at full load),
+    half of them duplicates: the counters count each distinct ordinal once, as on CPU."""
+    K, rows = 3000, 2
+    g = small(device, rows=rows, K=K, leases=rows, pages=400, gpu_slots=800)
+    h, c = [3000, 2500], [3001, 2502]
+    for r in range(rows):
+        g.make_resident(r, c[r], r)
+    gen = torch.Generator().manual_seed(5)
+    selected = torch.randint(-1, 1600, (rows, K), generator=gen, dtype=I32).tolist()
+    deltas = g.step(selected, h, c, list(range(rows)))
+    distinct = sum(len({u for u in row if u >= 0}) for row in selected)
+    assert deltas[0] + deltas[2] == distinct and deltas[1] == 0
+
+
+def test_opcheck():
+    """INT-1: resolve_gpu_history passes torch.library.opcheck (all default utilities)."""
+    g = small("cpu", rows=2)
+    g.make_resident(1, 20, 1)
+    args = (g.index_table, g.write_table, g.write_start, g.counters,
+            t32([[0, 3, 9, -1, 2, 2], [1, 2, 3, 4, 5, 40]], "cpu"), t32([0, 1], "cpu"),
+            t32(g.tables, "cpu"), t32([10, 18], "cpu"), t32([12, 20], "cpu"), t32([0, 1], "cpu"),
+            g.cell_entries, g.gpu_slots, g.U, g.P, g.I, 0, 0)
+    torch.library.opcheck(torch.ops.torch_kvcm2.resolve_gpu_history.default, args)
