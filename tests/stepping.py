@@ -275,6 +275,14 @@ def op_samples(device):
                           sp.tokens_per_unit, sp.max_inflight_tokens),
         "flush": (flush_pool, flush_positions, flush_cells, flush_res, flush_slots, flush_table,
                   batch.capacity, batch.history, batch.capacity, batch.lease, params),
+        # the cells alone as the index spaces (no GPU page: cell_pages is every page)
+        "flush_gpu_history": (flush_pool, flush_positions, flush_cells,
+                              torch.tensor([0, 1, 1, 0], dtype=torch.int32, device=device),
+                              torch.arange(4 * 16, dtype=torch.int32, device=device)
+                              .view(4, 16) % 32, flush_table, batch.capacity, batch.history,
+                              batch.capacity, batch.lease,
+                              [x for cell, (_, U, I) in zip(flush_cells, zip(*[iter(params)] * 3))
+                               for x in (cell.shape[0], U, I)]),
         "flush_watermark": (batch.written, batch._step.declared, batch.capacity, batch.history,
                             batch.capacity, batch.lease, batch._step.shape_pairs),
         "advance": (batch._table.mirror.lengths, batch.advance_counters,

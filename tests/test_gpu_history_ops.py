@@ -202,3 +202,78 @@ def test_opcheck():
             t32(g.tables, "cpu"), t32([10, 18], "cpu"), t32([12, 20], "cpu"), t32([0, 1], "cpu"),
             g.cell_entries, g.gpu_slots, g.U, g.P, g.I, 0, 0)
     torch.library.opcheck(torch.ops.torch_kvcm2.resolve_gpu_history.default, args)
+
+
+def flush_step(device, seed, fault=None):
+    """One step of a mixed batch (rows 0 and 2 on GPU pages, row 1 on cells) through resolve,
+    then ``flush`` (with the rows' true leases: it skips the GPU rows, whose in-flight slots
+    resolve never recorded) and ``flush_gpu_history`` into one pool group of two buffers;
+    returns (library host bytes, reference host bytes) per buffer."""
+    rnd = random.Random(seed)
+    random.seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    U, P, I, S, leases, rows, chunks, bpc, host_slots = 2, 8, 3, 8, 3, 3, 2, 4, 40
+    E, gpu_slots, pages = P // U, 12, 6
+    cell_pages = leases * S // E
+    g = GpuRows(device, leases=leases, rows=rows, K=4, U=U, P=P, I=I, S=S, pages=pages,
+                gpu_slots=gpu_slots)
+    h = [rnd.randrange(0, 30) for _ in range(rows)]
+    c = [x + rnd.randrange(1, I + 1) for x in h]
+    lease = [0, 1, 2]
+    for r in (0, 2):
+        g.make_resident(r, c[r], lease[r])
+    selected = [[rnd.randrange(0, max(c[r] // U, 1)) for _ in range(4)] for r in range(rows)]
+    g.step(selected, h, c, lease)
+    pool5 = torch.randint(0, 256, (host_slots, 2, chunks, P, bpc), generator=gen,
+                          dtype=torch.uint8)
+    spaces = [torch.randint(0, 256, (cell_pages + gpu_slots, chunks, P, bpc), generator=gen,
+                            dtype=torch.uint8) for _ in range(2)]
+    table = [rnd.sample(range(host_slots), pages) for _ in range(rows)]
+    new_history = [rnd.randrange(x, y + 1) for x, y in zip(h, c)]
+    # the reference, on plain data
+    host_ref = [ref.pages_from_tensor(pool5[:, b]) for b in range(2)]
+    slots = ref.locate_inflight(g.ref.resident, h, c, lease, U, I)
+    gpu_tables = [t if f else None for f, t in zip(g.flags, g.tables)]
+    ref.flush_resident(host_ref, [ref.pages_from_tensor(s) for s in spaces],
+                       [g.ref.resident] * 2, [slots] * 2, table, new_history, h, c, lease,
+                       [S, U, I] * 2, [gpu_tables] * 2, [gpu_slots] * 2)
+    # the library
+    pool = pool5.to(device).view(host_slots, 2, chunks * P * bpc)
+    spaces = [s.to(device) for s in spaces]
+    lengths = [t32(x, device) for x in (new_history, h, c, lease)]
+    ops.flush(pool, [0, 1], spaces, [g.resident] * 2, [g.inflight_slots] * 2, t32(table, device),
+              *lengths, [S, U, I] * 2)
+    shift = 1 if fault == "cell_pages" else 0  # a planted fault: the GPU pages one page off
+    ops.flush_gpu_history(pool, [0, 1], spaces, t32(g.flags, device), t32(g.tables, device),
+                          t32(table, device), *lengths, [cell_pages + shift, U, I] * 2)
+    got = [ref.tensor_bytes(pool.view(host_slots, 2, chunks, P, bpc)[:, b]) for b in range(2)]
+    return got, [ref.pages_to_bytes(p) for p in host_ref]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("seed", range(6))
+def test_flush_of_a_mixed_batch_equals_the_reference(device, seed):
+    """flush + flush_gpu_history put on host pages exactly what the reference's flush_resident
+    does: the cells row's in-flight tokens from its cells, the GPU rows' from their GPU pages,
+    [s0, min(new_history, c)) of each, and nothing else."""
+    got, want = flush_step(device, seed)
+    assert got == want
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_flush_comparison_catches_a_planted_fault(device):
+    """The GPU rows read one page past their GPU pages: the host bytes differ."""
+    got, want = flush_step(device, 1, fault="cell_pages")
+    assert got != want
+
+
+def test_flush_opcheck():
+    """INT-1: flush_gpu_history passes torch.library.opcheck (all default utilities)."""
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (10, 2, 2 * 8 * 4), generator=gen, dtype=torch.uint8)
+    spaces = [torch.randint(0, 256, (9, 2, 8, 4), generator=gen, dtype=torch.uint8)
+              for _ in range(2)]
+    args = (pool, [0, 1], spaces, t32([1, 0], "cpu"), t32([[0, 1, 2], [BAD] * 3], "cpu"),
+            t32([[3, 4, 5], [6, 7, 8]], "cpu"), t32([14, 12], "cpu"), t32([10, 9], "cpu"),
+            t32([14, 12], "cpu"), t32([0, 1], "cpu"), [6, 2, 3] * 2)
+    torch.library.opcheck(torch.ops.torch_kvcm2.flush_gpu_history.default, args)

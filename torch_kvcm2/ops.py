@@ -34,6 +34,7 @@ __all__ = [
     "convert_token_indices",
     "fetch",
     "flush",
+    "flush_gpu_history",
     "flush_watermark",
     "locate_inflight",
     "max_inflight_units",
@@ -315,6 +316,30 @@ def resolve_gpu_history(
     _ops.resolve_gpu_history(index_table, write_table, write_start, counters, selected, gpu_rows,
                              gpu_pages, history, capacity, lease, cell_entries, gpu_slots,
                              tokens_per_unit, tokens_per_page, max_inflight_tokens, window, sinks)
+
+
+def flush_gpu_history(
+    host_pool: Tensor,
+    positions: Sequence[int],
+    spaces: Sequence[Tensor],
+    gpu_rows: Tensor,
+    gpu_pages: Tensor,
+    page_table: Tensor,
+    new_history: Tensor,
+    history: Tensor,
+    capacity: Tensor,
+    lease: Tensor,
+    unit_params: Sequence[int],
+) -> None:
+    """RSD-1's flush for one sparse pool group: per row whose history is on GPU pages
+    (``gpu_rows[r] != 0`` and a lease), the tokens ``[s0, min(new_history, c))`` of each buffer
+    from its GPU page (page ``cell_pages + gpu_pages[r, t // P]`` of ``spaces[b]``, the buffer's
+    cells followed by its GPU pages) to its host page (``page_table[r, t // P]``, row ``t % P``).
+    ``unit_params`` per buffer: (cell_pages, tokens_per_unit, max_inflight_tokens). ``flush``
+    leaves these rows alone (resolve saw them as holes, so no in-flight slot is recorded).
+    Mutates ``host_pool``."""
+    _ops.flush_gpu_history(host_pool, positions, spaces, gpu_rows, gpu_pages, page_table,
+                           new_history, history, capacity, lease, unit_params)
 
 
 def write_indices(
@@ -746,6 +771,35 @@ def _fake_resolve_gpu_history(index_table, write_table, write_start, counters, s
     width = selected.shape[1] * selected.shape[2] if selected.dim() == 3 else selected.shape[1]
     _check(width <= 65535, lambda: f"{op}: at most 65535 selected columns per row (query tokens "
            f"x K), got {width}")
+
+
+@torch.library.register_fake("torch_kvcm2::flush_gpu_history")
+def _fake_flush_gpu_history(host_pool, positions, spaces, gpu_rows, gpu_pages, page_table,
+                            new_history, history, capacity, lease, unit_params):
+    """check_flush_gpu_history, all of it."""
+    op = "flush_gpu_history"
+    _int32_2d(page_table, op, "page_table")
+    rows = page_table.shape[0]
+    _int32_1d(new_history, rows, op, "new_history")
+    _int32_1d(gpu_rows, rows, op, "gpu_rows")
+    _int32_2d(gpu_pages, op, "gpu_pages")
+    _check(gpu_pages.shape[0] == rows, lambda: f"{op}: gpu_pages needs one row per page_table "
+           f"row ({rows}), got {_shape(gpu_pages)}")
+    _lengths(page_table, rows, history, capacity, lease, op)
+    for t in (new_history, gpu_rows, gpu_pages, host_pool):
+        _same_device(page_table, t, op, "every tensor")
+    n = len(spaces)
+    _check(len(positions) == n and len(unit_params) == 3 * n,
+           f"{op}: positions and spaces need one entry per buffer and unit_params three ints per "
+           f"buffer")
+    for b, space in enumerate(spaces):
+        _cells_and_host(space, host_pool, positions[b], page_table, b, op)
+        cell_pages, unit, inflight = unit_params[3 * b:3 * b + 3]
+        _check(0 <= cell_pages <= space.shape[0] and unit > 0 and inflight > 0
+               and space.shape[2] % unit == 0,
+               lambda: f"{op}: buffer {b}: bad unit_params (cell_pages {cell_pages}, "
+               f"tokens_per_unit {unit}, max_inflight_tokens {inflight}) for {space.shape[0]} "
+               f"pages of {space.shape[2]} tokens")
 
 
 @torch.library.register_fake("torch_kvcm2::resolve_groups")

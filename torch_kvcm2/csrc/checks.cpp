@@ -406,4 +406,39 @@ int64_t check_resolve_gpu_history(const at::Tensor& index_table, const at::Tenso
   return entries;
 }
 
+void check_flush_gpu_history(const at::Tensor& host_pool, at::IntArrayRef positions,
+                             const at::TensorList& spaces, const at::Tensor& gpu_rows,
+                             const at::Tensor& gpu_pages, const at::Tensor& page_table,
+                             const at::Tensor& new_history, const at::Tensor& history,
+                             const at::Tensor& capacity, const at::Tensor& lease,
+                             at::IntArrayRef unit_params) {
+  const char* op = "flush_gpu_history";
+  check_int32_2d(page_table, op, "page_table");
+  const int64_t rows = page_table.size(0);
+  check_int32_1d(new_history, rows, op, "new_history");
+  check_int32_1d(gpu_rows, rows, op, "gpu_rows");
+  check_int32_2d(gpu_pages, op, "gpu_pages");
+  TORCH_CHECK(gpu_pages.size(0) == rows, op, ": gpu_pages needs one row per page_table row (",
+              rows, "), got ", gpu_pages.sizes());
+  check_lengths(page_table, rows, history, capacity, lease, op);
+  for (const at::Tensor* t : {&new_history, &gpu_rows, &gpu_pages, &host_pool}) {
+    check_same_device(page_table, *t, op, "every tensor");
+  }
+  const size_t n = spaces.size();
+  TORCH_CHECK(positions.size() == n && unit_params.size() == 3 * n, op,
+              ": positions and spaces need one entry per buffer and unit_params three ints per "
+              "buffer");
+  for (size_t b = 0; b < n; ++b) {
+    const at::Tensor& space = spaces[b];
+    check_cells_and_host(space, host_pool, positions[b], page_table, b, op);
+    const int64_t cell_pages = unit_params[3 * b], unit = unit_params[3 * b + 1],
+                  inflight = unit_params[3 * b + 2];
+    TORCH_CHECK(cell_pages >= 0 && cell_pages <= space.size(0) && unit > 0 && inflight > 0 &&
+                    space.size(2) % unit == 0,
+                op, ": buffer ", b, ": bad unit_params (cell_pages ", cell_pages,
+                ", tokens_per_unit ", unit, ", max_inflight_tokens ", inflight, ") for ",
+                space.size(0), " pages of ", space.size(2), " tokens");
+  }
+}
+
 }  // namespace torch_kvcm2

@@ -108,4 +108,13 @@ int64_t check_resolve_gpu_history(const at::Tensor& index_table, const at::Tenso
                                   int64_t tokens_per_unit, int64_t tokens_per_page,
                                   int64_t max_inflight_tokens, int64_t window, int64_t sinks);
 
+// flush_gpu_history (RSD-1): unit_params three ints per buffer (cell_pages, tokens_per_unit,
+// max_inflight_tokens); spaces[b] has at least cell_pages pages.
+void check_flush_gpu_history(const at::Tensor& host_pool, at::IntArrayRef positions,
+                             const at::TensorList& spaces, const at::Tensor& gpu_rows,
+                             const at::Tensor& gpu_pages, const at::Tensor& page_table,
+                             const at::Tensor& new_history, const at::Tensor& history,
+                             const at::Tensor& capacity, const at::Tensor& lease,
+                             at::IntArrayRef unit_params);
+
 }  // namespace torch_kvcm2

@@ -133,6 +133,15 @@ TORCH_LIBRARY(torch_kvcm2, m) {
       "flush(Tensor(a!) host_pool, int[] positions, Tensor[] cells, Tensor[] resident, "
       "Tensor[] inflight_slots, Tensor page_table, Tensor new_history, Tensor history, "
       "Tensor capacity, Tensor lease, int[] unit_params) -> ()");
+  // RSD-1's flush: one sparse pool group, the rows whose history is on GPU pages (gpu_rows[r] !=
+  // 0, seated): tokens [s0, min(new_history, c)) from page cell_pages + gpu_pages[r][t div P] of
+  // the buffer's index space (spaces[b]: its cells, then its GPU pages) to the host page of
+  // page_table[r][t div P], row t mod P. unit_params per buffer: (cell_pages, tokens_per_unit,
+  // max_inflight_tokens). flush leaves such rows alone (their in-flight slot records are BAD).
+  m.def(
+      "flush_gpu_history(Tensor(a!) host_pool, int[] positions, Tensor[] spaces, "
+      "Tensor gpu_rows, Tensor gpu_pages, Tensor page_table, Tensor new_history, Tensor history, "
+      "Tensor capacity, Tensor lease, int[] unit_params) -> ()");
   // OP-FLUSH's watermark (SAFE-2) for every seated row: written = max(written, min(new_history, c))
   // when every token below the in-flight range was on host pages already (max(written, declared)
   // >= the largest in-flight start s0 over the (U, I) pairs in shapes), else unchanged.
