@@ -20,14 +20,15 @@ import torch_kvcm2 as kv
 P, ROWS, WORDS = 4, 4, 4  # tokens per page, rows, int32 words per token
 
 
-def make_batch(device):
+def make_batch(device, gpu_history_bytes=0):
     g0 = kv.SparseSpec(tokens_per_unit=1, width=4, slots=12, max_inflight_tokens=2, selection_id="g0")
     g1 = kv.SparseSpec(tokens_per_unit=2, width=3, slots=8, max_inflight_tokens=2, selection_id="g1")
     latent = kv.BufferSpec("kv", 4 * WORDS, sparse=True)
     layers = [kv.LayerSpec("a0", [latent], sparse=g0), kv.LayerSpec("a1", [latent], sparse=g0),
               kv.LayerSpec("b0", [latent, kv.BufferSpec("k", 8)], sparse=g1)]
     config = kv.CacheConfig(tokens_per_page=P, layers=layers, max_rows=ROWS, max_tokens_per_row=64,
-                            gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device)
+                            gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20, device=device,
+                            gpu_history_bytes=gpu_history_bytes)
     manager = kv.KVCacheManager(config)
     return manager, kv.Batch(manager)
 
@@ -90,9 +91,9 @@ class Driver:
     """Host side of a decode loop: membership, lengths and inputs from a seeded generator, so
     two drivers with one seed feed two batches identically."""
 
-    def __init__(self, device, seed):
+    def __init__(self, device, seed, gpu_history_bytes=0):
         self.device = device
-        self.manager, self.batch = make_batch(device)
+        self.manager, self.batch = make_batch(device, gpu_history_bytes)
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.caches = []

@@ -574,9 +574,16 @@ class Batch:
         return self._readback.latest_counters()
 
     def row_counts(self) -> dict:
-        """``{"seated": members, "suspended": members without a lease}``, from the host."""
+        """``{"seated": members, "suspended": members without a lease, "gpu_history": members
+        whose sparse history is on GPU pages (RSD-1)}``, from the host."""
         table = self._table
-        return {"seated": table.seated, "suspended": table.seated - table.leased}
+        return {"seated": table.seated, "suspended": table.seated - table.leased,
+                "gpu_history": table.gpu.rows()}
+
+    def gpu_history_bytes(self) -> int:
+        """GPU bytes the rows' GPU-resident history holds now (pages in use x
+        ``config.gpu_history_page_bytes``), from the host."""
+        return self._table.gpu.used_slots() * self.config.gpu_history_page_bytes
 
     def inspect(self, group: Union[int, str], row: int) -> dict:
         """A row's resident units, least to most recently used, and its pinned (in-flight)

@@ -219,7 +219,11 @@ class CacheConfig:
     list); by default ``max_rows`` times the largest in-flight range,
     ``max_inflight_tokens + tokens_per_unit - 1``. Budgets are bytes:
     ``gpu_budget_bytes`` pays for dense pools, cells and device tables, ``host_budget_bytes`` for
-    sparse pools and pinned staging (STO-4). ``device`` is "cpu" or a CUDA device, checked to be
+    sparse pools and pinned staging (STO-4). ``gpu_history_bytes`` (RSD-1, default 0: every
+    sparse history offloaded) is the GPU memory each batch sets aside, within its reserve, for
+    the sparse history of rows that fit there: ``gpu_history_slots`` pages of every sparse
+    buffer (``gpu_history_page_bytes`` per page ordinal of a row), after the cells in one index
+    space. ``device`` is "cpu" or a CUDA device, checked to be
     a torch device of a supported type but not opened: ``KVCacheManager`` raises RuntimeError
     when this process cannot use it (``torch_kvcm2.missing_for``).
     """
@@ -232,6 +236,7 @@ class CacheConfig:
     host_budget_bytes: int
     device: object = "cpu"
     max_total_input_tokens: Optional[int] = None
+    gpu_history_bytes: int = 0
     selection_groups: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -271,6 +276,19 @@ class CacheConfig:
     def max_pages_per_row(self) -> int:
         return -(-self.max_tokens_per_row // self.tokens_per_page)
 
+    @property
+    def gpu_history_page_bytes(self) -> int:
+        """GPU bytes of one page ordinal of a row's GPU-resident history: a page of every
+        non-zero sparse buffer of every sparse layer (RSD-1)."""
+        return sum(self.tokens_per_page * buf.bytes_per_token for layer in self.layers
+                   for buf in layer.sparse_buffers if buf.bytes_per_token > 0)
+
+    @property
+    def gpu_history_slots(self) -> int:
+        """GPU history page slots per batch (``gpu_history_bytes`` in whole pages; 0: off)."""
+        page = self.gpu_history_page_bytes
+        return self.gpu_history_bytes // page if page else 0
+
     # ---- validation ----
     def _validate_top(self):
         for name in ("tokens_per_page", "max_rows", "max_tokens_per_row"):
@@ -283,6 +301,9 @@ class CacheConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 _fail("CFG-1", f"{name} must be a non-negative int, got {value!r}")
+        if not _is_int(self.gpu_history_bytes) or self.gpu_history_bytes < 0:
+            _fail("CFG-1", f"gpu_history_bytes must be a non-negative int, got "
+                           f"{self.gpu_history_bytes!r}")
         total = self.max_total_input_tokens
         if total is not None and (not _is_int(total) or total <= 0):
             _fail("CFG-1", f"max_total_input_tokens must be a positive int or None, got {total!r}")

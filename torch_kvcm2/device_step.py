@@ -29,6 +29,7 @@ _ops = torch.ops.torch_kvcm2
 _RESOLVE_STEP, _FLUSH = _ops.resolve_step.default, _ops.flush.default
 _RESOLVE_GROUPS = _ops.resolve_groups.default
 _WATERMARK, _ADVANCE = _ops.flush_watermark.default, _ops.advance.default
+_RESOLVE_GPU, _FLUSH_GPU = _ops.resolve_gpu_history.default, _ops.flush_gpu_history.default
 
 
 @dataclass
@@ -81,11 +82,23 @@ class DeviceStep:
         self.page_tables = mirror.page_tables
         self.lengths = L = mirror.lengths  # int32[6, max_rows], the table store's length rows
         self.history, self.capacity, self.lease = L[HISTORY], L[CAPACITY], L[LEASE]
+        # RSD-1: rows whose history is on GPU pages (their flags and page tables in the table
+        # store); resolve reads resolve_lease, the lease with those rows masked as holes
+        self.gpu_slots = self.config.gpu_history_slots
+        self.gpu_rows, self.gpu_pages = mirror.gpu_rows, mirror.gpu_pages
+        self.resolve_lease = allocated.get("resolve_lease", self.lease)
         self.written, self.declared, self.allocated = L[WRITTEN], L[DECLARED], L[ALLOCATED]
         self.advance_counters = allocated["advance_counters"]
         self.step_targets = allocated["step_targets"]  # int32[max_rows]: history + accepted
         self.device = self.history.device  # with its index: what arguments.fits compares
         self.groups = [self._new_group_state(g, allocated) for g in self.config.selection_groups]
+        # per selection group: the cells' pages of each of its buffers (GPU pages follow them)
+        self.cell_pages = [self.max_rows * g.sparse.slots // g.units_per_page
+                           for g in self.config.selection_groups]
+        if self.gpu_slots:
+            self.bad = torch.tensor(BAD, dtype=INT32, device=self.device)
+            # write_indices(out=)'s call for the GPU rows' write tables alone
+            self.no_selection = torch.empty((self.max_rows, 0), dtype=INT32, device=self.device)
         # the read-back gathers these into counter_stage (memory.counter_words' order)
         self.counter_parts = [state.counters for state in self.groups] + [self.advance_counters]
         self.counter_stage = allocated["counter_stage"]
@@ -176,12 +189,20 @@ class DeviceStep:
                         place.pos, self.cells[(layer, buf.role)], state.resident,
                         state.inflight_slots, (sp.slots, sp.tokens_per_unit, sp.max_inflight_tokens)))
         args = []
+        self.gpu_flush_args = []
         for pool, entries in per_pool.items():
             positions, cells, resident, slots, params = zip(*entries)
             args.append(((storage.groups[pool].device_data, list(positions), list(cells),
                           list(resident), list(slots), self.page_tables[pool]),
                          (self.history, self.capacity, self.lease,
                           [p for ps in params for p in ps])))
+            if self.gpu_slots:  # (cell pages, U, I) per buffer: the GPU pages follow the cells
+                self.gpu_flush_args.append((
+                    (storage.groups[pool].device_data, list(positions), list(cells),
+                     self.gpu_rows, self.gpu_pages, self.page_tables[pool]),
+                    (self.history, self.capacity, self.lease,
+                     [x for cell, (_, U, I) in zip(cells, params)
+                      for x in (cell.shape[0] - self.gpu_slots, U, I)])))
         return args
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -189,6 +210,8 @@ class DeviceStep:
         host pools' device views), each once; their addresses never change (BAT-1)."""
         tensors = [*self.page_tables, self.history, self.capacity, self.lease, self.written,
                    self.declared, self.allocated, self.advance_counters, self.step_targets]
+        if self.gpu_slots:
+            tensors += [self.gpu_rows, self.gpu_pages, self.resolve_lease]
         for state in self.groups:
             tensors += [state.resident, state.recency, state.index_table, state.miss_list,
                         state.miss_count, state.counters, state.inflight_slots, state.write_table,
@@ -243,7 +266,7 @@ class DeviceStep:
         return ((state.resident, state.recency, table, state.miss_list, state.miss_count,
                  state.counters, state.inflight_slots, state.write_table, state.inflight_start,
                  list(cells)),
-                (self.history, self.capacity, self.lease, list(pools), list(positions),
+                (self.history, self.capacity, self.resolve_lease, list(pools), list(positions),
                  list(tables), sp.tokens_per_unit, self.config.tokens_per_page,
                  sp.max_inflight_tokens, state.spec.window or 0, state.resolve_scratch,
                  state.spec.sinks))
@@ -284,13 +307,33 @@ class DeviceStep:
                 before.scratch.append(state.resolve_scratch)
             params += [sp.tokens_per_unit, sp.max_inflight_tokens, state.spec.window or 0,
                        state.spec.sinks, scratch, len(cells)]
-        return (before, (self.history, self.capacity, self.lease, pools, page_tables,
+        return (before, (self.history, self.capacity, self.resolve_lease, pools, page_tables,
                                 self.config.tokens_per_page, params, buffer_params))
+
+    # ---- GPU-resident history (RSD-1) ----
+    def mask_gpu_rows(self) -> None:
+        """resolve_lease = the lease, BAD for the rows on GPU pages (resolve's holes)."""
+        torch.where(self.gpu_rows != 0, self.bad, self.lease, out=self.resolve_lease)
+
+    def resolve_gpu_rows(self, state: GroupState, selected: torch.Tensor, table: torch.Tensor,
+                         write_table: torch.Tensor) -> None:
+        """After a resolve of ``state``'s group: its rows on GPU pages."""
+        sp, spec = state.spec.sparse, state.spec
+        _RESOLVE_GPU(table, write_table, state.inflight_start, state.counters, selected,
+                     self.gpu_rows, self.gpu_pages, self.history, self.capacity, self.lease,
+                     self.max_rows * sp.slots, self.gpu_slots, sp.tokens_per_unit,
+                     self.config.tokens_per_page, sp.max_inflight_tokens, spec.window or 0,
+                     spec.sinks)
 
     def resolve_groups_bound(self, selected: list, fetch: bool) -> None:
         """The eager resolve of every group at once, each selection of the bound shape."""
         before, after = self.groups_args[fetch]
+        if self.gpu_slots:
+            self.mask_gpu_rows()
         _RESOLVE_GROUPS(*before, selected, *after)
+        if self.gpu_slots:
+            for state, sel in zip(self.groups, selected):
+                self.resolve_gpu_rows(state, sel, state.index_table, state.write_table)
         epoch = self.mirror.epoch
         for index in range(len(self.groups)):
             self.writes_epoch[index] = epoch
@@ -299,7 +342,12 @@ class DeviceStep:
         """Any resolve of several groups at once: ``states`` in group order, each with its
         selection and output table."""
         before, after = self._groups_args(states, tables, fetch)
+        if self.gpu_slots:
+            self.mask_gpu_rows()
         ops.resolve_groups(*before, selected, *after)
+        if self.gpu_slots:
+            for state, sel, table in zip(states, selected, tables):
+                self.resolve_gpu_rows(state, sel, table, state.write_table)
         if not torch.compiler.is_compiling():  # traced: no host state (write_indices knows)
             for state in states:
                 self.writes_epoch[state.spec.index] = self.mirror.epoch
@@ -307,7 +355,12 @@ class DeviceStep:
     def resolve_bound(self, index: int, selected: torch.Tensor, fetch: bool) -> torch.Tensor:
         """The eager resolve of a selection of the bound shape (``arguments.fits``)."""
         before, after = self.resolve_args[index][fetch]
+        if self.gpu_slots:
+            self.mask_gpu_rows()
         _RESOLVE_STEP(*before, selected, *after)
+        if self.gpu_slots:
+            state = self.groups[index]
+            self.resolve_gpu_rows(state, selected, state.index_table, state.write_table)
         self.writes_epoch[index] = self.mirror.epoch
         return self.groups[index].index_table
 
@@ -316,7 +369,11 @@ class DeviceStep:
         """Any resolve: ``table`` the output (the batch's own or the caller's), ``plan`` a fetch
         plan of the group's layers or ()."""
         before, after = self._resolve_args(state, table, plan)
+        if self.gpu_slots:
+            self.mask_gpu_rows()
         ops.resolve_step(*before, selected, *after)
+        if self.gpu_slots:
+            self.resolve_gpu_rows(state, selected, table, state.write_table)
         if not torch.compiler.is_compiling():  # traced: no host state (write_indices knows)
             self.writes_epoch[state.spec.index] = self.mirror.epoch
         return table
@@ -332,15 +389,21 @@ class DeviceStep:
 
     def write_indices(self, state: GroupState, out: torch.Tensor) -> None:
         sp = state.spec.sparse
+        if self.gpu_slots:
+            self.mask_gpu_rows()
         ops.write_indices(out, state.inflight_start, state.resident, state.inflight_slots,
-                          self.history, self.capacity, self.lease, sp.tokens_per_unit,
+                          self.history, self.capacity, self.resolve_lease, sp.tokens_per_unit,
                           sp.max_inflight_tokens)
+        if self.gpu_slots:  # the GPU rows' write tables alone: no selection, no count
+            self.resolve_gpu_rows(state, self.no_selection, self.no_selection, out)
 
     def flush(self, target: torch.Tensor) -> None:
         """Every pool group's flush to ``target`` (int32[max_rows] on the device), then the
         device watermark by the same rule."""
         for before, after in self.flush_args:  # every argument list is bound: lists already
             _FLUSH(*before, target, *after)
+        for before, after in self.gpu_flush_args:
+            _FLUSH_GPU(*before, target, *after)
         before, after = self.watermark_args
         _WATERMARK(*before, target, *after)
 

@@ -81,8 +81,12 @@ def sparse_buffers(config: CacheConfig, layer: str):
 
 
 def table_entries(config: CacheConfig, num_pool_groups: int, max_rows: int) -> int:
-    """Entries of a batch's flat int32 table store: every page table, then the length rows."""
-    return num_pool_groups * max_rows * config.max_pages_per_row + LENGTH_ROWS * max_rows
+    """Entries of a batch's flat int32 table store: every page table, then the length rows,
+    then, with GPU-resident history (RSD-1), the rows' GPU page table and their flags."""
+    entries = num_pool_groups * max_rows * config.max_pages_per_row + LENGTH_ROWS * max_rows
+    if config.gpu_history_slots:
+        entries += max_rows * config.max_pages_per_row + max_rows
+    return entries
 
 
 def counter_words(config: CacheConfig) -> int:
@@ -119,6 +123,8 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
     # the counters' read-back ring, filled by the same read-back call (readback.py)
     specs.append(TensorSpec("counter_snapshot", (READBACKS, counter_words(config)), INT64, "host",
                             page))
+    if config.gpu_history_slots:  # the lease resolve reads: BAD for GPU-resident rows (RSD-1)
+        specs.append(TensorSpec("resolve_lease", (max_rows,), INT32))
     for group in config.selection_groups:
         sp, g = group.sparse, group.index
         specs += [
@@ -139,7 +145,8 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
             specs.append(TensorSpec(f"resolve_scratch{g}", (scratch,), UINT8))
         for layer in group.layers:
             for buf in sparse_buffers(config, layer):
-                cells = max_rows * sp.slots // group.units_per_page
+                # the cells, then the GPU history pages (RSD-1): one index space
+                cells = max_rows * sp.slots // group.units_per_page + config.gpu_history_slots
                 specs.append(TensorSpec(
                     f"cells:{layer}:{buf.role}",
                     (cells, buf.chunks, config.tokens_per_page, buf.bytes_per_token // buf.chunks),

@@ -43,6 +43,7 @@ from typing import Optional
 import numpy as np
 
 from . import lengths as rules
+from .gpu_history import GpuHistory
 from .arguments import check_row, int_sequence
 from .config import BAD
 from .memory import ALLOCATED, CAPACITY, DECLARED, HISTORY, LEASE, WRITTEN
@@ -89,6 +90,7 @@ class RowTable:
         self.windowed = any(g.window is not None for g in batch.manager.storage.groups)
         self.closed = False
         self.seated = self.leased = 0  # members, and members with a lease (metrics)
+        self.gpu = GpuHistory(batch, mirror)  # RSD-1: rows whose history is on GPU pages
 
     def describe(self, row: int) -> RowFlags:
         """A row's flags (for messages and debugging)."""
@@ -345,8 +347,17 @@ class RowTable:
                 f"Batch.publish: {width} in-flight tokens over all rows exceed "
                 f"max_total_input_tokens ({self.config.max_total_input_tokens}), the bound of "
                 f"the flush work list; nothing was published")
+        extra, promoted = None, ()
+        if self.gpu.enabled:  # RSD-1: rows onto and off GPU history pages
+            index, value, demoted, promoted = self.gpu.plan(rows, values, pages_only)
+            if index is not None:
+                extra = (index, value)
+            # a demoted row's cells may hold stale copies of units written since on its GPU
+            # pages: its lease starts empty (cold), as a new lease does
+            leases = set(leases) | {self.leases[row] for row in demoted}
         self.mirror.publish(rows, owners, slots, values, sorted(leases), self._clear_leases,
-                            lengths=(ALLOCATED,) if pages_only else None)
+                            lengths=(ALLOCATED,) if pages_only else None, extra=extra)
+        self.gpu.copy_in(self.batch, promoted)
         self.mirror.epoch += 1
         readback.published(rows, values, reserves)
         done = UPLOAD | DECLARED_ONLY | NEW_LEASE

@@ -90,11 +90,20 @@ class TableMirror:
         self.offset = self.G * max_rows * self.P  # where the length rows start
         self.page_tables = [self.store[g * max_rows * self.P:(g + 1) * max_rows * self.P]
                             .view(max_rows, self.P) for g in range(self.G)]
-        self.lengths = self.store[self.offset:].view(LENGTH_ROWS, max_rows)
+        end = self.offset + LENGTH_ROWS * max_rows
+        self.lengths = self.store[self.offset:end].view(LENGTH_ROWS, max_rows)
         self.host = np.full(self.store.numel(), BAD, dtype=np.int32)
-        self.host_lengths = self.host[self.offset:].reshape(LENGTH_ROWS, max_rows)
+        self.host_lengths = self.host[self.offset:end].reshape(LENGTH_ROWS, max_rows)
         self.host_lengths[:] = 0
         self.host_lengths[LEASE] = BAD
+        # GPU-resident history (RSD-1): each row's GPU page slot per page ordinal, then its flag
+        # (nonzero: its history is on GPU pages); empty without
+        self.gpu_offset = end
+        gpu = config.gpu_history_slots > 0
+        self.gpu_pages = self.store[end:end + max_rows * self.P * gpu].view(max_rows, self.P * gpu)
+        flags = end + max_rows * self.P * gpu
+        self.gpu_rows = self.store[flags:flags + max_rows * gpu]
+        self.host[flags:flags + max_rows * gpu] = 0
         self.store.copy_(torch.from_numpy(self.host))
         self.delta = allocated["delta"]
         self.delta_bytes = self.delta.numel()
@@ -124,12 +133,14 @@ class TableMirror:
         return out
 
     def publish(self, rows: list, owners: list, slots: np.ndarray, values: np.ndarray,
-                leases: list, clear_leases, lengths: Optional[tuple] = None) -> None:
+                leases: list, clear_leases, lengths: Optional[tuple] = None,
+                extra: Optional[tuple] = None) -> None:
         """Stage and apply the delta of ``rows`` (each with its owner cache or None for a hole
         or suspended row, the owner's request slot or -1, and its six length values:
         int32[len(rows), 6]) and clear the residency of ``leases`` (``clear_leases(device int64
         tensor)``). ``lengths``: the length rows to upload (``memory.HISTORY`` ...; None: all
-        six)."""
+        six). ``extra``: (store indices, values) of more entries in the same delta (the GPU
+        history's page entries and flags, ``gpu_history.GpuHistory.plan``)."""
         requests = self.requests
         index_parts, value_parts = [], []
         published = []  # (row, owner, live ranges) whose page state changes with this delta
@@ -161,6 +172,9 @@ class TableMirror:
                                        else np.full(hi - lo, BAD, dtype=np.int32))
                 live[g] = new
             published.append((row, owner, live))
+        if extra is not None:
+            index_parts.append(extra[0])
+            value_parts.append(extra[1])
         if rows:
             fields = slice(None) if lengths is None else list(lengths)
             index_parts.append((self._length_index[fields] + np.asarray(rows, dtype=np.int64))

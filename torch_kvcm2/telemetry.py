@@ -27,7 +27,8 @@ class HostCounters:
 
     FIELDS = ("admissions_refused", "preemptions", "offloads", "resumes", "aborts",
               "allocations_failed",
-              "flushed_bytes", "host_direct_bytes")
+              "flushed_bytes", "host_direct_bytes",
+              "promotions", "demotions", "promoted_bytes")
 
     def __init__(self, config):
         for name in self.FIELDS:
@@ -68,12 +69,14 @@ def snapshot(manager) -> dict:
     """The metrics of ``manager`` (``KVCacheManager.metrics``' docstring has the schema)."""
     counts, config, storage = manager.counts, manager.config, manager.storage
     device = counts.retired.copy()
-    seated = suspended = 0
+    seated = suspended = gpu_rows = gpu_bytes = 0
     for batch in list(manager.batches):
         device += batch.latest_counters()
         rows = batch.row_counts()
         seated += rows["seated"]
         suspended += rows["suspended"]
+        gpu_rows += rows["gpu_history"]
+        gpu_bytes += batch.gpu_history_bytes()
     n, G = NUM_COUNTERS, len(config.selection_groups)
     values, unit_bytes = device.tolist(), counts.unit_bytes.tolist()  # Python ints, one call each
     groups = {}
@@ -112,4 +115,6 @@ def snapshot(manager) -> dict:
         "media": media,
         "cached_prefix_bytes": sum(p["cached_bytes"] for p in pools),
         "rows": {"seated": seated, "suspended": suspended},
+        "gpu_history": {"rows": gpu_rows, "bytes": gpu_bytes, "promotions": counts.promotions,
+                        "demotions": counts.demotions, "promoted_bytes": counts.promoted_bytes},
     }

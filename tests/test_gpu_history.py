@@ -1,0 +1,72 @@
+"""RSD-1, RSD-2 through the Batch API: a batch with GPU-resident history
+(``CacheConfig.gpu_history_bytes``) reads and writes exactly what a batch that offloads every
+row does, step after step, eager and compiled, while rows move onto GPU pages (their history
+copied in once) and off them (pressure, departures), and the host pages end up equal."""
+import pytest
+import torch
+
+from conftest import DEVICE_PARAMS
+from stepping import Driver, ROWS, run, step, step_groups
+
+PAGE_BYTES = 3 * 4 * 16  # a page ordinal: 4 tokens x 16 bytes in each of the 3 sparse layers
+
+
+def history_bytes(driver):
+    """Every member's history tokens, per layer, as its host pages hold them."""
+    out = []
+    for cache in driver.batch.members().values():
+        for layer in ("a0", "a1", "b0"):
+            view = driver.manager.buffer_view(layer, "kv", device_side=False)
+            pages = torch.as_tensor(cache.host_pages(layer, "kv"))
+            t = torch.arange(cache.history_length)
+            out.append(view[pages[t // 4], 0, t % 4].clone())
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("fn", [step, step_groups], ids=["per_group", "all_groups"])
+@pytest.mark.parametrize("slots", [ROWS * 16, 20, 9])
+def test_gpu_history_reads_and_writes_what_offload_does(device, fn, slots):
+    """Twins of one seed, one offloading every row and one with ``slots`` GPU history pages
+    (room for every row, or pressure that demotes rows as they grow): every step's outputs
+    (sums of the selected tokens read through the index table) are equal, and so is every
+    history token on the host pages at the end."""
+    offload = Driver(device, seed=5)
+    gpu = Driver(device, seed=5, gpu_history_bytes=slots * PAGE_BYTES)
+    assert gpu.manager.config.gpu_history_slots == slots
+    for driver in (offload, gpu):
+        driver.batch.publish()
+    promoted = False
+    for number in range(14):
+        expected = run(offload, fn, 1)
+        got = run(gpu, fn, 1)
+        for a, b in zip(expected[0], got[0]):
+            assert torch.equal(a, b), number
+        promoted |= gpu.batch.row_counts()["gpu_history"] > 0
+    for a, b in zip(history_bytes(offload), history_bytes(gpu)):
+        assert torch.equal(a, b)
+    metrics = gpu.manager.metrics()["gpu_history"]
+    assert promoted and metrics["promotions"] > 0 and metrics["promoted_bytes"] > 0
+    if slots < ROWS * 16:
+        assert metrics["demotions"] > 0  # pressure: rows left GPU pages as they grew
+    counters = [gpu.batch.hit_rate(g) for g in range(2)]
+    assert sum(c["misses"] for c in counters) < sum(
+        offload.batch.hit_rate(g)["misses"] for g in range(2))
+
+
+@pytest.mark.parametrize("fn", [step, step_groups], ids=["per_group", "all_groups"])
+def test_compiled_step_with_gpu_history_equals_eager(fn):
+    """INT-2 with GPU-resident history: the step under torch.compile(fullgraph=True) gives the
+    eager step's outputs and state, bit for bit; a row's residency is data, not a graph branch."""
+    torch._dynamo.reset()
+    eager = Driver("cpu", seed=3, gpu_history_bytes=20 * PAGE_BYTES)
+    compiled = Driver("cpu", seed=3, gpu_history_bytes=20 * PAGE_BYTES)
+    eager.batch.publish()
+    compiled.batch.publish()
+    expected = run(eager, fn, 6)
+    got = run(compiled, torch.compile(fn, fullgraph=True), 6)
+    for a, b in zip(expected, got):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for x, y in zip(eager.batch.state_tensors(), compiled.batch.state_tensors()):
+        assert torch.equal(x, y)
+    assert compiled.manager.metrics()["gpu_history"]["promotions"] > 0
