@@ -85,6 +85,10 @@ def parse(argv):
                    help="cell slots per request and indexer, rounded up to whole pages; None: "
                         "twice the top-k")
     p.add_argument("--page-tokens", type=positive_int, default=64, help="tokens per page")
+    p.add_argument("--gpu-history", type=int, default=0, metavar="TOKENS",
+                   help="tokens of the rows' sparse history to keep on GPU pages as well (rows "
+                        "whose history fits skip the cells: no miss, no fetch); 0, the "
+                        "default: all of it offloaded")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="with --sample")
     p.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling")
@@ -171,6 +175,11 @@ def report(gen, model_name, args, wall):
     print(f"bytes moved: {fetched:,} host->device (cell misses), {m['flushed_bytes']:,} "
           f"device->host (flushed in-flight tokens), {m['host_direct_bytes']:,} written straight "
           f"to host pages (prefill)")
+    if args.gpu_history:
+        gh = m["gpu_history"]
+        print(f"GPU-resident history: {gh['promotions']} row(s) moved onto GPU pages "
+              f"({gh['promoted_bytes']:,} bytes of history copied in), {gh['demotions']} "
+              f"demoted (pages full or a prefill chunk), {gh['rows']} row(s) there now")
 
 
 def check(gen, model, args) -> bool:
@@ -223,7 +232,8 @@ def main(argv=None) -> int:
     gen = models.Generator(
         model, max_rows=args.rows, max_tokens_per_row=-(-longest // page) * page,
         mode=args.mode, prefill_chunk=args.prefill_chunk, hot_tokens=args.hot_tokens,
-        tokens_per_page=page, sample=args.sample, temperature=args.temperature, seed=args.seed,
+        tokens_per_page=page, gpu_history_tokens=args.gpu_history, sample=args.sample,
+        temperature=args.temperature, seed=args.seed,
         record_logits=args.check, static_length=static,
         kernel=None if args.kernel == "torch" else args.kernel)
     for length, new, arrival in zip(args.prompt_lengths, args.new_tokens, args.arrivals):

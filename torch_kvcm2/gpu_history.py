@@ -1,7 +1,7 @@
 """GPU-resident history (RSD-1, RSD-2): which rows of a batch keep their sparse history in GPU
 pages as well, and the host side of moving them there and back.
 
-A batch built with ``CacheConfig.gpu_history_bytes`` has ``gpu_history_slots`` GPU pages after
+A batch built with ``CacheConfig.gpu_history_bytes`` has ``gpu_history_slots(rows)`` GPU pages after
 the cells of every sparse buffer (one index space per buffer, ``Batch.cells``). A row is on GPU
 pages or on cells, as a whole (docs/DESIGN.md, "GPU-resident history"): its page ordinals
 ``[0, ceil(allocated / P))`` each hold one GPU page slot, the same slot in every sparse buffer.
@@ -42,7 +42,7 @@ class GpuHistory:
         config = batch.config
         self.config, self.mirror = config, mirror
         self.manager = batch.manager
-        self.slots = config.gpu_history_slots
+        self.slots = config.gpu_history_slots(batch.max_rows)
         self.P, self.R, self.MP = config.tokens_per_page, batch.max_rows, config.max_pages_per_row
         self.free = list(range(self.slots - 1, -1, -1))  # a stack: the lowest slot first
         self.pages = np.full((self.R, self.MP), BAD, dtype=np.int32)  # per row, as planned
@@ -62,11 +62,12 @@ class GpuHistory:
     def used_slots(self) -> int:
         return self.slots - len(self.free)
 
-    def plan(self, rows: list, values: np.ndarray, pages_only: bool) -> tuple:
-        """Residency for the published ``rows`` (their length rows ``values``, int32[n, 6]):
-        returns (delta index, delta value, rows demoted, promotions) where promotions are
-        ``(row, slot ids of pages [0, ceil(h/P)))`` whose history must be copied before the
-        step; the delta sets the rows' GPU page entries and flags in the table store."""
+    def plan(self, rows: list, values: np.ndarray, fresh: list, pages_only: bool) -> tuple:
+        """Residency for the published ``rows`` (their length rows ``values``, int32[n, 6];
+        ``fresh[i]``: the row has another owner than at its last publish): returns (delta
+        index, delta value, rows demoted, promotions) where promotions are ``(row, slot ids of
+        pages [0, ceil(h/P)))`` whose history must be copied before the step; the delta sets
+        the rows' GPU page entries and flags in the table store."""
         index, value, demoted, promoted = [], [], [], []
         h, c, lease, allocated = (values[:, k].astype(np.int64)
                                   for k in (HISTORY, CAPACITY, LEASE, ALLOCATED))
@@ -76,9 +77,9 @@ class GpuHistory:
         direct = s0 > h
         need = -(-allocated // self.P)
         for i, row in enumerate(rows):
+            if self.on_gpu[row] and (fresh[i] or lease[i] < 0):
+                self._release(row, index, value)  # its request left: the pages are its
             if lease[i] < 0:  # a hole or a suspended row
-                if self.on_gpu[row]:
-                    self._release(row, index, value)
                 continue
             if self.on_gpu[row]:
                 # (a pages-only publish holds host lengths older than the device's: it only
@@ -144,9 +145,11 @@ class GpuHistory:
                 cell_pages = step.cell_pages[group.index]
                 for layer in group.layers:
                     for buf in sparse_buffers(config, layer):
-                        host = torch.as_tensor(cache.host_pages(layer, buf.role)[:len(gpu)],
-                                               device=config.device)
+                        host = cache.host_pages(layer, buf.role)[:len(gpu)]
+                        kept = host >= 0  # a windowed group's released pages hold nothing
+                        host = torch.as_tensor(host[kept], device=config.device)
+                        target = gpu_index[torch.as_tensor(kept, device=config.device)]
                         space = step.cells[(layer, buf.role)]
                         view = manager.buffer_view(layer, buf.role)
-                        space.index_copy_(0, gpu_index + cell_pages, view.index_select(0, host))
+                        space.index_copy_(0, target + cell_pages, view.index_select(0, host))
                         manager.counts.promoted_bytes += len(gpu) * self.P * buf.bytes_per_token

@@ -84,7 +84,7 @@ def table_entries(config: CacheConfig, num_pool_groups: int, max_rows: int) -> i
     """Entries of a batch's flat int32 table store: every page table, then the length rows,
     then, with GPU-resident history (RSD-1), the rows' GPU page table and their flags."""
     entries = num_pool_groups * max_rows * config.max_pages_per_row + LENGTH_ROWS * max_rows
-    if config.gpu_history_slots:
+    if config.gpu_history_slots(max_rows):
         entries += max_rows * config.max_pages_per_row + max_rows
     return entries
 
@@ -123,7 +123,7 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
     # the counters' read-back ring, filled by the same read-back call (readback.py)
     specs.append(TensorSpec("counter_snapshot", (READBACKS, counter_words(config)), INT64, "host",
                             page))
-    if config.gpu_history_slots:  # the lease resolve reads: BAD for GPU-resident rows (RSD-1)
+    if config.gpu_history_slots(max_rows):  # resolve's lease: BAD for GPU-resident rows (RSD-1)
         specs.append(TensorSpec("resolve_lease", (max_rows,), INT32))
     for group in config.selection_groups:
         sp, g = group.sparse, group.index
@@ -146,7 +146,8 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
         for layer in group.layers:
             for buf in sparse_buffers(config, layer):
                 # the cells, then the GPU history pages (RSD-1): one index space
-                cells = max_rows * sp.slots // group.units_per_page + config.gpu_history_slots
+                cells = (max_rows * sp.slots // group.units_per_page
+                         + config.gpu_history_slots(max_rows))
                 specs.append(TensorSpec(
                     f"cells:{layer}:{buf.role}",
                     (cells, buf.chunks, config.tokens_per_page, buf.bytes_per_token // buf.chunks),

@@ -349,7 +349,9 @@ class RowTable:
                 f"the flush work list; nothing was published")
         extra, promoted = None, ()
         if self.gpu.enabled:  # RSD-1: rows onto and off GPU history pages
-            index, value, demoted, promoted = self.gpu.plan(rows, values, pages_only)
+            published = self.mirror.published_owner
+            fresh = [owner is not published[row] for row, owner in zip(rows, owners)]
+            index, value, demoted, promoted = self.gpu.plan(rows, values, fresh, pages_only)
             if index is not None:
                 extra = (index, value)
             # a demoted row's cells may hold stale copies of units written since on its GPU

@@ -99,7 +99,7 @@ class TableMirror:
         # GPU-resident history (RSD-1): each row's GPU page slot per page ordinal, then its flag
         # (nonzero: its history is on GPU pages); empty without
         self.gpu_offset = end
-        gpu = config.gpu_history_slots > 0
+        gpu = config.gpu_history_slots(max_rows) > 0
         self.gpu_pages = self.store[end:end + max_rows * self.P * gpu].view(max_rows, self.P * gpu)
         flags = end + max_rows * self.P * gpu
         self.gpu_rows = self.store[flags:flags + max_rows * gpu]

@@ -82,8 +82,9 @@ class Generator:
     """Batched generation through torch_kvcm2.
 
     ``Generator(model, max_rows=4, max_tokens_per_row=1024, mode="scatter", prefill_chunk=64,
-    hot_tokens=None, tokens_per_page=64, host_tier_bytes=0, sample=False, temperature=1.0,
-    seed=0, record_logits=False, static_length=None, kernel=None, eos_token_id=None)``
+    hot_tokens=None, tokens_per_page=64, host_tier_bytes=0, gpu_history_tokens=0, sample=False,
+    temperature=1.0, seed=0, record_logits=False, static_length=None, kernel=None,
+    eos_token_id=None)``
     builds the manager (``layout.cache_config``), a ``Batch`` of ``max_rows`` rows and the
     ``SparseMLACache``. ``submit`` queues requests; ``step`` runs one batched step; ``run``
     steps until every request has finished. ``suspend``/``resume`` preempt a request (its dense
@@ -93,7 +94,8 @@ class Generator:
 
     def __init__(self, model, *, max_rows: int = 4, max_tokens_per_row: int = 1024,
                  mode: str = "scatter", prefill_chunk: int = 64, hot_tokens: Optional[int] = None,
-                 tokens_per_page: int = 64, host_tier_bytes: int = 0, sample: bool = False,
+                 tokens_per_page: int = 64, host_tier_bytes: int = 0,
+                 gpu_history_tokens: int = 0, sample: bool = False,
                  temperature: float = 1.0, seed: int = 0, record_logits: bool = False,
                  static_length: Optional[int] = None, kernel: Optional[str] = None,
                  eos_token_id: Optional[int] = None, allow_untested: bool = False):
@@ -107,7 +109,8 @@ class Generator:
         self.config = cache_config(self.spec, max_rows=max_rows,
                                    max_tokens_per_row=max_tokens_per_row,
                                    tokens_per_page=tokens_per_page, hot_tokens=hot_tokens,
-                                   device=device, host_tier_bytes=host_tier_bytes)
+                                   device=device, host_tier_bytes=host_tier_bytes,
+                                   gpu_history_tokens=gpu_history_tokens)
         self.manager = kv.KVCacheManager(self.config, host_tier_bytes=host_tier_bytes)
         self.batch = kv.Batch(self.manager)
         self._tier = host_tier_bytes > 0

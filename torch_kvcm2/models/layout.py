@@ -54,12 +54,14 @@ def _itemsize(dtype) -> int:
 
 def cache_config(spec: ModelSpec, *, max_rows: int, max_tokens_per_row: int,
                  tokens_per_page: int = 64, hot_tokens: Optional[int] = None, device="cpu",
-                 host_tier_bytes: int = 0) -> kv.CacheConfig:
+                 host_tier_bytes: int = 0, gpu_history_tokens: int = 0) -> kv.CacheConfig:
     """The ``CacheConfig`` for ``spec``: budgets sized for ``max_rows`` requests of
     ``max_tokens_per_row`` tokens (plus the host tier's ``host_tier_bytes``), and
     ``hot_tokens`` cell slots per request and selection group (default twice ``index_topk``,
     rounded up to whole pages; at least ``index_topk`` + 2, which a step needs: the selection
-    and the token in flight)."""
+    and the token in flight). ``gpu_history_tokens``: tokens of the batch's rows' sparse
+    history kept in GPU pages as well (RSD-1; rounded up to whole pages of every layer's
+    latent; 0: all offloaded)."""
     width = spec.index_topk
     slots = hot_tokens if hot_tokens is not None else 2 * width
     slots = _ceil_to(max(slots, width + 2), tokens_per_page)
@@ -76,8 +78,10 @@ def cache_config(spec: ModelSpec, *, max_rows: int, max_tokens_per_row: int,
     sparse_host = tokens * latent_bytes(spec) * spec.num_layers
     cells = max_rows * slots * latent_bytes(spec) * spec.num_layers
     # tables, residency state and staging are small: a quarter more and 8 MiB cover them
-    gpu = (dense + cells) * 5 // 4 + (8 << 20)
+    gpu_history = (-(-gpu_history_tokens // tokens_per_page) * tokens_per_page
+                   * latent_bytes(spec) * spec.num_layers)
+    gpu = (dense + cells + gpu_history) * 5 // 4 + (8 << 20)
     host = sparse_host * 5 // 4 + (8 << 20) + host_tier_bytes
     return kv.CacheConfig(tokens_per_page=tokens_per_page, layers=layers, max_rows=max_rows,
                           max_tokens_per_row=max_tokens_per_row, gpu_budget_bytes=gpu,
-                          host_budget_bytes=host, device=device)
+                          host_budget_bytes=host, device=device, gpu_history_bytes=gpu_history)
