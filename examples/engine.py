@@ -91,6 +91,8 @@ class Workload:
     device: str = "cpu"
     graph: bool = False  #: CUDA: capture the device step once as one CUDA graph, replay it
     max_drain_steps: int = 2000
+    #: GPU-resident history (RSD-1): page ordinals of the batch's GPU history pages (0: off)
+    gpu_history_pages: int = 0
 
     @property
     def query_tokens(self) -> int:
@@ -195,6 +197,7 @@ class DayResult:
     graph_replays: int = 0  #: decode steps run by replaying the captured graph
     delays: dict = field(default_factory=dict)
     hit_rates: dict = field(default_factory=dict)
+    gpu_history: dict = field(default_factory=dict)  #: metrics()["gpu_history"] at the end
     cached_slots_at_end: list = field(default_factory=list)
     seconds: float = 0.0
 
@@ -236,9 +239,11 @@ def build_config(w: Workload) -> CacheConfig:
         if leader:
             buffers.append(BufferSpec("ik", 4 * KEY_WORDS))
         layers.append(LayerSpec(name, buffers, sparse=spec))
+    gpu_history = w.gpu_history_pages * w.tokens_per_page * 4 * KV_WORDS * len(layers)
     probe = CacheConfig(tokens_per_page=w.tokens_per_page, layers=layers, max_rows=w.max_rows,
                         max_tokens_per_row=w.max_tokens_per_row, gpu_budget_bytes=1 << 26,
-                        host_budget_bytes=1 << 26, device=torch.device(w.device))
+                        host_budget_bytes=1 << 26, device=torch.device(w.device),
+                        gpu_history_bytes=gpu_history)
     # budgets: the batch reserve (read from a probe manager) plus exactly pool_pages slots
     manager = KVCacheManager(probe)
     stats = manager.stats()
@@ -252,7 +257,7 @@ def build_config(w: Workload) -> CacheConfig:
     return CacheConfig(tokens_per_page=w.tokens_per_page, layers=layers, max_rows=w.max_rows,
                        max_tokens_per_row=w.max_tokens_per_row,
                        gpu_budget_bytes=budgets["gpu"], host_budget_bytes=budgets["host"],
-                       device=torch.device(w.device))
+                       device=torch.device(w.device), gpu_history_bytes=gpu_history)
 
 
 def host_tier_bytes(config: CacheConfig, w: Workload) -> int:
@@ -785,6 +790,7 @@ class Engine:
             rate = self.batch.hit_rate(g.index)
             check(rate["invalid"] == 0, f"group {g.name}: {rate['invalid']} invalid selections")
             result.hit_rates[g.name] = rate["hit_rate"]
+        result.gpu_history = self.manager.metrics()["gpu_history"]
         self.check_drained()
         self.manager.close()
         return result

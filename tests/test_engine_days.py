@@ -32,6 +32,12 @@ DAYS = [  # (id, knobs): every knob on in some day
                                        prompt_lengths=(8, 300), steps=600)),
     ("low-locality-delays", dict(seed=10, locality=0.5, delay_ops=("resolve", "flush"),
                                  abort_rate=0.03, steps=600)),
+    # GPU-resident history (RSD-1/2): room for a few rows (promotions and demotions all day,
+    # with preemptions, sharing, speculation, aborts), and room for every row
+    ("gpu-history-tight", dict(seed=13, gpu_history_pages=40, output_lengths=(16, 120),
+                               pool_pages=100, steps=500)),
+    ("gpu-history-roomy", dict(seed=14, gpu_history_pages=8 * 100, speculative_share=0.6,
+                               steps=400)),
 ]
 
 
@@ -43,6 +49,11 @@ def test_cpu_engine_day(knobs):
     assert result.checked_tokens > 0 and result.verified_history_tokens > 0
     if knobs.get("delay_ops"):
         assert all(result.delays[op] > 0 for op in knobs["delay_ops"])
+    if knobs.get("gpu_history_pages"):  # rows moved onto GPU pages and, when tight, off them
+        history = result.gpu_history
+        assert history["promotions"] > 0 and history["promoted_bytes"] > 0, history
+        if knobs["gpu_history_pages"] < 100:  # the tight day: rows that grew were demoted
+            assert history["demotions"] > 0, history
 
 
 def test_preemption_happens_and_resumes_bit_exact():
