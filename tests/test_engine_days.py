@@ -122,3 +122,15 @@ def test_cuda_engine_day_one_graph_with_delays():
             totals[key] += getattr(result, key)
     print(f"cuda engine days: {done} request-steps, " + ", ".join(f"{v} {k}" for k, v in totals.items()))
     assert done >= want and totals["preemptions"] > 0 and totals["resumes"] > 0
+
+
+@pytest.mark.cuda
+def test_cuda_engine_day_one_graph_with_gpu_history():
+    """The captured device step with GPU-resident history: rows move onto GPU pages and off
+    them between replays (residency is device data, so the one graph serves every mix), every
+    read and finished history checked as on any day."""
+    result = run_day(Workload(seed=120, device="cuda", graph=True, gpu_history_pages=40,
+                              output_lengths=(16, 120), pool_pages=120, steps=600))
+    assert result.finished > 0 and result.checked_tokens > 0 and result.graph_replays > 0
+    history = result.gpu_history
+    assert history["promotions"] > 0 and history["demotions"] > 0, history
