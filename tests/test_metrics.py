@@ -240,8 +240,13 @@ torch_kvcm2:prefix_cache_requests_total 1.0
 torch_kvcm2:prefix_cache_evictions_total 0.0
 torch_kvcm2:advance_refused_rows_total 0.0
 torch_kvcm2:advance_short_rows_total 0.0
+torch_kvcm2:gpu_history_promotions_total 0.0
+torch_kvcm2:gpu_history_demotions_total 0.0
+torch_kvcm2:gpu_history_promoted_bytes_total 0.0
 torch_kvcm2:num_rows_seated 1.0
 torch_kvcm2:num_rows_suspended 0.0
+torch_kvcm2:num_rows_gpu_history 0.0
+torch_kvcm2:gpu_history_bytes 0.0
 torch_kvcm2:prefix_cache_cached_bytes 0.0
 """
 

@@ -352,3 +352,32 @@ def test_the_triton_kernel_in_bf16_and_fp32(dtype):
     model = models.tiny_model("glm", dtype=dtype, device="cuda", **REAL_LATENT)
     ours, stock, tokens = lockstep(model, mode="absorbed", kernel="sparse_mla")
     assert_close_to_stock(ours, stock, tokens, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ARCHES)
+def test_gpu_resident_history_is_bit_identical_too(arch, dtype, device):
+    """RSD-1 on a real model: rows moved onto GPU history pages after their prefill (few hot
+    tokens, so the offloading run misses) read through resolve_gpu_history's entries; the
+    logits equal the run that offloads every row, bit for bit, with no miss once there; and a
+    preempted request comes back onto GPU pages with the same tokens."""
+    model = tiny(arch, dtype, device)
+    offload, _, tokens = lockstep(model, hot_tokens=64)
+    ours, _, gpu_tokens = lockstep(model, hot_tokens=64, gpu_history_tokens=4096)
+    assert torch.equal(ours, offload) and torch.equal(gpu_tokens, tokens)
+    expected = uninterrupted(model)
+    gen = models.Generator(model, max_rows=3, max_tokens_per_row=256, host_tier_bytes=1 << 20,
+                           gpu_history_tokens=4096)
+    requests = ragged(gen)
+    while len(requests[1].generated) < 3:
+        gen.step()
+    gen.suspend(requests[1])
+    for _ in range(2):
+        gen.step()
+    gen.resume(requests[1])
+    gen.run()
+    assert [r.generated for r in requests] == expected
+    history = gen.metrics()["gpu_history"]
+    assert history["promotions"] >= 4 and history["promoted_bytes"] > 0, history
+    gen.close()

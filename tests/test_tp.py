@@ -836,3 +836,13 @@ def test_sync_compiles_fullgraph_in_place(one_rank_group):
     batch.sync()
     assert driver.read_back() > 0
     driver.manager.close()
+
+
+def test_gpu_history_with_a_host_group_is_refused(one_rank_group):
+    """RSD-1 and TP-3 do not combine yet (a promotion copies every buffer, a rank flushes its
+    share): the manager says so, naming the option, before it builds anything."""
+    import dataclasses
+
+    config = dataclasses.replace(make_config("cpu"), gpu_history_bytes=1 << 20)
+    with pytest.raises(ValueError, match="gpu_history_bytes"):
+        kv.KVCacheManager(config, host_group=HostGroup(timeout_s=5))

@@ -93,6 +93,10 @@ class KVCacheManager:
             if host_group.bound:
                 raise RuntimeError("KVCacheManager: the host group already serves a manager; "
                                    "make one HostGroup per manager")
+            if config.gpu_history_bytes:
+                # each rank flushes its share of the buffers; a promotion copies every buffer
+                raise ValueError("KVCacheManager: GPU-resident history (gpu_history_bytes) is "
+                                 "not supported with a host group (TP) yet; set it to 0")
         self.host_group = host_group
         self.storage = Storage(config, host_group)
         self._reserve = batch_reserve_bytes(config, len(self.storage.groups))

@@ -43,6 +43,12 @@ _COUNTERS = (
      "Rows Batch.advance refused (past the write watermark)."),
     ("advance_short_rows", ("advance", "short_rows"),
      "Rows Batch.advance stopped at their allocated pages."),
+    ("gpu_history_promotions", ("gpu_history", "promotions"),
+     "Rows moved onto GPU history pages (their history copied in)."),
+    ("gpu_history_demotions", ("gpu_history", "demotions"),
+     "Rows moved off GPU history pages under pressure (nothing copied)."),
+    ("gpu_history_promoted_bytes", ("gpu_history", "promoted_bytes"),
+     "Bytes of history copied host to GPU pages at promotions."),
 )
 
 
@@ -122,6 +128,12 @@ class KVCacheCollector:
         yield GaugeMetricFamily(name("num_rows_suspended"),
                                 "Seated requests that are suspended (no lease).",
                                 value=m["rows"]["suspended"])
+        yield GaugeMetricFamily(name("num_rows_gpu_history"),
+                                "Seated requests whose sparse history is on GPU pages.",
+                                value=m["gpu_history"]["rows"])
+        yield GaugeMetricFamily(name("gpu_history_bytes"),
+                                "GPU bytes the rows' GPU-resident history pages hold.",
+                                value=m["gpu_history"]["bytes"])
 
 
 def register(manager, registry=None, prefix: str = "torch_kvcm2") -> KVCacheCollector:
