@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICE_PARAMS
-from stepping import ROWS, Driver, run, step, step_groups
+from stepping import ROWS, Driver, make_batch, run, step, step_groups
 
 PAGE_BYTES = 3 * 4 * 16  # a page ordinal: 4 tokens x 16 bytes in each of the 3 sparse layers
 
@@ -56,7 +56,7 @@ def test_gpu_history_reads_and_writes_what_offload_does(device, fn, slots):
     history token on the host pages at the end."""
     offload = Twin(device, seed=5)
     gpu = Twin(device, seed=5, gpu_history_bytes=slots * PAGE_BYTES)
-    assert gpu.manager.config.gpu_history_slots(ROWS) == slots
+    assert gpu.manager.config.gpu_history_slots == gpu.batch.gpu_history_slots == slots
     for driver in (offload, gpu):
         driver.batch.publish()
     # 14 steps; after the second a request leaves and a new one takes its row (one publish)
@@ -90,3 +90,31 @@ def test_compiled_step_with_gpu_history_equals_eager(fn):
     for x, y in zip(eager.batch.state_tensors(), compiled.batch.state_tensors()):
         assert torch.equal(x, y)
     assert compiled.manager.metrics()["gpu_history"]["promotions"] > 0
+
+
+def test_one_open_batch_holds_the_gpu_history_pages():
+    """The GPU history pages are set aside once in the batch reserve and held by one open batch
+    at a time: a second batch built while the first is open has none (it offloads every row),
+    a batch built after the holder closes has them again; the reserve the manager reports is
+    what memory.batch_reserve_bytes computes."""
+    import torch_kvcm2 as kv
+    from torch_kvcm2.memory import batch_reserve_bytes
+
+    manager, holder = make_batch("cpu", gpu_history_bytes=12 * PAGE_BYTES)
+    stats = manager.stats()
+    assert batch_reserve_bytes(manager.config) == {m: stats[m]["reserved_bytes"]
+                                                   for m in ("gpu", "host")}
+    assert holder.gpu_history_slots == 12
+    holder.close()
+    first = kv.Batch(manager, max_rows=2)
+    second = kv.Batch(manager, max_rows=2)
+    assert (first.gpu_history_slots, second.gpu_history_slots) == (12, 0)
+    assert first.cells("a0", "kv").shape[0] == 2 * 12 // 4 + 12  # cells, then the GPU pages
+    assert second.cells("a0", "kv").shape[0] == 2 * 12 // 4
+    assert first.gpu_history_bytes() == 0 and first.row_counts()["gpu_history"] == 0
+    first.close()
+    third = kv.Batch(manager, max_rows=2)
+    assert third.gpu_history_slots == 12
+    second.close()
+    third.close()
+    manager.close()

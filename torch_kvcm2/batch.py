@@ -59,19 +59,31 @@ class Batch:
         refuse_during_capture(config.device, "Batch()")
         manager.check_open("Batch()")
         self.manager, self.config, self.max_rows = manager, config, max_rows
-        self._memory = batch_memory_bytes(config, len(manager.storage.groups), max_rows)
-        manager.reserve.take(self._memory)
+        # RSD-1: the GPU history pages, when no other open batch holds them
+        reserve = manager.reserve
+        self.gpu_history_slots = config.gpu_history_slots if reserve.history_free else 0
+        self._memory = batch_memory_bytes(config, len(manager.storage.groups), max_rows,
+                                          self.gpu_history_slots)
+        reserve.take(self._memory)
+        if self.gpu_history_slots:
+            reserve.history_free = False
         try:
             self._build(manager, config, max_rows)
         except BaseException:
-            manager.reserve.give_back(self._memory)  # a failed construction holds nothing
+            self._give_back()  # a failed construction holds nothing
             raise
+
+    def _give_back(self) -> None:
+        self.manager.reserve.give_back(self._memory)
+        if self.gpu_history_slots:
+            self.manager.reserve.history_free = True
 
     def _build(self, manager, config, max_rows: int) -> None:
         dev = config.device
         pin = dev.type == "cuda"
         allocated = {}
-        for spec in batch_tensor_specs(config, len(manager.storage.groups), max_rows):
+        for spec in batch_tensor_specs(config, len(manager.storage.groups), max_rows,
+                                       self.gpu_history_slots):
             if spec.name in ("snapshot", "counter_snapshot"):
                 allocated[spec.name] = readback_ring(spec, dev)
             elif spec.medium == "host":
@@ -79,7 +91,7 @@ class Batch:
             else:
                 allocated[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, device=dev)
         mirror = TableMirror(config, len(manager.storage.groups), max_rows, allocated,
-                             manager.requests)
+                             manager.requests, self.gpu_history_slots)
         self._step = step = DeviceStep(self, allocated, mirror)
         self._table = table = RowTable(self, mirror, step.clear_leases)
         self._readback = table.readback = Readback(table, allocated["snapshot"], step.counter_parts,
@@ -626,4 +638,4 @@ class Batch:
         self._retire()  # the final counters (the poll above), kept by the manager
         self.manager.batches.discard(self)
         table.closed = True
-        self.manager.reserve.give_back(self._memory)
+        self._give_back()

@@ -220,11 +220,11 @@ class CacheConfig:
     ``max_inflight_tokens + tokens_per_unit - 1``. Budgets are bytes:
     ``gpu_budget_bytes`` pays for dense pools, cells and device tables, ``host_budget_bytes`` for
     sparse pools and pinned staging (STO-4). ``gpu_history_bytes`` (RSD-1, default 0: every
-    sparse history offloaded) is the GPU memory a batch of ``max_rows`` rows sets aside, within
-    the batch reserve, for the sparse history of its rows that fit there (a smaller batch gets
-    its rows' share): ``gpu_history_slots(rows)`` pages of every sparse buffer
-    (``gpu_history_page_bytes`` per page ordinal of a row), after the cells in one index space;
-    the GPU budget pays for it. ``device`` is "cpu" or a CUDA device, checked to be
+    sparse history offloaded) is GPU memory for the sparse history of rows that fit there:
+    ``gpu_history_slots`` pages of every sparse buffer (``gpu_history_page_bytes`` per page
+    ordinal of a row), set aside once in the batch reserve and held by one open batch at a time
+    (the first that is built while no other holds it), after its cells in one index space; the
+    GPU budget pays for it. ``device`` is "cpu" or a CUDA device, checked to be
     a torch device of a supported type but not opened: ``KVCacheManager`` raises RuntimeError
     when this process cannot use it (``torch_kvcm2.missing_for``).
     """
@@ -284,12 +284,11 @@ class CacheConfig:
         return sum(self.tokens_per_page * buf.bytes_per_token for layer in self.layers
                    for buf in layer.sparse_buffers if buf.bytes_per_token > 0)
 
-    def gpu_history_slots(self, rows: int) -> int:
-        """GPU history page slots of a batch of ``rows`` rows: its share of
-        ``gpu_history_bytes``, which is a ``max_rows``-row batch's (whole pages per row, so a
-        batch's memory stays linear in its rows, as the batch reserve counts it; 0: off)."""
+    @property
+    def gpu_history_slots(self) -> int:
+        """GPU history page slots (``gpu_history_bytes`` in whole pages; 0: off)."""
         page = self.gpu_history_page_bytes
-        return rows * (self.gpu_history_bytes // page // self.max_rows) if page else 0
+        return self.gpu_history_bytes // page if page else 0
 
     # ---- validation ----
     def _validate_top(self):

@@ -84,7 +84,7 @@ class DeviceStep:
         self.history, self.capacity, self.lease = L[HISTORY], L[CAPACITY], L[LEASE]
         # RSD-1: rows whose history is on GPU pages (their flags and page tables in the table
         # store); resolve reads resolve_lease, the lease with those rows masked as holes
-        self.gpu_slots = self.config.gpu_history_slots(self.max_rows)
+        self.gpu_slots = batch.gpu_history_slots
         self.gpu_rows, self.gpu_pages = mirror.gpu_rows, mirror.gpu_pages
         self.resolve_lease = allocated.get("resolve_lease", self.lease)
         self.written, self.declared, self.allocated = L[WRITTEN], L[DECLARED], L[ALLOCATED]

@@ -1,9 +1,9 @@
 """GPU-resident history (RSD-1, RSD-2): which rows of a batch keep their sparse history in GPU
 pages as well, and the host side of moving them there and back.
 
-A batch built with ``CacheConfig.gpu_history_bytes`` has ``gpu_history_slots(rows)`` GPU pages after
-the cells of every sparse buffer (one index space per buffer, ``Batch.cells``). A row is on GPU
-pages or on cells, as a whole (docs/DESIGN.md, "GPU-resident history"): its page ordinals
+The batch that holds ``CacheConfig.gpu_history_bytes`` (one open batch at a time) has
+``gpu_history_slots`` GPU pages after the cells of every sparse buffer (one index space per
+buffer, ``Batch.cells``). A row is on GPU pages or on cells, as a whole (docs/DESIGN.md, "GPU-resident history"): its page ordinals
 ``[0, ceil(allocated / P))`` each hold one GPU page slot, the same slot in every sparse buffer.
 Its tokens are written to its GPU pages (``resolve_gpu_history`` gives the write table) and,
 through ``flush_gpu_history``, to its host pages, which therefore always hold every token of
@@ -42,7 +42,7 @@ class GpuHistory:
         config = batch.config
         self.config, self.mirror = config, mirror
         self.manager = batch.manager
-        self.slots = config.gpu_history_slots(batch.max_rows)
+        self.slots = batch.gpu_history_slots
         self.P, self.R, self.MP = config.tokens_per_page, batch.max_rows, config.max_pages_per_row
         self.free = list(range(self.slots - 1, -1, -1))  # a stack: the lowest slot first
         self.pages = np.full((self.R, self.MP), BAD, dtype=np.int32)  # per row, as planned

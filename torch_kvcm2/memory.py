@@ -80,11 +80,12 @@ def sparse_buffers(config: CacheConfig, layer: str):
     return [b for b in config.layer(layer).sparse_buffers if b.bytes_per_token > 0]
 
 
-def table_entries(config: CacheConfig, num_pool_groups: int, max_rows: int) -> int:
+def table_entries(config: CacheConfig, num_pool_groups: int, max_rows: int,
+                  gpu_slots: int = 0) -> int:
     """Entries of a batch's flat int32 table store: every page table, then the length rows,
-    then, with GPU-resident history (RSD-1), the rows' GPU page table and their flags."""
+    then, for a batch holding GPU history pages (RSD-1), the rows' GPU page table and flags."""
     entries = num_pool_groups * max_rows * config.max_pages_per_row + LENGTH_ROWS * max_rows
-    if config.gpu_history_slots(max_rows):
+    if gpu_slots:
         entries += max_rows * config.max_pages_per_row + max_rows
     return entries
 
@@ -95,18 +96,22 @@ def counter_words(config: CacheConfig) -> int:
     return ops.NUM_COUNTERS * len(config.selection_groups) + ADVANCE_COUNTERS
 
 
-def staging_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int) -> int:
+def staging_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int,
+                  gpu_slots: int = 0) -> int:
     """Bytes of one publish staging buffer: the largest delta (every table entry) plus one int64
     per lease whose residency a publish clears."""
-    return (table_entries(config, num_pool_groups, max_rows) * DELTA_ENTRY_BYTES
+    return (table_entries(config, num_pool_groups, max_rows, gpu_slots) * DELTA_ENTRY_BYTES
             + max_rows * 8)
 
 
-def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int) -> list:
-    """Every tensor a batch of ``max_rows`` rows allocates (REQUIREMENTS §6-7)."""
+def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int,
+                       gpu_slots: int = 0) -> list:
+    """Every tensor a batch of ``max_rows`` rows allocates (REQUIREMENTS §6-7), with
+    ``gpu_slots`` GPU history pages (RSD-1: the batch that holds them)."""
     specs = [
-        TensorSpec("tables", (table_entries(config, num_pool_groups, max_rows),), INT32),
-        TensorSpec("delta", (staging_bytes(config, num_pool_groups, max_rows),), UINT8),
+        TensorSpec("tables", (table_entries(config, num_pool_groups, max_rows, gpu_slots),),
+                   INT32),
+        TensorSpec("delta", (staging_bytes(config, num_pool_groups, max_rows, gpu_slots),), UINT8),
         # advance's refused and short rows; each group's counters are a tensor of their own
         # too, never views of one tensor: torch 2.11's AOTAutograd gives mutated inputs that
         # share a storage a synthetic base, and cudagraph trees then skip the graph
@@ -115,7 +120,8 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
         TensorSpec("counter_stage", (counter_words(config),), INT64),
         TensorSpec("step_targets", (max_rows,), INT32),  # Batch.finish_step's flush targets
     ]
-    specs += [TensorSpec(f"staging{i}", (staging_bytes(config, num_pool_groups, max_rows),),
+    specs += [TensorSpec(f"staging{i}", (staging_bytes(config, num_pool_groups, max_rows,
+                                                       gpu_slots),),
                          UINT8, "host") for i in range(STAGING_BUFFERS)]
     # on CUDA the read-back ring is whole pages of its own, registered (readback.py)
     page = mmap.PAGESIZE if config.device.type == "cuda" else 1
@@ -123,7 +129,7 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
     # the counters' read-back ring, filled by the same read-back call (readback.py)
     specs.append(TensorSpec("counter_snapshot", (READBACKS, counter_words(config)), INT64, "host",
                             page))
-    if config.gpu_history_slots(max_rows):  # resolve's lease: BAD for GPU-resident rows (RSD-1)
+    if gpu_slots:  # resolve's lease: BAD for GPU-resident rows (RSD-1)
         specs.append(TensorSpec("resolve_lease", (max_rows,), INT32))
     for group in config.selection_groups:
         sp, g = group.sparse, group.index
@@ -146,8 +152,7 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
         for layer in group.layers:
             for buf in sparse_buffers(config, layer):
                 # the cells, then the GPU history pages (RSD-1): one index space
-                cells = (max_rows * sp.slots // group.units_per_page
-                         + config.gpu_history_slots(max_rows))
+                cells = max_rows * sp.slots // group.units_per_page + gpu_slots
                 specs.append(TensorSpec(
                     f"cells:{layer}:{buf.role}",
                     (cells, buf.chunks, config.tokens_per_page, buf.bytes_per_token // buf.chunks),
@@ -155,10 +160,11 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int)
     return specs
 
 
-def batch_memory_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int) -> dict:
+def batch_memory_bytes(config: CacheConfig, num_pool_groups: int, max_rows: int,
+                       gpu_slots: int = 0) -> dict:
     """GPU and host bytes of a batch: the sum of ``batch_tensor_specs``."""
     memory = {"gpu": 0, "host": 0}
-    for spec in batch_tensor_specs(config, num_pool_groups, max_rows):
+    for spec in batch_tensor_specs(config, num_pool_groups, max_rows, gpu_slots):
         memory[spec.medium] += spec.nbytes
     return memory
 
@@ -175,13 +181,22 @@ def batch_reserve_bytes(config: CacheConfig, num_pool_groups: int = None) -> dic
     """The GPU and host bytes ``KVCacheManager(config)`` sets aside for its batches before the
     pools get the rest of the budgets (STO-4): the memory of ``config.max_rows`` one-row
     batches, which covers any split of ``max_rows`` rows over batches (a batch's memory is
-    linear in its rows plus a few bytes per selection group). A budget must exceed its medium's
+    linear in its rows plus a few bytes per selection group), plus once what the GPU history
+    pages add to the batch that holds them (``gpu_history_bytes``). A budget must exceed its medium's
     reserve by the pages the run needs. From the config alone (``num_pool_groups`` defaults to
     ``pool_group_count``): nothing is allocated."""
     if num_pool_groups is None:
         num_pool_groups = pool_group_count(config)
     one_row = batch_memory_bytes(config, num_pool_groups, 1)
-    return {medium: config.max_rows * n for medium, n in one_row.items()}
+    reserve = {medium: config.max_rows * n for medium, n in one_row.items()}
+    slots = config.gpu_history_slots
+    if slots:  # RSD-1: once, for the one batch that holds the GPU history pages
+        rows = config.max_rows
+        held = batch_memory_bytes(config, num_pool_groups, rows, slots)
+        plain = batch_memory_bytes(config, num_pool_groups, rows)
+        for medium in reserve:
+            reserve[medium] += held[medium] - plain[medium]
+    return reserve
 
 
 class BatchReserve:
@@ -191,6 +206,7 @@ class BatchReserve:
     def __init__(self, reserve: dict):
         self.reserve = dict(reserve)
         self.in_use = {medium: 0 for medium in reserve}
+        self.history_free = True  # no open batch holds the GPU history pages (RSD-1)
 
     def take(self, memory: dict) -> None:
         """Charge ``memory``; raises RuntimeError, charging nothing, when it does not fit."""

@@ -81,8 +81,10 @@ class _Staging:
 class TableMirror:
     """The table store of a batch (device), its host mirror, and the delta publish."""
 
-    def __init__(self, config, num_pool_groups: int, max_rows: int, allocated: dict, requests):
+    def __init__(self, config, num_pool_groups: int, max_rows: int, allocated: dict, requests,
+                 gpu_slots: int = 0):
         self.config, self.G, self.R = config, num_pool_groups, max_rows
+        self.gpu_slots = gpu_slots  # the batch's GPU history pages (RSD-1; 0: none)
         self.requests = requests  # request_table.RequestTable: the owners' pages and live ranges
         self.P = config.max_pages_per_row
         self.store = allocated["tables"]
@@ -99,7 +101,7 @@ class TableMirror:
         # GPU-resident history (RSD-1): each row's GPU page slot per page ordinal, then its flag
         # (nonzero: its history is on GPU pages); empty without
         self.gpu_offset = end
-        gpu = config.gpu_history_slots(max_rows) > 0
+        gpu = gpu_slots > 0
         self.gpu_pages = self.store[end:end + max_rows * self.P * gpu].view(max_rows, self.P * gpu)
         flags = end + max_rows * self.P * gpu
         self.gpu_rows = self.store[flags:flags + max_rows * gpu]
@@ -253,7 +255,7 @@ class TableMirror:
                 self._next_staging = (k + 1) % len(ring)
                 return ring[k]
         pin = self.store.device.type == "cuda"
-        size = staging_bytes(self.config, self.G, self.R)
+        size = staging_bytes(self.config, self.G, self.R, self.gpu_slots)
         staging = _Staging(torch.zeros(size, dtype=torch.uint8, pin_memory=pin))
         self.ring.append(staging)
         self.extra_staging += 1
