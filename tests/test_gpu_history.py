@@ -118,3 +118,31 @@ def test_one_open_batch_holds_the_gpu_history_pages():
     second.close()
     third.close()
     manager.close()
+
+
+@pytest.mark.parametrize("shape", [dict(U=1, P=4, I=2, S=8), dict(U=2, P=8, I=3, S=8),
+                                   dict(U=4, P=8, I=6, S=6), dict(U=1, P=4, I=2, S=8,
+                                                                  window=8, sinks=4)])
+def test_seeds_of_a_demotion_are_the_reference_models(shape):
+    """RSD-2: the units a demotion copies into the row's cleared lease and the recency it leaves
+    (``gpu_history.seed_plan``) are the reference model's ``demote`` on a fresh lease, over
+    random lengths: in-flight units first, then the newest live history units, at most S."""
+    import random
+
+    import reference as ref
+    from torch_kvcm2.gpu_history import seed_plan
+
+    U, P, I, S = shape["U"], shape["P"], shape["I"], shape["S"]
+    window, sinks = shape.get("window", 0), shape.get("sinks", 0)
+    rnd = random.Random(7)
+    for _ in range(200):
+        h = rnd.randrange(0, 60)
+        c = h + rnd.randrange(0, I + 1)
+        pages = -(-c // P) + rnd.randrange(0, 2)
+        state = ref.ResidencyState.fresh(2, S)
+        gpu_pages = [[], list(range(pages))]
+        ref.demote(state, [], gpu_pages, pages, 1, [0, h], [0, c], [0, 1], U, P, I, window,
+                   sinks)
+        units, recency = seed_plan(h, c, U, P, I, S, window, sinks, pages * (P // U))
+        assert units + [ref.BAD] * (S - len(units)) == state.resident[1], (h, c)
+        assert recency == state.recency[1], (h, c)

@@ -16,9 +16,9 @@ Decided at each publish, for the rows it publishes (``plan``):
   GPU pages once (whole pages, on the current stream, before the step that reads them);
 * a GPU row grows and shrinks its pages with its allocated tokens; it is demoted when the free
   slots cannot cover its growth or a host-direct range appears (a long prefill chunk): its
-  pages are freed, its lease is cleared (stale cell copies of units written since on GPU
-  pages) and it continues on cells from a cold start, exact because the host pages hold all
-  its history;
+  pages are freed (no byte to host), its lease is cleared (stale cell copies of units
+  written since on GPU pages) and seeded from the freed pages device to device (``seed``), and
+  it continues on cells, exact because the host pages hold all its history;
 * a row that leaves (a hole, a suspended row) frees its pages.
 
 Rows are promoted in row order while slots last (first come, first served); no row is demoted
@@ -65,9 +65,11 @@ class GpuHistory:
     def plan(self, rows: list, values: np.ndarray, fresh: list, pages_only: bool) -> tuple:
         """Residency for the published ``rows`` (their length rows ``values``, int32[n, 6];
         ``fresh[i]``: the row has another owner than at its last publish): returns (delta
-        index, delta value, rows demoted, promotions) where promotions are ``(row, slot ids of
-        pages [0, ceil(h/P)))`` whose history must be copied before the step; the delta sets
-        the rows' GPU page entries and flags in the table store."""
+        index, delta value, demotions, promotions) where demotions are ``(row, history,
+        capacity, its GPU page slots)`` (the slots are free now; ``seed`` reads them before any
+        other write) and promotions ``(row, slot ids of pages [0, ceil(h/P)))`` whose history
+        must be copied before the step; the delta sets the rows' GPU page entries and flags in
+        the table store."""
         index, value, demoted, promoted = [], [], [], []
         h, c, lease, allocated = (values[:, k].astype(np.int64)
                                   for k in (HISTORY, CAPACITY, LEASE, ALLOCATED))
@@ -86,8 +88,10 @@ class GpuHistory:
                 # grows the pages)
                 if (direct[i] and not pages_only) or not self._resize(row, int(need[i]), index,
                                                                        value):
+                    pages = self.pages[row, :int(self.held[row])].copy()
                     self._release(row, index, value)
-                    demoted.append(row)
+                    # lengths older than the device's (pages only) seed nothing: a cold lease
+                    demoted.append((row, int(h[i]), int(c[i]), pages[:0] if pages_only else pages))
                     self.manager.counts.demotions += 1
             elif not pages_only and not direct[i] and need[i] <= len(self.free):
                 self.on_gpu[row] = True
@@ -128,6 +132,40 @@ class GpuHistory:
         index.append(np.array([self.flag_base + row]))
         value.append(np.array([0], dtype=np.int32))
 
+    def seed(self, batch, demoted: list) -> None:
+        """Demotions (RSD-2): each row's cleared lease is seeded from its GPU pages, device to
+        device, in every selection group (``seed_plan``): the units copied into every sparse
+        buffer's cells, their slots' residency and the lease's recency set. Runs after the
+        publish that cleared the leases and before anything writes the freed pages."""
+        step, table = batch._step, batch._table
+        device = self.config.device
+        for row, h, c, pages in demoted:
+            if not len(pages):
+                continue
+            lease = table.leases[row]
+            for group, state in zip(self.config.selection_groups, step.groups):
+                sp = group.sparse
+                U, E = sp.tokens_per_unit, group.units_per_page
+                units, recency = seed_plan(h, c, U, self.P, sp.max_inflight_tokens, sp.slots,
+                                           group.window or 0, group.sinks, len(pages) * E)
+                n = len(units)
+                state.recency[lease] = torch.as_tensor(recency, dtype=torch.int32, device=device)
+                if not n:
+                    continue
+                unit = np.asarray(units, dtype=np.int64)
+                src = step.cell_pages[group.index] + pages[unit // E].astype(np.int64)
+                dst = lease * sp.slots + np.arange(n)
+                src_page, src_piece = (torch.as_tensor(x, device=device) for x in (src, unit % E))
+                dst_page, dst_piece = (torch.as_tensor(x, device=device)
+                                       for x in (dst // E, dst % E))
+                for layer in group.layers:
+                    for buf in sparse_buffers(self.config, layer):
+                        space = step.cells[(layer, buf.role)]
+                        v = space.view(space.shape[0], space.shape[1], E, -1)  # units of a page
+                        v[dst_page, :, dst_piece] = v[src_page, :, src_piece]
+                state.resident[lease, :n] = torch.as_tensor(units, dtype=torch.int32,
+                                                            device=device)
+
     def copy_in(self, batch, promoted: list) -> None:
         """Promotions: each row's history pages, host -> its GPU pages in every sparse buffer,
         whole pages, on the current stream (RSD-1). Pages past the history hold what the host
@@ -153,3 +191,29 @@ class GpuHistory:
                         view = manager.buffer_view(layer, buf.role)
                         space.index_copy_(0, target + cell_pages, view.index_select(0, host))
                         manager.counts.promoted_bytes += len(gpu) * self.P * buf.bytes_per_token
+
+
+def seed_plan(h: int, c: int, U: int, P: int, I: int, S: int, window: int, sinks: int,
+              units_on_gpu: int) -> tuple[list, list]:
+    """The seeds of a row demoted onto a cleared lease of S slots, as the reference model's
+    ``demote`` makes them (tests/reference.py): its in-flight units ascending, then its whole
+    history units on live pages (a window releases pages), newest first, at most S, all below
+    ``units_on_gpu``; seed k takes slot k (a cleared lease's empty slots in recency order).
+    Returns (the units of slots 0..n-1, the lease's recency afterwards: the slots not seeded in
+    their order, then the seeded slots by ascending unit, so the newest is the most recent)."""
+    h = max(h, 0)
+    c = max(c, h)
+    E = P // U
+    s0 = rules.inflight_start(h, c, (U, I), max)
+    wanted = list(range(s0 // U, -(-c // U))) if s0 < c else []
+    sink_units = rules.sink_pages(sinks, P) * E if window else 0
+    first_live = rules.first_live_page(h, P, window) * E
+    u = h // U - 1
+    while u >= 0 and len(wanted) < S:
+        if not sink_units <= u < first_live:
+            wanted.append(u)
+        u -= 1
+    units = [u for u in wanted if u < units_on_gpu][:S]
+    n = len(units)
+    recency = list(range(n, S)) + sorted(range(n), key=lambda k: units[k])
+    return units, recency

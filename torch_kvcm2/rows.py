@@ -347,7 +347,7 @@ class RowTable:
                 f"Batch.publish: {width} in-flight tokens over all rows exceed "
                 f"max_total_input_tokens ({self.config.max_total_input_tokens}), the bound of "
                 f"the flush work list; nothing was published")
-        extra, promoted = None, ()
+        extra = None
         if self.gpu.enabled:  # RSD-1: rows onto and off GPU history pages
             published = self.mirror.published_owner
             fresh = [owner is not published[row] for row, owner in zip(rows, owners)]
@@ -355,11 +355,13 @@ class RowTable:
             if index is not None:
                 extra = (index, value)
             # a demoted row's cells may hold stale copies of units written since on its GPU
-            # pages: its lease starts empty (cold), as a new lease does
-            leases = set(leases) | {self.leases[row] for row in demoted}
+            # pages: its lease is cleared, as a new lease is, then seeded from those pages
+            leases = set(leases) | {self.leases[row] for row, *_ in demoted}
         self.mirror.publish(rows, owners, slots, values, sorted(leases), self._clear_leases,
                             lengths=(ALLOCATED,) if pages_only else None, extra=extra)
-        self.gpu.copy_in(self.batch, promoted)
+        if extra is not None:  # the demoted rows' cells seeded from their freed GPU pages,
+            self.gpu.seed(self.batch, demoted)  # before a promotion writes those pages
+            self.gpu.copy_in(self.batch, promoted)
         self.mirror.epoch += 1
         readback.published(rows, values, reserves)
         done = UPLOAD | DECLARED_ONLY | NEW_LEASE
