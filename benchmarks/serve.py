@@ -113,6 +113,7 @@ class Shape:
     hidden: int = 4096
     max_concurrency: int = 512
     overlap: bool = False  # also run torch_kvcm2's levels with the fetches on a side stream
+    gpu_history_gb: float = 0.0  # torch_kvcm2's GPU-resident history (RSD-1), of gpu_kv_gb
 
     @property
     def scale(self) -> float:
@@ -176,7 +177,10 @@ def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
     ``max_rows`` rows at construction, so the rows and the requests' pages share each budget.
     Read off the batch memory of 1 and 2 rows and one request's pages per medium."""
     config = build_config(shape, side, device, context, 1)
-    reserved = [batch_memory_bytes(config, pool_group_count(config), rows) for rows in (1, 2)]
+    groups = pool_group_count(config)
+    reserved = [batch_memory_bytes(config, groups, rows) for rows in (1, 2)]
+    # the GPU history pages (RSD-1): set aside once, whatever the rows
+    history = batch_memory_bytes(config, groups, 1, config.gpu_history_slots)
     pages = -(-(context + shape.output) // shape.page)
     # a request's page of every buffer, per medium: sparse buffers in host pools, dense in GPU
     page_bytes = {"gpu": 0, "host": 0}
@@ -186,7 +190,7 @@ def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
     best, binding = None, None
     for medium, budget in (("gpu", shape.gpu_kv_gb), ("host", shape.host_gb)):
         per_row = reserved[1][medium] - reserved[0][medium]
-        fixed = reserved[0][medium] - per_row
+        fixed = reserved[0][medium] - per_row + history[medium] - reserved[0][medium]
         request = pages * page_bytes[medium]
         if per_row + request == 0:
             continue
@@ -213,11 +217,12 @@ def build_config(shape: Shape, side: str, device: str, context: int, rows: int) 
         else:
             layers.append(kv.LayerSpec(f"l{i}", [kv.BufferSpec("kv", shape.latent_bytes),
                                                  kv.BufferSpec("ik", shape.key_bytes)]))
+    history = int(shape.gpu_history_gb * 1e9 * shape.scale) if side == "kvcm2" else 0
     return kv.CacheConfig(tokens_per_page=shape.page, layers=layers, max_rows=rows,
                           max_tokens_per_row=context + shape.output + 4 * shape.page,
                           gpu_budget_bytes=int(shape.gpu_kv_gb * 1e9 * shape.scale),
                           host_budget_bytes=int(shape.host_gb * 1e9 * shape.scale),
-                          device=torch.device(device))
+                          device=torch.device(device), gpu_history_bytes=history)
 
 
 @dataclass
@@ -232,6 +237,7 @@ class Level:
     hit_rate: float = 1.0
     fetched_bytes_per_step: float = 0.0
     checked_tokens: int = 0
+    gpu_rows: int = 0  # torch_kvcm2's rows on GPU history pages (RSD-1)
     maximum: bool = False  # the side's largest concurrency
     overlap: bool = False  # torch_kvcm2 with each layer's fetch on a side stream (FetchStream)
     binding: str = ""  # at the maximum: what binds it
@@ -350,6 +356,8 @@ class Side:
         batch.publish()
         step = DecodeStep(self, batch, members, overlap)
         level = Level(self.side, self.context, rows, sh.layers, overlap=overlap)
+        # rows whose history moved onto GPU pages at that publish: no miss from them (RSD-1)
+        level.gpu_rows = batch.row_counts()["gpu_history"]
         cuda = self.device == "cuda"
         graph = None
         for _ in range(sh.warmup):
@@ -387,7 +395,7 @@ class Side:
         hits, misses, fetched = (a - b for a, b in zip(self.counted(), before))
         if self.side == "kvcm2":
             groups = len(self.config.selection_groups)
-            want = (sh.steps + 1) * rows * sh.new * groups  # + the parts step
+            want = (sh.steps + 1) * (rows - level.gpu_rows) * sh.new * groups  # + parts step
             assert misses == want, f"{misses} misses counted by metrics(), the locality model made {want}"
             level.hit_rate = hits / max(1, hits + misses)
             level.fetched_bytes_per_step = fetched / (sh.steps + 1)
@@ -827,16 +835,23 @@ def parse_args(argv=None):
                    help="also run torch_kvcm2's levels with each layer's fetch on a side stream "
                         "(FetchStream: layer l+1's misses in flight while layer l attends); "
                         "rows kv+ov and the summary's overlap_tpot_ratio")
+    p.add_argument("--gpu-history-gb", type=float, default=0.0,
+                   help="torch_kvcm2's GPU-resident history (RSD-1), taken from --gpu-kv-gb: "
+                        "rows whose history fits there never miss; 0 (default) offloads all")
     p.add_argument("--json")
     p.add_argument("--plot", help="PNG path (needs matplotlib: pip install -e .[bench])")
     args = p.parse_args(argv)
+    if args.gpu_history_gb < 0:
+        p.error("argument --gpu-history-gb: must be >= 0")
     if args.quick:
-        shape, contexts = replace(QUICK, overlap=args.overlap), [256, 512]
+        shape, contexts = replace(QUICK, overlap=args.overlap,
+                                  gpu_history_gb=args.gpu_history_gb), [256, 512]
     else:
         shape = Shape(**{k: getattr(args, k) for k in (
             "layers", "model_layers", "latent_bytes", "key_bytes", "top_k", "slots",
             "layers_per_indexer", "locality", "output", "steps", "gpu_kv_gb", "host_gb",
-            "dense_weight_mb", "expert_mb", "experts_per_gpu", "max_concurrency", "overlap")})
+            "dense_weight_mb", "expert_mb", "experts_per_gpu", "max_concurrency", "overlap",
+            "gpu_history_gb")})
         contexts = [int(c) for c in args.contexts.split(",")]
     for name in ("layers", "top_k", "slots", "output", "steps", "layers_per_indexer"):
         if getattr(shape, name) < 1:
@@ -856,7 +871,8 @@ def main(argv=None) -> int:
     quick = args.quick
     if device == "cpu" and not quick:
         print("no CUDA kernels or GPU: running --quick", file=sys.stderr)
-        shape, contexts, quick = replace(QUICK, overlap=shape.overlap), [256, 512], True
+        shape, contexts, quick = replace(QUICK, overlap=shape.overlap,
+                                         gpu_history_gb=shape.gpu_history_gb), [256, 512], True
     started = time.perf_counter()
 
     def progress(what: str) -> None:

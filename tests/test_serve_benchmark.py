@@ -54,6 +54,22 @@ def test_quick_serve_runs_both_sides_checked_with_table_json_and_plot(serve, tmp
     assert png.stat().st_size > 10_000
 
 
+def test_quick_serve_with_gpu_resident_history(serve, tmp_path):
+    """--gpu-history-gb (RSD-1): at 1-2 requests every torch_kvcm2 row is on GPU history pages
+    (no miss, every level checked as before); where the pages run out the rest stay on cells,
+    and the maximum concurrency loses only what the pages take."""
+    out = tmp_path / "serve.json"
+    assert serve.main(["--quick", "--gpu-history-gb", "0.0003", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    ours = [lv for lv in data["levels"] if lv["side"] == "kvcm2"]
+    assert all(lv["checked_tokens"] > 0 for lv in ours)
+    small = [lv for lv in ours if lv["rows"] <= 2]
+    assert small and all(lv["gpu_rows"] == lv["rows"] and lv["hit_rate"] == 1.0 for lv in small)
+    assert any(lv["gpu_rows"] < lv["rows"] and lv["hit_rate"] < 1.0 for lv in ours)
+    for summary in data["summary"].values():
+        assert summary["max_concurrency"]["kvcm2"] > summary["max_concurrency"]["dense"]
+
+
 def test_serve_bad_flag_is_a_usage_error(serve, capsys):
     with pytest.raises(SystemExit) as exit_:
         serve.main(["--locality", "1.5"])
