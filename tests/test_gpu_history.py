@@ -144,5 +144,5 @@ def test_seeds_of_a_demotion_are_the_reference_models(shape):
         ref.demote(state, [], gpu_pages, pages, 1, [0, h], [0, c], [0, 1], U, P, I, window,
                    sinks)
         units, recency = seed_plan(h, c, U, P, I, S, window, sinks, pages * (P // U))
-        assert units + [ref.BAD] * (S - len(units)) == state.resident[1], (h, c)
-        assert recency == state.recency[1], (h, c)
+        assert units.tolist() + [ref.BAD] * (S - len(units)) == state.resident[1], (h, c)
+        assert recency.tolist() == state.recency[1], (h, c)

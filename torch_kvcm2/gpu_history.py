@@ -143,28 +143,32 @@ class GpuHistory:
             if not len(pages):
                 continue
             lease = table.leases[row]
+            plans = {}  # groups of one shape seed the same units into the same slots
             for group, state in zip(self.config.selection_groups, step.groups):
                 sp = group.sparse
                 U, E = sp.tokens_per_unit, group.units_per_page
-                units, recency = seed_plan(h, c, U, self.P, sp.max_inflight_tokens, sp.slots,
-                                           group.window or 0, group.sinks, len(pages) * E)
+                key = (U, sp.max_inflight_tokens, sp.slots, group.window or 0, group.sinks,
+                       step.cell_pages[group.index])
+                if key not in plans:
+                    units, recency = seed_plan(h, c, U, self.P, sp.max_inflight_tokens,
+                                               sp.slots, group.window or 0, group.sinks,
+                                               len(pages) * E)
+                    src = key[-1] + pages[units // E].astype(np.int64)
+                    dst = lease * sp.slots + np.arange(len(units))
+                    plans[key] = [torch.as_tensor(x, device=device) for x in (
+                        units.astype(np.int32), recency.astype(np.int32), src, units % E,
+                        dst // E, dst % E)]
+                units, recency, src_page, src_piece, dst_page, dst_piece = plans[key]
                 n = len(units)
-                state.recency[lease] = torch.as_tensor(recency, dtype=torch.int32, device=device)
+                state.recency[lease] = recency
                 if not n:
                     continue
-                unit = np.asarray(units, dtype=np.int64)
-                src = step.cell_pages[group.index] + pages[unit // E].astype(np.int64)
-                dst = lease * sp.slots + np.arange(n)
-                src_page, src_piece = (torch.as_tensor(x, device=device) for x in (src, unit % E))
-                dst_page, dst_piece = (torch.as_tensor(x, device=device)
-                                       for x in (dst // E, dst % E))
                 for layer in group.layers:
                     for buf in sparse_buffers(self.config, layer):
                         space = step.cells[(layer, buf.role)]
                         v = space.view(space.shape[0], space.shape[1], E, -1)  # units of a page
                         v[dst_page, :, dst_piece] = v[src_page, :, src_piece]
-                state.resident[lease, :n] = torch.as_tensor(units, dtype=torch.int32,
-                                                            device=device)
+                state.resident[lease, :n] = units
 
     def copy_in(self, batch, promoted: list) -> None:
         """Promotions: each row's history pages, host -> its GPU pages in every sparse buffer,
@@ -194,26 +198,27 @@ class GpuHistory:
 
 
 def seed_plan(h: int, c: int, U: int, P: int, I: int, S: int, window: int, sinks: int,
-              units_on_gpu: int) -> tuple[list, list]:
+              units_on_gpu: int) -> tuple[np.ndarray, np.ndarray]:
     """The seeds of a row demoted onto a cleared lease of S slots, as the reference model's
     ``demote`` makes them (tests/reference.py): its in-flight units ascending, then its whole
     history units on live pages (a window releases pages), newest first, at most S, all below
     ``units_on_gpu``; seed k takes slot k (a cleared lease's empty slots in recency order).
     Returns (the units of slots 0..n-1, the lease's recency afterwards: the slots not seeded in
-    their order, then the seeded slots by ascending unit, so the newest is the most recent)."""
+    their order, then the seeded slots by ascending unit, so the newest is the most recent),
+    int64 arrays."""
     h = max(h, 0)
     c = max(c, h)
     E = P // U
     s0 = rules.inflight_start(h, c, (U, I), max)
-    wanted = list(range(s0 // U, -(-c // U))) if s0 < c else []
-    sink_units = rules.sink_pages(sinks, P) * E if window else 0
-    first_live = rules.first_live_page(h, P, window) * E
-    u = h // U - 1
-    while u >= 0 and len(wanted) < S:
-        if not sink_units <= u < first_live:
-            wanted.append(u)
-        u -= 1
-    units = [u for u in wanted if u < units_on_gpu][:S]
+    inflight = np.arange(s0 // U, -(-c // U)) if s0 < c else np.arange(0)
+    newest = np.arange(h // U - 1, max(h // U - 1 - S, -1), -1)  # the S newest at most
+    if window:  # units on the released pages between the sink pages and the window
+        sink_units = rules.sink_pages(sinks, P) * E
+        first_live = rules.first_live_page(h, P, window) * E
+        newest = np.arange(h // U - 1, -1, -1)
+        newest = newest[(newest < sink_units) | (newest >= first_live)]
+    units = np.concatenate([inflight, newest[:max(S - len(inflight), 0)]])
+    units = units[units < units_on_gpu][:S]
     n = len(units)
-    recency = list(range(n, S)) + sorted(range(n), key=lambda k: units[k])
+    recency = np.concatenate([np.arange(n, S), np.argsort(units, kind="stable")])
     return units, recency
