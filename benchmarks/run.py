@@ -35,8 +35,8 @@ benchmarks live in one file per area, each importing harness.py (timing, ceiling
 builders, output): bench_residency.py (P-RES, P-TORCH, P-INDEX), bench_mtp.py (P-RES-MTP),
 bench_fetch.py (P-FETCH-*, P-FLUSH, the scaling table), bench_step.py (P-STEP, P-STEP-HS,
 P-STEP-WALL), bench_host.py (P-HOST), bench_memory.py (P-CAP, P-START), bench_prefix.py
-(P-PFX), bench_tp.py (P-TP), bench_preempt.py (P-PREEMPT) and serve.py (P-SERVE: also a
-script of its own, with its table, JSON and plot).
+(P-PFX), bench_tp.py (P-TP), bench_preempt.py (P-PREEMPT), bench_gpu_history.py
+(P-DEMOTE) and serve.py (P-SERVE: also a script of its own, with its table, JSON and plot).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fetch import bench_fetch, bench_fetch_hs, bench_flush, bench_scaling  # noqa: E402
 from bench_host import bench_host  # noqa: E402
 from bench_memory import bench_capacity, bench_start  # noqa: E402
+from bench_gpu_history import bench_demote  # noqa: E402
 from bench_mtp import bench_mtp  # noqa: E402
 from bench_preempt import bench_preempt  # noqa: E402
 from bench_prefix import bench_prefix  # noqa: E402
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     ceil = ceilings(timer, device, args.quick)
     ids = ["P-RES", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FLUSH", "P-INDEX",
            "P-TORCH", "P-STEP", "P-STEP-1", "P-CAP", "P-HOST", "P-STEP-WALL", "P-START", "P-PFX", "P-TP", "P-PREEMPT",
-           "P-SERVE"]
+           "P-DEMOTE", "P-SERVE"]
     wanted = set(ids if args.only is None else args.only.split(","))
     riders = {"P-STEP-HS", "P-OBS"}  # measured by P-STEP and P-STEP-WALL
     if wanted - set(ids) - riders:
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
         "P-PFX": lambda: bench_prefix(timer, device, q),
         "P-TP": lambda: bench_tp(device, q),
         "P-PREEMPT": lambda: bench_preempt(device, q, ceil),
+        "P-DEMOTE": lambda: bench_demote(device, q),
         "P-SERVE": lambda: bench_serve(device, q),
     }
     results = []

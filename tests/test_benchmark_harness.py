@@ -14,7 +14,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ben
 IDS = ["P-RES", "P-RES-MTP", "P-RES-MTP", "P-FETCH-ROW", "P-FETCH-PAGE", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FETCH-HS", "P-FLUSH", "P-INDEX", "P-INDEX-L", "P-TORCH", "P-STEP",
        "P-STEP-HS", "P-STEP-1", "P-STEP-1", "P-STEP-WALL", "P-STEP-WALL", "P-CAP", "P-HOST", "P-HOST", "P-STEP-WALL", "P-STEP-WALL", "P-OBS", "P-START", "P-START-GROW",
        "P-START-OLD", "P-PFX", "P-PFX", "P-PFX", "P-TP", "P-TP", "P-TP", "P-TP",
-       "P-PREEMPT", "P-PREEMPT", "P-PREEMPT", "P-SERVE", "P-SERVE"]
+       "P-PREEMPT", "P-PREEMPT", "P-PREEMPT", "P-DEMOTE", "P-SERVE", "P-SERVE"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,8 @@ def test_quick_benchmark_run_checks_outputs_and_writes_json(bench, area, tmp_pat
 
     obs = results["P-OBS"]["extra"]  # metrics() every timed step, at least one scrape
     assert obs["metrics_calls"] >= 7 * 8 and obs["scrapes"] >= 1 and obs["without_us"] > 0
+    demote = results["P-DEMOTE"]["extra"]  # the demotion moved nothing over PCIe
+    assert demote["bytes_moved"] == 0 and demote["demote_publish_us"] > 0
     torch_ = results["P-TORCH"]["extra"]
     assert torch_["torch_us"] > 0 and torch_["ratio"] == pytest.approx(torch_["torch_us"] / torch_["library_us"])
 
