@@ -83,10 +83,11 @@ class DeviceStep:
         self.lengths = L = mirror.lengths  # int32[6, max_rows], the table store's length rows
         self.history, self.capacity, self.lease = L[HISTORY], L[CAPACITY], L[LEASE]
         # RSD-1: rows whose history is on GPU pages (their flags and page tables in the table
-        # store); resolve reads resolve_lease, the lease with those rows masked as holes
+        # store); resolve reads resolve_lease, the lease with those rows as holes (published
+        # with them; the lease itself without GPU history pages)
         self.gpu_slots = batch.gpu_history_slots
         self.gpu_rows, self.gpu_pages = mirror.gpu_rows, mirror.gpu_pages
-        self.resolve_lease = allocated.get("resolve_lease", self.lease)
+        self.resolve_lease = mirror.resolve_lease if self.gpu_slots else self.lease
         self.written, self.declared, self.allocated = L[WRITTEN], L[DECLARED], L[ALLOCATED]
         self.advance_counters = allocated["advance_counters"]
         self.step_targets = allocated["step_targets"]  # int32[max_rows]: history + accepted
@@ -95,9 +96,7 @@ class DeviceStep:
         # per selection group: the cells' pages of each of its buffers (GPU pages follow them)
         self.cell_pages = [self.max_rows * g.sparse.slots // g.units_per_page
                            for g in self.config.selection_groups]
-        if self.gpu_slots:
-            self.bad = torch.tensor(BAD, dtype=INT32, device=self.device)
-            # write_indices(out=)'s call for the GPU rows' write tables alone
+        if self.gpu_slots:  # write_indices(out=)'s call for the GPU rows' write tables alone
             self.no_selection = torch.empty((self.max_rows, 0), dtype=INT32, device=self.device)
         # the read-back gathers these into counter_stage (memory.counter_words' order)
         self.counter_parts = [state.counters for state in self.groups] + [self.advance_counters]
@@ -311,10 +310,6 @@ class DeviceStep:
                                 self.config.tokens_per_page, params, buffer_params))
 
     # ---- GPU-resident history (RSD-1) ----
-    def mask_gpu_rows(self) -> None:
-        """resolve_lease = the lease, BAD for the rows on GPU pages (resolve's holes)."""
-        torch.where(self.gpu_rows != 0, self.bad, self.lease, out=self.resolve_lease)
-
     def resolve_gpu_rows(self, state: GroupState, selected: torch.Tensor, table: torch.Tensor,
                          write_table: torch.Tensor) -> None:
         """After a resolve of ``state``'s group: its rows on GPU pages."""
@@ -328,8 +323,6 @@ class DeviceStep:
     def resolve_groups_bound(self, selected: list, fetch: bool) -> None:
         """The eager resolve of every group at once, each selection of the bound shape."""
         before, after = self.groups_args[fetch]
-        if self.gpu_slots:
-            self.mask_gpu_rows()
         _RESOLVE_GROUPS(*before, selected, *after)
         if self.gpu_slots:
             for state, sel in zip(self.groups, selected):
@@ -342,8 +335,6 @@ class DeviceStep:
         """Any resolve of several groups at once: ``states`` in group order, each with its
         selection and output table."""
         before, after = self._groups_args(states, tables, fetch)
-        if self.gpu_slots:
-            self.mask_gpu_rows()
         ops.resolve_groups(*before, selected, *after)
         if self.gpu_slots:
             for state, sel, table in zip(states, selected, tables):
@@ -355,8 +346,6 @@ class DeviceStep:
     def resolve_bound(self, index: int, selected: torch.Tensor, fetch: bool) -> torch.Tensor:
         """The eager resolve of a selection of the bound shape (``arguments.fits``)."""
         before, after = self.resolve_args[index][fetch]
-        if self.gpu_slots:
-            self.mask_gpu_rows()
         _RESOLVE_STEP(*before, selected, *after)
         if self.gpu_slots:
             state = self.groups[index]
@@ -369,8 +358,6 @@ class DeviceStep:
         """Any resolve: ``table`` the output (the batch's own or the caller's), ``plan`` a fetch
         plan of the group's layers or ()."""
         before, after = self._resolve_args(state, table, plan)
-        if self.gpu_slots:
-            self.mask_gpu_rows()
         ops.resolve_step(*before, selected, *after)
         if self.gpu_slots:
             self.resolve_gpu_rows(state, selected, table, state.write_table)
@@ -389,8 +376,6 @@ class DeviceStep:
 
     def write_indices(self, state: GroupState, out: torch.Tensor) -> None:
         sp = state.spec.sparse
-        if self.gpu_slots:
-            self.mask_gpu_rows()
         ops.write_indices(out, state.inflight_start, state.resident, state.inflight_slots,
                           self.history, self.capacity, self.resolve_lease, sp.tokens_per_unit,
                           sp.max_inflight_tokens)

@@ -50,7 +50,8 @@ class GpuHistory:
         self.on_gpu = np.zeros(self.R, dtype=bool)
         self.shapes = [(g.sparse.tokens_per_unit, g.sparse.max_inflight_tokens)
                        for g in config.selection_groups]
-        self.flag_base = mirror.gpu_offset + self.R * self.MP
+        self.flag_base = mirror.flag_offset
+        self.lease_base = mirror.resolve_lease_offset
 
     @property
     def enabled(self) -> bool:
@@ -68,8 +69,8 @@ class GpuHistory:
         index, delta value, demotions, promotions) where demotions are ``(row, history,
         capacity, its GPU page slots)`` (the slots are free now; ``seed`` reads them before any
         other write) and promotions ``(row, slot ids of pages [0, ceil(h/P)))`` whose history
-        must be copied before the step; the delta sets the rows' GPU page entries and flags in
-        the table store."""
+        must be copied before the step; the delta sets the rows' GPU page entries, flags and
+        the lease resolve reads (BAD for a row on GPU pages) in the table store."""
         index, value, demoted, promoted = [], [], [], []
         h, c, lease, allocated = (values[:, k].astype(np.int64)
                                   for k in (HISTORY, CAPACITY, LEASE, ALLOCATED))
@@ -78,7 +79,16 @@ class GpuHistory:
             s0 = np.maximum(s0, rules.inflight_start(h, c, shape, np.maximum))
         direct = s0 > h
         need = -(-allocated // self.P)
-        for i, row in enumerate(rows):
+        at = np.asarray(rows, dtype=np.int64)
+        on = self.on_gpu[at]
+        # the rows with something to do; a steady decode step has none (a row on GPU pages
+        # whose pages fit, the others too many for the free slots)
+        busy = on & (np.asarray(fresh) | (lease < 0) | (direct & (not pages_only))
+                     | (need != self.held[at]))
+        if not pages_only:
+            busy |= ~on & (lease >= 0) & ~direct & (need <= len(self.free))
+        for i in np.flatnonzero(busy).tolist():
+            row = rows[i]
             if self.on_gpu[row] and (fresh[i] or lease[i] < 0):
                 self._release(row, index, value)  # its request left: the pages are its
             if lease[i] < 0:  # a hole or a suspended row
@@ -100,8 +110,8 @@ class GpuHistory:
                 self._resize(row, int(need[i]), index, value)
                 promoted.append((row, self.pages[row, :-(-int(h[i]) // self.P)].copy()))
                 self.manager.counts.promotions += 1
-        if not index:
-            return None, None, demoted, promoted
+        index.append(self.lease_base + at)  # every published row's lease, as resolve reads it
+        value.append(np.where(self.on_gpu[at], BAD, lease).astype(np.int32))
         return np.concatenate(index), np.concatenate(value), demoted, promoted
 
     def _resize(self, row: int, need: int, index: list, value: list) -> bool:

@@ -83,10 +83,11 @@ def sparse_buffers(config: CacheConfig, layer: str):
 def table_entries(config: CacheConfig, num_pool_groups: int, max_rows: int,
                   gpu_slots: int = 0) -> int:
     """Entries of a batch's flat int32 table store: every page table, then the length rows,
-    then, for a batch holding GPU history pages (RSD-1), the rows' GPU page table and flags."""
+    then, for a batch holding GPU history pages (RSD-1), the rows' GPU page table, their flags
+    and the lease resolve reads (BAD for the rows on GPU pages)."""
     entries = num_pool_groups * max_rows * config.max_pages_per_row + LENGTH_ROWS * max_rows
     if gpu_slots:
-        entries += max_rows * config.max_pages_per_row + max_rows
+        entries += max_rows * config.max_pages_per_row + 2 * max_rows
     return entries
 
 
@@ -129,8 +130,6 @@ def batch_tensor_specs(config: CacheConfig, num_pool_groups: int, max_rows: int,
     # the counters' read-back ring, filled by the same read-back call (readback.py)
     specs.append(TensorSpec("counter_snapshot", (READBACKS, counter_words(config)), INT64, "host",
                             page))
-    if gpu_slots:  # resolve's lease: BAD for GPU-resident rows (RSD-1)
-        specs.append(TensorSpec("resolve_lease", (max_rows,), INT32))
     for group in config.selection_groups:
         sp, g = group.sparse, group.index
         specs += [

@@ -352,8 +352,7 @@ class RowTable:
             published = self.mirror.published_owner
             fresh = [owner is not published[row] for row, owner in zip(rows, owners)]
             index, value, demoted, promoted = self.gpu.plan(rows, values, fresh, pages_only)
-            if index is not None:
-                extra = (index, value)
+            extra = (index, value)
             # a demoted row's cells may hold stale copies of units written since on its GPU
             # pages: its lease is cleared, as a new lease is, then seeded from those pages
             leases = set(leases) | {self.leases[row] for row, *_ in demoted}

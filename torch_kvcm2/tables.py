@@ -98,14 +98,18 @@ class TableMirror:
         self.host_lengths = self.host[self.offset:end].reshape(LENGTH_ROWS, max_rows)
         self.host_lengths[:] = 0
         self.host_lengths[LEASE] = BAD
-        # GPU-resident history (RSD-1): each row's GPU page slot per page ordinal, then its flag
-        # (nonzero: its history is on GPU pages); empty without
+        # GPU-resident history (RSD-1): each row's GPU page slot per page ordinal, its flag
+        # (nonzero: its history is on GPU pages), and the lease resolve reads (BAD where the
+        # flag is set); empty without
         self.gpu_offset = end
         gpu = gpu_slots > 0
         self.gpu_pages = self.store[end:end + max_rows * self.P * gpu].view(max_rows, self.P * gpu)
-        flags = end + max_rows * self.P * gpu
+        self.flag_offset = flags = end + max_rows * self.P * gpu
         self.gpu_rows = self.store[flags:flags + max_rows * gpu]
         self.host[flags:flags + max_rows * gpu] = 0
+        self.resolve_lease_offset = flags + max_rows * gpu
+        self.resolve_lease = self.store[self.resolve_lease_offset:
+                                        self.resolve_lease_offset + max_rows * gpu]
         self.store.copy_(torch.from_numpy(self.host))
         self.delta = allocated["delta"]
         self.delta_bytes = self.delta.numel()
