@@ -2,11 +2,13 @@
 (``CacheConfig.gpu_history_bytes``) reads and writes exactly what a batch that offloads every
 row does, step after step, eager and compiled, while rows move onto GPU pages (their history
 copied in once) and off them (pressure, departures), and the host pages end up equal."""
+import random
+
 import pytest
 import torch
 
 from conftest import DEVICE_PARAMS
-from stepping import ROWS, Driver, make_batch, run, step, step_groups
+from stepping import ROWS, WORDS, Driver, attend, make_batch, run, step, step_groups, write_tokens
 
 PAGE_BYTES = 3 * 4 * 16  # a page ordinal: 4 tokens x 16 bytes in each of the 3 sparse layers
 
@@ -146,3 +148,125 @@ def test_seeds_of_a_demotion_are_the_reference_models(shape):
         units, recency = seed_plan(h, c, U, P, I, S, window, sinks, pages * (P // U))
         assert units.tolist() + [ref.BAD] * (S - len(units)) == state.resident[1], (h, c)
         assert recency.tolist() == state.recency[1], (h, c)
+
+
+def twins(slots, seed, rows=(0, 1), length=12):
+    """An offloading driver and one with ``slots`` GPU history pages, each with requests of
+    ``length`` imported tokens of their own bytes (the same in both) seated at ``rows``, with a
+    reserve that advance moves through."""
+    out = []
+    for gb in (0, slots * PAGE_BYTES):
+        driver = Twin.__new__(Twin)
+        driver.device, driver.caches = "cpu", []
+        driver.manager, driver.batch = make_batch("cpu", gb)
+        driver.rng, driver.gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        for row in rows:
+            cache = driver.manager.create_cache()
+            assert cache.resize(capacity=length + 8)
+            for layer in ("a0", "a1", "b0"):
+                view = driver.manager.buffer_view(layer, "kv", device_side=False)
+                pages = torch.as_tensor(cache.host_pages(layer, "kv"))
+                t = torch.arange(length)
+                view[pages[t // 4], 0, t % 4] = torch.randint(
+                    0, 256, (length, 16), generator=driver.gen, dtype=torch.uint8)
+            cache.record_host_write(length)
+            assert cache.resize(history=length)
+            cache.set_reserve(16)
+            assert cache.resize(capacity=length + 1)
+            driver.batch.add(cache, row)
+            driver.caches.append(cache)
+        driver.batch.publish()
+        out.append(driver)
+    return out
+
+
+def unflushed_step(batch, gen):
+    """A decode step that leaves its flush to the caller: per group resolve and fetch, the new
+    token written through write_indices, an 'attention' over the selected tokens."""
+    outputs = []
+    for group in batch.config.selection_groups:
+        sp = group.sparse
+        selected = torch.full((ROWS, sp.width), -1, dtype=torch.int32)
+        for row, cache in batch.members().items():
+            units = cache.history_length // sp.tokens_per_unit
+            selected[row] = torch.randint(0, units, (sp.width,), generator=gen).to(torch.int32)
+        index = batch.resolve(group.index, selected, fetch=True)
+        table, _ = batch.write_indices(group.index)
+        for layer in group.layers:
+            tokens = torch.randint(-2**31, 2**31 - 1, (ROWS, WORDS), generator=gen,
+                                   dtype=torch.int32)
+            cells = batch.cells(layer, "kv")
+            write_tokens(cells, table[:, 0], tokens)
+            outputs.append(attend(cells, index, sp.tokens_per_unit))
+    return outputs
+
+
+def same_steps(drivers, steps, end_step):
+    """``steps`` steps of both drivers (``unflushed_step``, then ``end_step(driver)``): the
+    outputs are equal, step by step."""
+    for number in range(steps):
+        outs = []
+        for driver in drivers:
+            outs.append(unflushed_step(driver.batch, driver.gen))
+            end_step(driver)
+        assert all(torch.equal(x, y) for x, y in zip(*outs)), number
+
+
+def finish(driver):
+    accepted = torch.tensor([1 if r in driver.batch.members() else 0 for r in range(ROWS)],
+                            dtype=torch.int32)
+    driver.batch.finish_step(accepted, host_writes=True)
+    driver.batch.poll()
+    driver.batch.publish()
+
+
+def test_a_publish_of_declarations_between_writes_and_flush_moves_no_row():
+    """finish_step(host_writes=True) publishes the step's declarations after its writes and
+    before its flush: a row there must not move onto GPU pages (its new token is in its cells,
+    and the GPU flush would overwrite the host page with the page's older bytes) or off them.
+    Room for one row; the GPU row leaves at step 2, freeing the pages mid-run."""
+    drivers = twins(slots=10, seed=3)
+    same_steps(drivers, 2, finish)
+    for driver in drivers:
+        driver.caches.pop(0).close()
+        driver.batch.publish()
+    same_steps(drivers, 6, finish)
+    for a, b in zip(history_bytes(drivers[0]), history_bytes(drivers[1])):
+        assert torch.equal(a, b)
+
+
+def test_a_row_moved_after_its_promotion_reads_its_own_bytes():
+    """Batch.move keeps a row's lease: a row promoted onto GPU pages, then moved to a row
+    whose publish leaves it on cells, must not read what its lease held before the promotion
+    (the lease is cleared when a row moves onto GPU pages)."""
+    drivers = []
+    for gb in (0, 7 * PAGE_BYTES):
+        driver = Twin.__new__(Twin)
+        driver.device, driver.caches = "cpu", []
+        driver.manager, driver.batch = make_batch("cpu", gb)
+        driver.rng, driver.gen = random.Random(11), torch.Generator().manual_seed(11)
+        for row in (0, 2):
+            driver.join()
+            if driver.batch.row_of(driver.caches[-1]) != row:
+                driver.batch.move(driver.caches[-1], row)
+        driver.batch.publish()
+        drivers.append(driver)
+
+    def steps(count):
+        for number in range(count):
+            outs = []
+            for driver in drivers:
+                outs.append([o.cpu() for o in step(driver.batch, *driver.inputs())])
+                driver.batch.poll()
+                driver.advance()
+            assert all(torch.equal(x, y) for x, y in zip(*outs)), number
+
+    steps(3)
+    for driver in drivers:  # row 0 leaves: row 2 moves onto the pages it frees
+        driver.caches.pop(0).close()
+        driver.batch.publish()
+    steps(3)
+    for driver in drivers:  # row 2 -> row 0, where this publish leaves it on cells
+        driver.batch.move(driver.caches[0], 0)
+        driver.batch.publish()
+    steps(8)

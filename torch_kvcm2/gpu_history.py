@@ -63,9 +63,11 @@ class GpuHistory:
     def used_slots(self) -> int:
         return self.slots - len(self.free)
 
-    def plan(self, rows: list, values: np.ndarray, fresh: list, pages_only: bool) -> tuple:
+    def plan(self, rows: list, values: np.ndarray, fresh: list, moving: np.ndarray,
+             pages_only: bool) -> tuple:
         """Residency for the published ``rows`` (their length rows ``values``, int32[n, 6];
-        ``fresh[i]``: the row has another owner than at its last publish): returns (delta
+        ``fresh[i]``: the row has another owner than at its last publish; ``moving[i]``: its
+        lengths, pages or owner changed, so it may move on or off GPU pages): returns (delta
         index, delta value, demotions, promotions) where demotions are ``(row, history,
         capacity, its GPU page slots)`` (the slots are free now; ``seed`` reads them before any
         other write) and promotions ``(row, slot ids of pages [0, ceil(h/P)))`` whose history
@@ -86,7 +88,7 @@ class GpuHistory:
         busy = on & (np.asarray(fresh) | (lease < 0) | (direct & (not pages_only))
                      | (need != self.held[at]))
         if not pages_only:
-            busy |= ~on & (lease >= 0) & ~direct & (need <= len(self.free))
+            busy |= ~on & moving & (lease >= 0) & ~direct & (need <= len(self.free))
         for i in np.flatnonzero(busy).tolist():
             row = rows[i]
             if self.on_gpu[row] and (fresh[i] or lease[i] < 0):
@@ -103,7 +105,8 @@ class GpuHistory:
                     # lengths older than the device's (pages only) seed nothing: a cold lease
                     demoted.append((row, int(h[i]), int(c[i]), pages[:0] if pages_only else pages))
                     self.manager.counts.demotions += 1
-            elif not pages_only and not direct[i] and need[i] <= len(self.free):
+            elif (not pages_only and moving[i] and not direct[i]
+                  and need[i] <= len(self.free)):
                 self.on_gpu[row] = True
                 index.append(np.array([self.flag_base + row]))
                 value.append(np.array([1], dtype=np.int32))
@@ -112,7 +115,12 @@ class GpuHistory:
                 self.manager.counts.promotions += 1
         index.append(self.lease_base + at)  # every published row's lease, as resolve reads it
         value.append(np.where(self.on_gpu[at], BAD, lease).astype(np.int32))
-        return np.concatenate(index), np.concatenate(value), demoted, promoted
+        index, value = np.concatenate(index), np.concatenate(value)
+        # one entry per store index, the last planned (a row released and promoted again in
+        # one publish plans its flag and pages twice): a scatter of duplicates is undefined on
+        # CUDA, and a delta holds at most one entry per table slot
+        last = len(index) - 1 - np.unique(index[::-1], return_index=True)[1]
+        return index[last], value[last], demoted, promoted
 
     def _resize(self, row: int, need: int, index: list, value: list) -> bool:
         """Row ``row`` holds slots for page ordinals [0, need); False (nothing changed) when
@@ -204,7 +212,7 @@ class GpuHistory:
                         space = step.cells[(layer, buf.role)]
                         view = manager.buffer_view(layer, buf.role)
                         space.index_copy_(0, target + cell_pages, view.index_select(0, host))
-                        manager.counts.promoted_bytes += len(gpu) * self.P * buf.bytes_per_token
+                        manager.counts.promoted_bytes += len(host) * self.P * buf.bytes_per_token
 
 
 def seed_plan(h: int, c: int, U: int, P: int, I: int, S: int, window: int, sinks: int,

@@ -351,11 +351,18 @@ class RowTable:
         if self.gpu.enabled:  # RSD-1: rows onto and off GPU history pages
             published = self.mirror.published_owner
             fresh = [owner is not published[row] for row, owner in zip(rows, owners)]
-            index, value, demoted, promoted = self.gpu.plan(rows, values, fresh, pages_only)
+            # only rows whose lengths or owner changed move on or off GPU pages: a publish of
+            # declarations alone (finish_step's, between a step's writes and its flush) must
+            # not move a row whose in-flight tokens are written but not flushed
+            moving = (state[rows] & UPLOAD) != 0
+            index, value, demoted, promoted = self.gpu.plan(rows, values, fresh, moving,
+                                                            pages_only)
             extra = (index, value)
-            # a demoted row's cells may hold stale copies of units written since on its GPU
-            # pages: its lease is cleared, as a new lease is, then seeded from those pages
-            leases = set(leases) | {self.leases[row] for row, *_ in demoted}
+            # a row's cells may hold stale copies of units it wrote on GPU pages meanwhile (a
+            # demoted row) or before (a promoted one, when it comes back): its lease is
+            # cleared, as a new lease is; a demoted row's is then seeded from its pages
+            leases = (set(leases) | {self.leases[row] for row, *_ in demoted}
+                      | {self.leases[row] for row, _ in promoted})
         self.mirror.publish(rows, owners, slots, values, sorted(leases), self._clear_leases,
                             lengths=(ALLOCATED,) if pages_only else None, extra=extra)
         if extra is not None:  # the demoted rows' cells seeded from their freed GPU pages,
