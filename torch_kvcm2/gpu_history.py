@@ -129,8 +129,9 @@ class GpuHistory:
         if need > held:
             if need - held > len(self.free):
                 return False
-            taken = [self.free.pop() for _ in range(need - held)]
-            self.pages[row, held:need] = taken
+            n = need - held  # the top of the stack, as that many pops would take it
+            self.pages[row, held:need] = self.free[:-n - 1:-1]
+            del self.free[-n:]
         elif need < held:
             self.free.extend(self.pages[row, need:held].tolist())
             self.pages[row, need:held] = BAD
