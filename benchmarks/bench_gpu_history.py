@@ -27,12 +27,9 @@ import time
 import torch
 
 import torch_kvcm2 as kv
-from bench_preempt import imported
+from bench_preempt import INDEXER_KEY, dsa_layers, imported
 from harness import MLA_ROW, PAGE, Result, fill_random
 from torch_kvcm2.memory import batch_reserve_bytes
-
-INDEXER_KEY = 132  # bytes per token of DSA's dense indexer key
-
 
 def demote_sizes(quick: bool) -> dict:
     if quick:
@@ -45,13 +42,7 @@ def demote_sizes(quick: bool) -> dict:
 def demote_config(device, sz: dict) -> kv.CacheConfig:
     """The layers of ``sz["groups"]``; GPU history pages for exactly the victim's pages; pools
     for every row's pages and the victim's."""
-    specs = []
-    for gi, size in enumerate(sz["groups"]):
-        sparse = kv.SparseSpec(1, sz["K"], sz["S"], 16, selection_id=f"g{gi}" if size > 1 else None)
-        for _ in range(size):
-            specs.append(kv.LayerSpec(f"l{len(specs)}", [kv.BufferSpec("kv", MLA_ROW, sparse=True),
-                                                         kv.BufferSpec("indexer_k", INDEXER_KEY)],
-                                      sparse=sparse))
+    specs = dsa_layers(sz)
     layers, R = len(specs), sz["rows"]
     victim_pages = -(-(sz["victim"] + 1) // PAGE)
     history = victim_pages * PAGE * MLA_ROW * layers

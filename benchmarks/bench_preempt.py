@@ -53,10 +53,10 @@ def preempt_sizes(quick: bool) -> dict:
             "groups": [4] * 15 + [1], "steps": 20, "reps": 5, "piece": 8 << 20}
 
 
-def preempt_config(device, sz: dict) -> tuple:
-    """(config, host_tier_bytes): the layers of ``sz["groups"]``, each with a sparse latent and
-    a dense indexer key; pools for every row's pages and the victim's, a host tier for the
-    victim's dense pages."""
+def dsa_layers(sz: dict) -> list:
+    """The layers of ``sz["groups"]`` (selection groups of that many layers; one layer: no
+    shared indexer), each a sparse latent and a dense indexer key, K = ``sz["K"]`` and S =
+    ``sz["S"]`` per group, 16 tokens in flight."""
     specs = []
     for gi, size in enumerate(sz["groups"]):
         sparse = kv.SparseSpec(1, sz["K"], sz["S"], 16, selection_id=f"g{gi}" if size > 1 else None)
@@ -64,6 +64,14 @@ def preempt_config(device, sz: dict) -> tuple:
             specs.append(kv.LayerSpec(f"l{len(specs)}", [kv.BufferSpec("kv", MLA_ROW, sparse=True),
                                                          kv.BufferSpec("indexer_k", INDEXER_KEY)],
                                       sparse=sparse))
+    return specs
+
+
+def preempt_config(device, sz: dict) -> tuple:
+    """(config, host_tier_bytes): the layers of ``sz["groups"]``, each with a sparse latent and
+    a dense indexer key; pools for every row's pages and the victim's, a host tier for the
+    victim's dense pages."""
+    specs = dsa_layers(sz)
     layers, R = len(specs), sz["rows"]
 
     def make(gpu, host):

@@ -19,9 +19,18 @@ class Twin(Driver):
     pages before they are seated: a request that takes a departed one's row must never read
     the departed one's bytes."""
 
-    def join(self):
+    @classmethod
+    def bare(cls, seed, gpu_history_bytes=0):
+        """A twin with no request yet."""
+        driver = cls.__new__(cls)
+        driver.device, driver.caches = "cpu", []
+        driver.manager, driver.batch = make_batch("cpu", gpu_history_bytes)
+        driver.rng, driver.gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        return driver
+
+    def join(self, length=None, reserve=0, row=None):
         cache = self.manager.create_cache()
-        length = self.rng.randint(6, 20)
+        length = self.rng.randint(6, 20) if length is None else length
         assert cache.resize(capacity=length + 8)
         for layer in ("a0", "a1", "b0"):
             view = self.manager.buffer_view(layer, "kv", device_side=False)
@@ -31,8 +40,9 @@ class Twin(Driver):
                                                           generator=self.gen, dtype=torch.uint8)
         cache.record_host_write(length)
         assert cache.resize(history=length)
+        cache.set_reserve(reserve)
         assert cache.resize(capacity=length + 1)
-        self.batch.add(cache)
+        self.batch.add(cache, row)
         self.caches.append(cache)
 
 
@@ -156,25 +166,9 @@ def twins(slots, seed, rows=(0, 1), length=12):
     reserve that advance moves through."""
     out = []
     for gb in (0, slots * PAGE_BYTES):
-        driver = Twin.__new__(Twin)
-        driver.device, driver.caches = "cpu", []
-        driver.manager, driver.batch = make_batch("cpu", gb)
-        driver.rng, driver.gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        driver = Twin.bare(seed, gb)
         for row in rows:
-            cache = driver.manager.create_cache()
-            assert cache.resize(capacity=length + 8)
-            for layer in ("a0", "a1", "b0"):
-                view = driver.manager.buffer_view(layer, "kv", device_side=False)
-                pages = torch.as_tensor(cache.host_pages(layer, "kv"))
-                t = torch.arange(length)
-                view[pages[t // 4], 0, t % 4] = torch.randint(
-                    0, 256, (length, 16), generator=driver.gen, dtype=torch.uint8)
-            cache.record_host_write(length)
-            assert cache.resize(history=length)
-            cache.set_reserve(16)
-            assert cache.resize(capacity=length + 1)
-            driver.batch.add(cache, row)
-            driver.caches.append(cache)
+            driver.join(length, reserve=16, row=row)
         driver.batch.publish()
         out.append(driver)
     return out
@@ -241,14 +235,9 @@ def test_a_row_moved_after_its_promotion_reads_its_own_bytes():
     (the lease is cleared when a row moves onto GPU pages)."""
     drivers = []
     for gb in (0, 7 * PAGE_BYTES):
-        driver = Twin.__new__(Twin)
-        driver.device, driver.caches = "cpu", []
-        driver.manager, driver.batch = make_batch("cpu", gb)
-        driver.rng, driver.gen = random.Random(11), torch.Generator().manual_seed(11)
+        driver = Twin.bare(11, gb)
         for row in (0, 2):
-            driver.join()
-            if driver.batch.row_of(driver.caches[-1]) != row:
-                driver.batch.move(driver.caches[-1], row)
+            driver.join(row=row)
         driver.batch.publish()
         drivers.append(driver)
 

@@ -82,6 +82,18 @@ void check_inflight_slots(const at::Tensor& inflight_slots, int64_t rows, int64_
               inflight_slots.sizes());
 }
 
+// A selection group's row shape: U divides P, I positive, a window non-negative, sinks only
+// with a window (resolve and resolve_gpu_history read rows by it).
+void check_row_shape(int64_t tokens_per_unit, int64_t tokens_per_page, int64_t max_inflight_tokens,
+                     int64_t window, int64_t sinks, const char* op) {
+  TORCH_CHECK(tokens_per_unit > 0 && tokens_per_page > 0 && tokens_per_page % tokens_per_unit == 0,
+              op, ": tokens_per_unit must be positive and divide tokens_per_page");
+  TORCH_CHECK(max_inflight_tokens > 0 && window >= 0, op,
+              ": max_inflight_tokens must be positive and window non-negative (0 = none)");
+  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), op,
+              ": sinks must be non-negative, and 0 without a window (window 0)");
+}
+
 }  // namespace
 
 void check_convert_page_indices(const at::Tensor& out, const at::Tensor& page_table,
@@ -152,12 +164,7 @@ void check_resolve(const at::Tensor& resident, const at::Tensor& recency,
               " but resident has ", resident.sizes());
   TORCH_CHECK(index_table.sizes() == selected.sizes(), op, ": index_table has shape ",
               index_table.sizes(), " but selected has ", selected.sizes());
-  TORCH_CHECK(tokens_per_unit > 0 && tokens_per_page > 0 && tokens_per_page % tokens_per_unit == 0,
-              op, ": tokens_per_unit must be positive and divide tokens_per_page");
-  TORCH_CHECK(max_inflight_tokens > 0 && window >= 0, op,
-              ": max_inflight_tokens must be positive and window non-negative (0 = none)");
-  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), op,
-              ": sinks must be non-negative, and 0 without a window (window 0)");
+  check_row_shape(tokens_per_unit, tokens_per_page, max_inflight_tokens, window, sinks, op);
   const int64_t slots = resident.size(1);
   const int64_t units_per_page = tokens_per_page / tokens_per_unit;
   TORCH_CHECK(slots > 0 && slots % units_per_page == 0, op, ": slots (", slots,
@@ -383,12 +390,7 @@ int64_t check_resolve_gpu_history(const at::Tensor& index_table, const at::Tenso
                               &gpu_pages}) {
     check_same_device(selected, *t, op, "every tensor");
   }
-  TORCH_CHECK(tokens_per_unit > 0 && tokens_per_page > 0 && tokens_per_page % tokens_per_unit == 0,
-              op, ": tokens_per_unit must be positive and divide tokens_per_page");
-  TORCH_CHECK(max_inflight_tokens > 0 && window >= 0, op,
-              ": max_inflight_tokens must be positive and window non-negative (0 = none)");
-  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), op,
-              ": sinks must be non-negative, and 0 without a window (window 0)");
+  check_row_shape(tokens_per_unit, tokens_per_page, max_inflight_tokens, window, sinks, op);
   TORCH_CHECK(write_table.size(1) >= max_inflight_tokens + tokens_per_unit - 1, op,
               ": write_table is too narrow: ", write_table.size(1),
               " columns, an in-flight range can hold ", max_inflight_tokens + tokens_per_unit - 1,
