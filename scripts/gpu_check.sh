@@ -18,7 +18,9 @@
 #   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
 #   reduce-overhead, --graph; shared_prefix.py; serve.py eager and --graph --delays; generate.py
 #   --check: both models, bf16, the absorbed kernel, --compile and --graph).
-#   SERVE=1 runs benchmarks/serve.py (P-SERVE: serve.txt, serve.json, serve.png).
+#   SERVE=1 runs benchmarks/serve.py (P-SERVE: serve.txt, serve.json, serve.png);
+#   SERVE_ARGS="--gpu-history-gb 10" gives torch_kvcm2's side GPU-resident history (RSD-1).
+#   BENCH_ONLY=P-DEMOTE runs the demotion benchmark (RSD-2) alone.
 #   ATTN=1 runs benchmarks/bench_attn.py (P-ATTN: attn.txt, attn.json; ATTN_ARGS its flags).
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only); without it the
 #   benchmarks end with benchmarks/eager_parts.py (the eager step's host time per call).

@@ -172,12 +172,13 @@ class CapturedTwins:
     ``eager_fn``. A warm-up driver makes the first launches (kernel attributes) outside any
     capture."""
 
-    def __init__(self, seed, fn=step, eager_fn=step):
-        warm = Driver("cuda", seed=1)
+    def __init__(self, seed, fn=step, eager_fn=step, gpu_history_bytes=0):
+        warm = Driver("cuda", seed=1, gpu_history_bytes=gpu_history_bytes)
         warm.batch.publish()
         fn(warm.batch, *warm.inputs())
         torch.cuda.synchronize()
-        self.eager, self.captured = Driver("cuda", seed=seed), Driver("cuda", seed=seed)
+        self.eager = Driver("cuda", seed=seed, gpu_history_bytes=gpu_history_bytes)
+        self.captured = Driver("cuda", seed=seed, gpu_history_bytes=gpu_history_bytes)
         self.eager_fn = eager_fn
         self.eager.batch.publish()
         self.captured.batch.publish()

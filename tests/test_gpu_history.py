@@ -259,3 +259,16 @@ def test_a_row_moved_after_its_promotion_reads_its_own_bytes():
         driver.batch.move(driver.caches[0], 0)
         driver.batch.publish()
     steps(8)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fn", [step, step_groups], ids=["per_group", "all_groups"])
+def test_one_captured_graph_serves_rows_moving_on_and_off_gpu_pages(fn):
+    """INT-3 with GPU-resident history: the step captured once as a CUDA graph, replayed while
+    rows move onto GPU pages and off them between replays (membership changes, pressure),
+    gives the eager twin's outputs and state bit for bit: a row's residency is device data."""
+    from stepping import CapturedTwins
+
+    twins = CapturedTwins(seed=5, fn=fn, gpu_history_bytes=20 * PAGE_BYTES)
+    twins.replay(12, churn=(2, 5, 8))
+    assert twins.captured.manager.metrics()["gpu_history"]["promotions"] > 0
