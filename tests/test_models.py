@@ -194,13 +194,18 @@ def test_a_preempted_request_continues_with_the_same_tokens(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_an_exported_request_continues_in_a_second_manager(arch, tmp_path):
+@pytest.mark.parametrize("gpu_history", [0, 4096], ids=["offload", "gpu_history"])
+def test_an_exported_request_continues_in_a_second_manager(arch, tmp_path, gpu_history):
     """Request 0 is exported mid-decode, saved, loaded and imported into another manager, where
-    it finishes while the first generator finishes the others."""
+    it finishes while the first generator finishes the others; with GPU-resident history (RSD-1)
+    it leaves GPU pages in the first and moves onto them in the second (its history copied in
+    from the host pages the import filled)."""
     model = tiny(arch, torch.float32)
     expected = uninterrupted(model)
-    first = models.Generator(model, max_rows=3, max_tokens_per_row=256)
-    second = models.Generator(model, max_rows=3, max_tokens_per_row=256)
+    first = models.Generator(model, max_rows=3, max_tokens_per_row=256,
+                             gpu_history_tokens=gpu_history)
+    second = models.Generator(model, max_rows=3, max_tokens_per_row=256,
+                              gpu_history_tokens=gpu_history)
     requests = ragged(first)
     while len(requests[0].generated) < 4:
         first.step()
@@ -210,7 +215,10 @@ def test_an_exported_request_continues_in_a_second_manager(arch, tmp_path):
         first.step()
         second.step()
     assert [r.generated for r in requests] == expected
-    assert second.metrics()["selection_groups"][models.group_id(0)]["misses"] > 0
+    if gpu_history:
+        assert second.metrics()["gpu_history"]["promotions"] > 0
+    else:
+        assert second.metrics()["selection_groups"][models.group_id(0)]["misses"] > 0
     first.close()
     second.close()
 
