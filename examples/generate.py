@@ -131,15 +131,21 @@ def load_model(args, device):
 
     dtype = DTYPES[args.dtype]
     if args.model is None:
+        # the Triton sparse MLA kernel reads the real 512 + 64 latent row; a captured decode
+        # step needs a MoE computation without host reads (models.tiny.CAPTURABLE_EXPERTS)
+        shape = models.tiny.REAL_LATENT if args.kernel == "sparse_mla" else {}
+        experts = models.tiny.CAPTURABLE_EXPERTS if args.graph else None
         model = models.tiny_model(args.arch, dtype=dtype, seed=args.seed,
-                                  attn_implementation=args.attn, device=device)
+                                  attn_implementation=args.attn, device=device,
+                                  experts_implementation=experts, **shape)
         name = {"v32": "DeepSeek-V3.2", "glm": "GLM-MoE-DSA"}[args.arch] + " tiny random"
         return model, name
     transformers = models.import_transformers()
     config = transformers.AutoConfig.from_pretrained(args.model, local_files_only=True)
     cls = models.tiny.model_class(config)
+    extra = {"experts_implementation": models.tiny.CAPTURABLE_EXPERTS} if args.graph else {}
     model = cls.from_pretrained(args.model, local_files_only=True, dtype=dtype,
-                                attn_implementation=args.attn).to(device).eval()
+                                attn_implementation=args.attn, **extra).to(device).eval()
     return model, f"{cls.__name__} from {args.model}"
 
 

@@ -788,9 +788,11 @@ def test_mtp_captured_step_equals_eager():
 
         graph = None
         if captured:
+            # the snapshot first: the side stream waits only for work queued before wait_stream,
+            # so a clone queued after it could read what the warm-up already changed
+            snapshot = [t.clone() for t in (state.resident, state.recency, state.counters)]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            snapshot = [t.clone() for t in (state.resident, state.recency, state.counters)]
             with torch.cuda.stream(stream):  # warm-up outside capture, then undone
                 selected.copy_(sels[0])
                 step()

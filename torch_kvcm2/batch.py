@@ -317,8 +317,8 @@ class Batch:
         token's entry for it is the same. The batch's own tables for every T' share one address
         (fixed, BAT-1); T' is part of the shape, so a captured graph serves one T'."""
         step = self._step
-        index = self._group_index.get(group) if group.__class__ in (int, str) else None
-        if fetch.__class__ is not bool:
+        index = self._group_index.get(group) if isinstance(group, (int, str)) else None
+        if not isinstance(fetch, bool):
             raise TypeError(f"Batch.resolve: fetch must be True (every layer of the group) or "
                             f"False, got {fetch!r}")
         if index is not None and out is None and self._bound(selected,
@@ -360,7 +360,7 @@ class Batch:
                             f"{type(selected).__name__}"
                             + (f" of {len(selected)}" if isinstance(selected, (list, tuple))
                                else ""))
-        if fetch.__class__ is not bool:
+        if not isinstance(fetch, bool):
             raise TypeError(f"Batch.resolve_groups: fetch must be True or False, got {fetch!r}")
         if all(self._bound(t, shape) for t, shape in zip(selected, step.selection_shapes)):
             step.resolve_groups_bound(list(selected), fetch)  # the bound arguments
@@ -407,7 +407,7 @@ class Batch:
         RuntimeError; a traced call cannot tell). Into an ``out`` the ``write_indices`` op
         computes them now, from the lengths and residency the device holds."""
         step = self._step
-        index = self._group_index.get(group) if group.__class__ in (int, str) else None
+        index = self._group_index.get(group) if isinstance(group, (int, str)) else None
         if (index is not None and out is None and not torch.compiler.is_compiling()
                 and step.write_tables_current(index) and self._table.ready):
             state = self.groups[index]  # after this step's resolve: its tables

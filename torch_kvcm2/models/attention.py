@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import types
 
+from .layout import group_id, layer_name
 from .support import describe
 
 _MARK = "_torch_kvcm2_sparse_forward"
@@ -27,8 +28,11 @@ def install(model, allow_untested: bool = False):
     class keeps its forward). Returns the model's ``ModelSpec``; raises what ``describe``
     raises for an unsupported model or transformers version."""
     spec = describe(model, allow_untested)
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         attention = layer.self_attn
+        # constants the cache reads per layer (dsa_cache.module_layer)
+        attention._torch_kvcm2_layer = (layer_name(i), group_id(spec.leader[i]),
+                                        spec.leader[i] == i)
         if getattr(attention, _MARK, False):
             continue
         attention.forward = types.MethodType(_sparse_forward, attention)
@@ -61,6 +65,7 @@ def _sparse_forward(self, hidden_states, position_embeddings, attention_mask,
     q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
 
     if self.indexer is not None:  # the stock indexer; its keys live in the dense pool
+        past_key_values.indexing = self._torch_kvcm2_layer[0]
         topk = self.indexer(hidden_states, q_resid, position_embeddings, attention_mask[:, 0],
                             position_ids, past_key_values=past_key_values)
     elif prev_topk_indices is None:

@@ -134,6 +134,7 @@ class SparseMLACache:
         self._decode_kernel = _load_kernel(kernel)
         self.step: Optional[StepState] = None
         self._groups = {}  # group id -> (index table, selected positions) of this step
+        self.indexing = layer_name(0)  # the layer whose indexer runs (attention.py sets it)
         self._kept = {}  # (S, T) -> the step's tensors with fixed addresses (static_length)
         from .attention import install
         install(model)
@@ -255,11 +256,13 @@ class SparseMLACache:
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0
 
-    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    def update_indexer(self, keys: torch.Tensor, layer_idx) -> torch.Tensor:
         """The indexer's cache call: write ``keys`` [R, S, D] (the step's tokens) into the dense
         pool and return every position's key [R, T, D] read back from it (zeros past a row's
         capacity)."""
-        name, step, batch = layer_name(layer_idx), self.step, self.batch
+        # the layer whose attention forward runs this indexer (it names it before the call:
+        # the stock indexer passes its layer_idx, which a compiled step may see symbolic)
+        name, step, batch = self.indexing, self.step, self.batch
         pages = self.manager.buffer_view(name, INDEXER_KEYS)
         index = batch.host_token_indices(name, INDEXER_KEYS, step.positions)
         write_rows(pages, index.flatten(), keys.reshape(-1, keys.shape[-1]).to(self.dtype))
@@ -271,11 +274,11 @@ class SparseMLACache:
         """Resolve the decode rows' selection and fetch it into every layer of the group."""
         return self.batch.resolve(group, selected, fetch=True)
 
-    def write_latents(self, layer: int, latents: torch.Tensor, table: torch.Tensor,
+    def write_latents(self, name: str, latents: torch.Tensor, table: torch.Tensor,
                       start: torch.Tensor) -> None:
         """The step's latents [R, S, C]: positions below a row's in-flight ``start`` straight to
         host pages, the rest into the cells at ``table`` (``Batch.write_indices``)."""
-        name, positions, batch = layer_name(layer), self.step.positions, self.batch
+        positions, batch = self.step.positions, self.batch
         flat = latents.reshape(-1, latents.shape[-1])
         if self.step.any_prefill:
             host = torch.where(positions < start[:, None], positions, BAD)
@@ -293,10 +296,9 @@ class SparseMLACache:
         rope], the indexer's ``topk`` int32[R, S, k]. Returns the attention output [R, S, H,
         v_head_dim] (before ``o_proj``)."""
         spec, step, batch = self.spec, self.step, self.batch
-        layer = module.layer_idx
-        group = group_id(spec.leader[layer])
+        name, group, leads = module_layer(module)
         chosen = step.allowed.gather(-1, topk.long())  # the selection within the causal mask
-        if layer == spec.leader[layer]:
+        if leads:
             decode = chosen[:, 0] & step.decode_row[:, None]
             selected = torch.where(decode, topk[:, 0], BAD)
             width = spec.index_topk
@@ -308,8 +310,8 @@ class SparseMLACache:
             self._groups[group] = (index, selected, table, start)
         index, selected, table, start = self._groups[group]
         latents = torch.cat([k_pass[:, 0], k_rot[:, 0]], dim=-1)  # [R, S, C]
-        self.write_latents(layer, latents, table, start)
-        cells = batch.cells(layer_name(layer), LATENT)
+        self.write_latents(name, latents, table, start)
+        cells = batch.cells(name, LATENT)
         if self.mode == "absorbed" and not step.any_prefill:
             return self._absorbed(module, q_pass, q_rot, cells, index)
         out = self._dense(module, q_pass, q_rot, latents, topk, chosen, cells, index, selected,
@@ -339,7 +341,7 @@ class SparseMLACache:
             history = (chosen & step.prefill_row[:, None, None]
                        & (topk < step.history[:, None, None]))
             wanted = torch.where(history, topk, BAD).flatten(1)
-            name = layer_name(module.layer_idx)
+            name = module_layer(module)[0]
             host = self.batch.host_token_indices(name, LATENT, wanted)
             place(torch.where(host >= 0, wanted, T),
                   read_rows(self.manager.buffer_view(name, LATENT), host, self.dtype))
@@ -373,6 +375,13 @@ class SparseMLACache:
             out_latent = torch.einsum("rhk,rkc->rhc", weights, picked[..., :L])
         out = torch.einsum("rhc,hvc->rhv", out_latent, weight[:, nope:].float())
         return out.to(self.dtype)[:, None]
+
+
+def module_layer(module) -> tuple:
+    """(torch_kvcm2 layer name, selection group id, whether the layer's own indexer selects)
+    of an attention module, as ``attention.install`` recorded them: strings and a bool, which
+    a compiled step reads as constants (a module's ``layer_idx`` may be traced symbolic)."""
+    return module._torch_kvcm2_layer
 
 
 def stock_attention(module, q_pass, q_rot, k_pass, k_rot, topk, attention_mask, kwargs):

@@ -324,8 +324,10 @@ class Generator:
 
     def capture_decode(self) -> None:
         """Replay decode-only steps as one CUDA graph (model forward, cache work, flush and
-        advance), captured at the first decode step after this call; needs ``static_length``
-        and a CUDA device."""
+        advance), captured at the first decode step after this call; needs ``static_length``,
+        a CUDA device and a MoE computation without host reads (a model built with
+        ``experts_implementation="batched_mm"``: transformers' "grouped_mm" reads its expert
+        offsets on the host in fp32, which a capture refuses)."""
         if self.device.type != "cuda":
             raise RuntimeError("Generator.capture_decode: CUDA graphs need a CUDA device")
         if self.cache.static_length is None:
@@ -341,9 +343,20 @@ class Generator:
                     return self._decode_body(inputs["input_ids"], inputs["position_ids"],
                                              inputs["attention_mask"])
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    state["logits"] = self._decode_body(
-                        inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"])
+                try:
+                    with torch.cuda.graph(graph):
+                        state["logits"] = self._decode_body(
+                            inputs["input_ids"], inputs["position_ids"],
+                            inputs["attention_mask"])
+                except RuntimeError as error:
+                    experts = getattr(self.model.config, "_experts_implementation", None)
+                    if "during CUDA graph capture" in str(error) and experts != "batched_mm":
+                        raise RuntimeError(
+                            f"Generator.capture_decode: the model's forward copies between "
+                            f"host and device during the capture (its MoE computation is "
+                            f"{experts!r}); build the model with "
+                            f"experts_implementation='batched_mm'") from error
+                    raise
             graph.replay()
             self.batch.record_advance()
             return state["logits"]

@@ -52,7 +52,7 @@ def _chunks(tokens: Sequence[int], chunk: int):
 
 def stock_request_logits(model, prompt: Sequence[int], generated: Sequence[int],
                          prefill_chunk: int) -> torch.Tensor:
-    """float32[len(generated), V]: the stock model's logits at each point where a run sampled
+    """float32[len(generated), V] on the CPU: the stock model's logits at each point where a run sampled
     ``generated`` from ``prompt`` -- the prompt's last token (prefilled in chunks of
     ``prefill_chunk``), then each generated token but the last, fed one at a time."""
     device = next(model.parameters()).device
@@ -66,12 +66,12 @@ def stock_request_logits(model, prompt: Sequence[int], generated: Sequence[int],
             hidden = model.model(input_ids=torch.tensor([[token]], device=device),
                                  past_key_values=cache, use_cache=True).last_hidden_state
             rows.append(last_logits(model, hidden, [1]))
-    return torch.cat(rows).float()
+    return torch.cat(rows).float().cpu()
 
 
 def stock_batch_logits(model, prompts: torch.Tensor, generated: torch.Tensor,
                        prefill_chunk: int) -> torch.Tensor:
-    """[steps, R, V] in the model's dtype: the stock model over a batch of equal-length ``prompts``
+    """[steps, R, V] in the model's dtype, on the CPU (where a run records its logits): the stock model over a batch of equal-length ``prompts``
     [R, L] prefilled in chunks, then teacher-forced on ``generated`` [R, steps] (a run's
     sampled tokens), the logits at each sampling point."""
     device = next(model.parameters()).device
@@ -88,7 +88,7 @@ def stock_batch_logits(model, prompts: torch.Tensor, generated: torch.Tensor,
             hidden = model.model(input_ids=generated[:, i:i + 1], past_key_values=cache,
                                  use_cache=True).last_hidden_state
             steps.append(last_logits(model, hidden, [1] * R))
-    return torch.stack(steps)
+    return torch.stack(steps).cpu()
 
 
 @dataclass

@@ -20,6 +20,16 @@ TINY = dict(
     bos_token_id=0, eos_token_id=1, pad_token_id=None)
 
 
+#: the real models' latent row (512 + 64) and indexer key (128): the shape the Triton sparse MLA
+#: decode kernel reads (``sparse_mla``), for a tiny model that runs it
+REAL_LATENT = dict(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+
+#: transformers' MoE computation a captured decode step needs: "grouped_mm" reads its expert
+#: offsets on the host in fp32 on an H100 with torch 2.11 (a copy the capture refuses), while
+#: "batched_mm" gathers each token's expert weights on the device
+CAPTURABLE_EXPERTS = "batched_mm"
+
+
 def tiny_config(arch: str = "v32", **overrides):
     """The tiny config of ``arch`` ("v32": DeepSeek-V3.2; "glm": GLM-MoE-DSA, whose odd layers
     share the previous layer's indexer), with ``overrides`` applied."""
@@ -48,12 +58,16 @@ def model_class(config):
 
 
 def tiny_model(arch: str = "v32", dtype=None, seed: int = 0, attn_implementation: str = "sdpa",
-               device="cpu", **overrides):
-    """A tiny random model of ``arch`` with weights from ``seed``, in eval mode."""
+               device="cpu", experts_implementation=None, **overrides):
+    """A tiny random model of ``arch`` with weights from ``seed``, in eval mode;
+    ``experts_implementation`` names transformers' MoE computation (None: its default;
+    ``CAPTURABLE_EXPERTS`` for a decode step captured as a CUDA graph)."""
     import torch
 
     config = tiny_config(arch, **overrides)
     config._attn_implementation = attn_implementation
+    if experts_implementation is not None:
+        config._experts_implementation = experts_implementation
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)(config)
