@@ -1,6 +1,7 @@
-"""Batched generation of a DeepSeek-V3.2 or GLM-5 (GLM-MoE-DSA) model -- transformers' own model
-definitions -- through torch_kvcm2, with every layer's sparse history (the 512 + 64 latent of the
-real models) in host pages and each request's selected tokens in GPU cells (MOD-5).
+"""Batched generation of a DeepSeek-V3.2, GLM-5 (GLM-MoE-DSA) or DeepSeek-V4 model --
+transformers' own model definitions -- through torch_kvcm2, with every layer's sparse history (the
+512 + 64 latent of the real models; V4's compressed sparse attention entries) in host pages and
+each request's selected tokens (entries) in GPU cells (MOD-5, STR-1).
 
 By default a tiny random model built from an embedded config (no download); ``--model DIR``
 loads a local checkpoint directory instead. Requests of different prompt lengths join at
@@ -16,6 +17,7 @@ logit further off than the dtype's tolerance (docs/MODELS.md says what is exact 
     python examples/generate.py --mode absorbed       # MLA weight absorption over the K selected
     python examples/generate.py --compile             # decode steps under torch.compile(fullgraph)
     python examples/generate.py --graph               # decode steps replayed as a CUDA graph (GPU)
+    python examples/generate.py --arch v4 --check     # tiny DeepSeek-V4: CSA entries in host pages
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def positive_list(text: str) -> list:
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--arch", choices=("v32", "glm"), default="v32",
+    p.add_argument("--arch", choices=("v32", "glm", "v4"), default="v32",
                    help="the tiny random model: DeepSeek-V3.2 or GLM-MoE-DSA (not with --model)")
     p.add_argument("--model", metavar="DIR", default=None,
                    help="a local checkpoint directory of a DeepseekV32ForCausalLM or "
@@ -121,6 +123,13 @@ def parse(argv):
                 f"add --mode absorbed")
     if args.compile and args.graph:
         p.error("argument --graph: not allowed with argument --compile")
+    if args.arch == "v4":  # eager scatter-back over its streams (torch_kvcm2/models/v4.py)
+        for flag, on in (("--mode absorbed", args.mode != "scatter"),
+                         ("--kernel", args.kernel != "torch"), ("--compile", args.compile),
+                         ("--graph", args.graph), ("--gpu-history", args.gpu_history),
+                         ("--model", args.model is not None)):
+            if on:
+                p.error(f"argument {flag.split()[0]}: not supported with --arch v4")
     if args.model is not None and not os.path.isdir(args.model):
         p.error(f"argument --model: {args.model!r} is not a directory")
     return p, args
@@ -138,7 +147,8 @@ def load_model(args, device):
         model = models.tiny_model(args.arch, dtype=dtype, seed=args.seed,
                                   attn_implementation=args.attn, device=device,
                                   experts_implementation=experts, **shape)
-        name = {"v32": "DeepSeek-V3.2", "glm": "GLM-MoE-DSA"}[args.arch] + " tiny random"
+        name = {"v32": "DeepSeek-V3.2", "glm": "GLM-MoE-DSA",
+                "v4": "DeepSeek-V4"}[args.arch] + " tiny random"
         return model, name
     transformers = models.import_transformers()
     config = transformers.AutoConfig.from_pretrained(args.model, local_files_only=True)
@@ -151,9 +161,14 @@ def load_model(args, device):
 
 def report(gen, model_name, args, wall):
     spec = gen.spec
-    print(f"device {gen.device.type}: {model_name} ({spec.num_layers} layers, {spec.num_heads} "
-          f"heads, latent {spec.kv_lora_rank} + {spec.rope_dim}, top-{spec.index_topk}, "
-          f"{len(spec.leaders)} indexer(s)), {args.dtype}, {args.mode} mode, "
+    if spec.arch == "v4":
+        shape = (f"layers {' '.join(t.split('_')[0] for t in spec.layer_types)}, window "
+                 f"{spec.sliding_window}, entries of {spec.head_dim} per {spec.csa_rate} / "
+                 f"{spec.hca_rate} tokens, top-{spec.index_topk} entries")
+    else:
+        shape = (f"{spec.num_layers} layers, {spec.num_heads} heads, latent {spec.kv_lora_rank} "
+                 f"+ {spec.rope_dim}, top-{spec.index_topk}, {len(spec.leaders)} indexer(s)")
+    print(f"device {gen.device.type}: {model_name} ({shape}), {args.dtype}, {args.mode} mode, "
           f"{len(gen.requests)} request(s) on {gen.batch.max_rows} row(s), prefill chunks of "
           f"{args.prefill_chunk}, {'sampled' if args.sample else 'greedy'}")
     for req in gen.requests:

@@ -104,18 +104,24 @@ class Generator:
         if temperature <= 0:
             raise ValueError(f"Generator: temperature must be > 0, got {temperature}")
         self.model = model
-        self.spec = install(model, allow_untested)
         device = next(model.parameters()).device
-        self.config = cache_config(self.spec, max_rows=max_rows,
-                                   max_tokens_per_row=max_tokens_per_row,
-                                   tokens_per_page=tokens_per_page, hot_tokens=hot_tokens,
-                                   device=device, host_tier_bytes=host_tier_bytes,
-                                   gpu_history_tokens=gpu_history_tokens)
-        self.manager = kv.KVCacheManager(self.config, host_tier_bytes=host_tier_bytes)
-        self.batch = kv.Batch(self.manager)
+        if type(model).__name__ == "DeepseekV4ForCausalLM":
+            self._build_v4(model, max_rows, max_tokens_per_row, mode, hot_tokens, tokens_per_page,
+                           host_tier_bytes, gpu_history_tokens, static_length, kernel, device,
+                           allow_untested)
+        else:
+            self.spec = install(model, allow_untested)
+            self.config = cache_config(self.spec, max_rows=max_rows,
+                                       max_tokens_per_row=max_tokens_per_row,
+                                       tokens_per_page=tokens_per_page, hot_tokens=hot_tokens,
+                                       device=device, host_tier_bytes=host_tier_bytes,
+                                       gpu_history_tokens=gpu_history_tokens)
+            self.manager = kv.KVCacheManager(self.config, host_tier_bytes=host_tier_bytes)
+            self.batch = kv.Batch(self.manager)
+            self.cache = SparseMLACache(model, self.batch, mode=mode, kernel=kernel,
+                                        static_length=static_length,
+                                        allow_untested=allow_untested)
         self._tier = host_tier_bytes > 0
-        self.cache = SparseMLACache(model, self.batch, mode=mode, kernel=kernel,
-                                    static_length=static_length, allow_untested=allow_untested)
         self.device = device
         self.prefill_chunk, self.sample, self.temperature = prefill_chunk, sample, temperature
         self.seed, self.record_logits, self.eos_token_id = seed, record_logits, eos_token_id
@@ -127,6 +133,32 @@ class Generator:
         self._decode = None  # a compiled or captured decode step
         self._decode_kind = "eager"
         self._setup_steps = 0  # decode steps that compile or capture: timed apart
+
+    def _build_v4(self, model, max_rows, max_tokens_per_row, mode, hot_tokens, tokens_per_page,
+                  host_tier_bytes, gpu_history_tokens, static_length, kernel, device,
+                  allow_untested) -> None:
+        """DeepSeek-V4: a manager per stream rate (``torch_kvcm2.streams``) and ``V4Cache``;
+        ``hot_tokens`` are cell slots in entries. Its attention runs eagerly, scatter-back."""
+        from torch_kvcm2.streams import StreamBatch, StreamSet
+
+        from .v4 import V4Cache, describe_v4, stream_configs
+
+        unsupported = [name for name, off in (("mode", mode == "scatter"),
+                                              ("kernel", kernel is None),
+                                              ("static_length", static_length is None),
+                                              ("gpu_history_tokens", not gpu_history_tokens))
+                       if not off]
+        if unsupported:
+            raise ValueError(f"Generator: {', '.join(unsupported)} not supported for "
+                             f"DeepSeek-V4 (eager scatter-back attention over its streams)")
+        self.spec = describe_v4(model, allow_untested)
+        configs = stream_configs(self.spec, max_rows=max_rows,
+                                 max_tokens_per_row=max_tokens_per_row, hot_entries=hot_tokens,
+                                 tokens_per_page=tokens_per_page, device=device)
+        self.manager = StreamSet(configs, host_tier_bytes=host_tier_bytes)
+        self.config = self.manager.config
+        self.batch = StreamBatch(self.manager)
+        self.cache = V4Cache(model, self.batch, allow_untested)
 
     # ---- requests ----
     def submit(self, prompt: Sequence[int], max_new_tokens: int, arrival: int = 0) -> Request:
@@ -308,6 +340,7 @@ class Generator:
     def compile_decode(self, **options) -> None:
         """Run decode-only steps through ``torch.compile(fullgraph=True)`` of the model's forward
         with the cache work and the step's end (``finish_step``); needs ``static_length``."""
+        self._check_fixed_shapes("compile_decode")
         if self.cache.static_length is None:
             raise ValueError("Generator.compile_decode: build the generator with static_length "
                              "(one key length for every decode step)")
@@ -328,6 +361,7 @@ class Generator:
         a CUDA device and a MoE computation without host reads (a model built with
         ``experts_implementation="batched_mm"``: transformers' "grouped_mm" reads its expert
         offsets on the host in fp32, which a capture refuses)."""
+        self._check_fixed_shapes("capture_decode")
         if self.device.type != "cuda":
             raise RuntimeError("Generator.capture_decode: CUDA graphs need a CUDA device")
         if self.cache.static_length is None:
@@ -362,6 +396,12 @@ class Generator:
             return state["logits"]
 
         self._decode, self._decode_kind, self._setup_steps = decode, "graph", 2
+
+    def _check_fixed_shapes(self, what: str) -> None:
+        if self.spec.arch == "v4":
+            raise ValueError(f"Generator.{what}: DeepSeek-V4 runs eagerly (transformers declares "
+                             f"no fullgraph compile for it, and its steps change shape as "
+                             f"windows close)")
 
     def _decode_body(self, input_ids, position_ids, attention_mask):
         hidden = self.model.model(input_ids=input_ids, position_ids=position_ids,

@@ -1,0 +1,329 @@
+"""Streams with a compression rate (STR-1, STR-2; docs/DESIGN.md "Streams with a compression
+rate"): a request that owns several streams growing at different rates.
+
+A stream of rate r holds one *entry* per r tokens, written when an r-token window closes
+(DeepSeek-V4: compressed sparse attention at r = 4, heavily compressed attention at r = 128;
+the raw tokens and the compressor's per-token projections at r = 1). Its length is derived from
+the request's token count, never set on its own:
+
+* history ``floor(h / r) * r`` tokens: the closed windows' entries;
+* capacity ``floor(h / r) * r`` while nothing is in flight, else ``max(floor(c / r), floor(h /
+  r) + 1) * r``: the entries of the windows the step's tokens close, and at least the open
+  window's entry, which is in flight (its cell or page is reserved) until the token that
+  closes it arrives.
+
+An entry of rate r is stored as r token rows of ``entry_bytes / r`` bytes each, so lengths,
+pages, flush, export and admission all count *tokens* exactly as for a rate-1 stream, and an
+entry is one unit (``SparseSpec.tokens_per_unit = r``) of a sparse stream: resolve selects
+entries, a cell slot holds one, and its r rows are written together when its window closes
+(the in-flight unit) and flushed together when history passes them.
+
+One ``KVCacheManager`` per rate (as a hybrid allocator keeps one KV-cache group per spec): its
+config lists the layers of that rate, each with its buffers' bytes per token row. ``StreamSet``
+holds the managers, ``StreamRequest`` a request's cache in each and ``StreamBatch`` a batch in
+each, with the same row for a request in every one; their methods take and report the request's
+*token* lengths and derive each stream's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import numpy as np
+import torch
+
+from .batch import Batch
+from .cache import KVCache
+from .config import CacheConfig
+from .manager import KVCacheManager
+from .transfer import CacheRecord
+
+
+def stream_history(history: int, rate: int) -> int:
+    """Tokens of a rate-``rate`` stream's closed windows at a request history of ``history``."""
+    return history // rate * rate
+
+
+def stream_capacity(history: int, capacity: int, rate: int) -> int:
+    """A rate-``rate`` stream's capacity for request lengths (``history``, ``capacity``): its
+    history while nothing is in flight, else through the windows the tokens up to ``capacity``
+    close and at least the open window (module docstring)."""
+    if capacity <= history:
+        return stream_history(history, rate)
+    return max(capacity // rate, history // rate + 1) * rate
+
+
+def stream_max_tokens(max_tokens_per_row: int, rate: int) -> int:
+    """The ``max_tokens_per_row`` a rate-``rate`` stream's config needs for requests of up to
+    ``max_tokens_per_row`` tokens (its open window's entry can reach one window past them)."""
+    return (max_tokens_per_row // rate + 1) * rate if rate > 1 else max_tokens_per_row
+
+
+def _check_configs(configs: Mapping[int, CacheConfig]) -> dict:
+    if not isinstance(configs, Mapping) or not configs:
+        raise ValueError("StreamSet: configs must map each rate to a CacheConfig")
+    rates = sorted(configs)
+    if 1 not in rates:
+        raise ValueError("STR-1: a StreamSet needs a rate-1 stream (the request's tokens, whose "
+                         "lengths every other stream derives from)")
+    base = configs[1]
+    for rate in rates:
+        config = configs[rate]
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+            raise ValueError(f"STR-1: a rate must be a positive int, got {rate!r}")
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"StreamSet: configs[{rate}] must be a CacheConfig")
+        if config.device != base.device:
+            raise ValueError(f"StreamSet: every stream's device must be {base.device}, "
+                             f"configs[{rate}] has {config.device}")
+        if config.max_rows != base.max_rows:
+            raise ValueError(f"StreamSet: every stream's max_rows must be {base.max_rows}, "
+                             f"configs[{rate}] has {config.max_rows}")
+        if rate == 1:
+            continue
+        if config.tokens_per_page % rate:
+            raise ValueError(f"STR-1: stream rate {rate}: tokens_per_page "
+                             f"({config.tokens_per_page}) must be a multiple of the rate (an "
+                             f"entry's {rate} token rows on one page)")
+        need = stream_max_tokens(base.max_tokens_per_row, rate)
+        if config.max_tokens_per_row < need:
+            raise ValueError(f"STR-1: stream rate {rate}: max_tokens_per_row must be at least "
+                             f"{need} for requests of {base.max_tokens_per_row} tokens "
+                             f"(stream_max_tokens), got {config.max_tokens_per_row}")
+        for layer in config.layers:
+            sp = layer.sparse
+            if layer.sparse_buffers and (sp.tokens_per_unit != rate
+                                         or sp.max_inflight_tokens < rate):
+                raise ValueError(f"STR-1: stream rate {rate}: sparse layer {layer.name!r} needs "
+                                 f"tokens_per_unit = {rate} (one entry per unit) and "
+                                 f"max_inflight_tokens >= {rate}, got {sp.tokens_per_unit} and "
+                                 f"{sp.max_inflight_tokens}")
+            if layer.window is not None:
+                raise ValueError(f"STR-1: stream rate {rate}: layer {layer.name!r} has a window; "
+                                 f"windows are rate-1 streams")
+    return {rate: configs[rate] for rate in rates}
+
+
+@dataclass
+class StreamRecord:
+    """``StreamRequest.export()``: one ``CacheRecord`` per rate and the token history."""
+
+    history: int
+    records: dict
+
+    @property
+    def history_length(self) -> int:
+        return self.history
+
+
+class StreamSet:
+    """One ``KVCacheManager`` per rate (``configs``: rate -> ``CacheConfig``, rate 1 required);
+    ``host_tier_bytes`` goes to each manager. The manager-like face of a request with several
+    streams: ``can_fit``, ``create_cache``, ``import_cache``, ``metrics``, ``close``."""
+
+    def __init__(self, configs: Mapping[int, CacheConfig], *, host_tier_bytes: int = 0):
+        configs = _check_configs(configs)
+        self.rates = tuple(configs)
+        self.managers = {}
+        try:
+            for rate, config in configs.items():
+                self.managers[rate] = KVCacheManager(config, host_tier_bytes=host_tier_bytes)
+        except Exception:
+            self.close()
+            raise
+        self.config = configs[1]
+
+    @property
+    def max_tokens_per_row(self) -> int:
+        return self.config.max_tokens_per_row
+
+    def can_fit(self, tokens: int, count: int = 1) -> bool:
+        """Whether ``count`` new requests of ``tokens`` tokens fit every stream's pools now."""
+        return all(manager.can_fit(stream_capacity(0, tokens, rate), count)
+                   for rate, manager in self.managers.items())
+
+    def create_cache(self) -> "StreamRequest":
+        return StreamRequest(self, {rate: m.create_cache() for rate, m in self.managers.items()})
+
+    def import_cache(self, record: StreamRecord) -> Optional["StreamRequest"]:
+        """A request equal to the one ``record`` was exported from, or None (nothing kept)
+        when a stream's pools cannot take it."""
+        if not isinstance(record, StreamRecord) or set(record.records) != set(self.rates):
+            raise ValueError(f"StreamSet.import_cache: a StreamRecord of rates {self.rates} "
+                             f"expected")
+        caches = {}
+        for rate, manager in self.managers.items():
+            cache = manager.import_cache(record.records[rate])
+            if cache is None:
+                for made in caches.values():
+                    made.close()
+                return None
+            caches[rate] = cache
+        return StreamRequest(self, caches)
+
+    def metrics(self) -> dict:
+        """The rate-1 manager's ``metrics()`` (docs/METRICS.md), with every stream's selection
+        groups and its bytes flushed and written straight to host pages added in; each other
+        stream's own under ``streams[rate]``."""
+        m = self.managers[1].metrics()
+        m["streams"] = {rate: self.managers[rate].metrics() for rate in self.rates if rate > 1}
+        for sub in m["streams"].values():
+            m["selection_groups"].update(sub["selection_groups"])
+            m["flushed_bytes"] += sub["flushed_bytes"]
+            m["host_direct_bytes"] += sub["host_direct_bytes"]
+        return m
+
+    def close(self) -> None:
+        for manager in self.managers.values():
+            manager.close()
+
+
+class StreamRequest:
+    """A request's cache in every stream. ``history_length`` and ``capacity`` are in tokens
+    (the rate-1 stream's); ``capacity`` is -1 while a stream's lengths are not the ones these
+    derive (an advance that was cut short at its pages), which makes a caller resize."""
+
+    def __init__(self, streams: StreamSet, caches: dict):
+        self.streams, self.caches = streams, caches
+
+    @property
+    def history_length(self) -> int:
+        return self.caches[1].history_length
+
+    @property
+    def capacity(self) -> int:
+        h, c = self.caches[1].history_length, self.caches[1].capacity
+        for rate, cache in self.caches.items():
+            if (cache.history_length != stream_history(h, rate)
+                    or cache.capacity != stream_capacity(h, c, rate)):
+                return -1
+        return c
+
+    def lengths(self, rate: int) -> tuple:
+        cache = self.caches[rate]
+        return cache.history_length, cache.capacity
+
+    def resize(self, capacity: int) -> bool:
+        """Every stream to the capacity derived from ``capacity`` tokens; False with nothing
+        changed when a stream's pools cannot supply its pages."""
+        h = self.history_length
+        before = {rate: cache.capacity for rate, cache in self.caches.items()}
+        for rate, cache in self.caches.items():
+            if not cache.resize(capacity=stream_capacity(h, capacity, rate)):
+                for done, old in before.items():
+                    if done == rate:
+                        break
+                    self.caches[done].resize(capacity=old)
+                return False
+        return True
+
+    def suspend(self, offload: Optional[bool] = None) -> bool:
+        """``KVCache.suspend`` of every stream, after taking each stream's open window out of
+        flight (nothing of it is written before its window closes)."""
+        self.resize(capacity=self.history_length)
+        done = []
+        for cache in self.caches.values():
+            if not cache.suspend(offload):
+                for other in done:
+                    other.resume()
+                return False
+            done.append(cache)
+        return True
+
+    def resume(self) -> bool:
+        done = []
+        for cache in self.caches.values():
+            if not cache.resume():
+                for other in done:
+                    other.suspend(False)
+                return False
+            done.append(cache)
+        return True
+
+    def export(self) -> StreamRecord:
+        self.resize(capacity=self.history_length)
+        return StreamRecord(self.history_length,
+                            {rate: cache.export() for rate, cache in self.caches.items()})
+
+    def close(self) -> None:
+        for cache in self.caches.values():
+            cache.close()
+
+    def __repr__(self):
+        return (f"StreamRequest(history {self.history_length}, streams "
+                f"{ {rate: self.lengths(rate) for rate in self.caches} })")
+
+
+class StreamBatch:
+    """A ``Batch`` per stream over a ``StreamSet``'s managers, a request at the same row in
+    each. The batch-like face the models' generator uses: ``add``, ``remove``, ``members``,
+    ``resize_rows`` (token capacities), ``publish``, ``finish_step`` (token counts),
+    ``poll``, ``close``; ``batches[rate]`` is each stream's ``Batch``."""
+
+    def __init__(self, streams: StreamSet, max_rows: Optional[int] = None):
+        self.streams = streams
+        self.batches = {rate: Batch(m, max_rows) for rate, m in streams.managers.items()}
+        self.max_rows = self.batches[1].max_rows
+        self.config = streams.config
+        self._members: dict = {}
+
+    def add(self, request: StreamRequest) -> int:
+        rows = {rate: self.batches[rate].add(cache) for rate, cache in request.caches.items()}
+        row = rows[1]
+        if any(r != row for r in rows.values()):  # the batches' rows move in lockstep
+            raise RuntimeError(f"StreamBatch.add: streams seated at different rows {rows}")
+        self._members[row] = request
+        return row
+
+    def remove(self, request: StreamRequest, discard: bool = False) -> None:
+        for rate, cache in request.caches.items():
+            self.batches[rate].remove(cache, discard)
+        self._members = {row: r for row, r in self._members.items() if r is not request}
+
+    def members(self) -> dict:
+        return dict(self._members)
+
+    def resize_rows(self, rows, capacity) -> list:
+        """``StreamRequest.resize`` of many rows: each stream's ``Batch.resize_rows`` with the
+        capacities derived from the token ``capacity``; a row that fails in one stream is put
+        back in the others. Returns the rows that failed."""
+        rows = list(rows)
+        capacity = np.asarray(capacity, dtype=np.int64)
+        history = np.array([self._members[row].history_length for row in rows], dtype=np.int64)
+        moving = capacity > history
+        failed, done = set(), []
+        for rate, batch in self.batches.items():
+            before = [self._members[row].caches[rate].capacity for row in rows]
+            target = np.where(moving, np.maximum(capacity // rate, history // rate + 1) * rate,
+                              history // rate * rate)
+            failed.update(batch.resize_rows(rows, capacity=target))
+            done.append((batch, before))
+        if failed:
+            back = [i for i, row in enumerate(rows) if row in failed]
+            for batch, before in done:
+                batch.resize_rows([rows[i] for i in back], capacity=[before[i] for i in back])
+        return sorted(failed)
+
+    def publish(self) -> None:
+        for batch in self.batches.values():
+            batch.publish()
+
+    def finish_step(self, history, accepted, host_writes: bool = False) -> None:
+        """Each stream's ``Batch.finish_step`` with the tokens its history advances by:
+        ``history`` and ``accepted`` int[max_rows] on the host, the rows' token histories
+        before the step and the tokens each accepts."""
+        history = np.asarray(history, dtype=np.int64)
+        accepted = np.asarray(accepted, dtype=np.int64)
+        device = self.config.device
+        for rate, batch in self.batches.items():
+            moved = (history + accepted) // rate * rate - history // rate * rate
+            batch.finish_step(torch.from_numpy(moved.astype(np.int32)).to(device),
+                              host_writes=host_writes)
+
+    def poll(self) -> None:
+        for batch in self.batches.values():
+            batch.poll()
+
+    def close(self, discard: bool = False) -> None:
+        for batch in self.batches.values():
+            batch.close(discard=discard)
