@@ -107,18 +107,25 @@ class CacheRecord:
 
     def save(self, path) -> None:
         """Write the record to ``path`` (plain tensors, ints, strs, lists and dicts only)."""
-        torch.save({"format": FORMAT, "version": self.version, "fingerprint": self.fingerprint,
-                    "history": self.history, "pages": self.pages,
-                    "first_page": self.first_page, "sink_pages": self.sink_pages,
-                    "token_ids": self.token_ids}, path)
+        torch.save(self.as_dict(), path)
+
+    def as_dict(self) -> dict:
+        """The record as the plain dict ``save`` writes."""
+        return {"format": FORMAT, "version": self.version, "fingerprint": self.fingerprint,
+                "history": self.history, "pages": self.pages, "first_page": self.first_page,
+                "sink_pages": self.sink_pages, "token_ids": self.token_ids}
 
     @classmethod
     def load(cls, path) -> "CacheRecord":
         """Read a record written by ``save`` (``torch.load(weights_only=True)``: no code runs).
         Raises ValueError for a file that is not a record of this format version."""
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        return cls.from_dict(torch.load(path, map_location="cpu", weights_only=True), str(path))
+
+    @classmethod
+    def from_dict(cls, data, where: str = "the data") -> "CacheRecord":
+        """The record ``as_dict`` gave; ValueError naming ``where`` for anything else."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"CacheRecord.load: {path} is not a {FORMAT} file")
+            raise ValueError(f"CacheRecord.load: {where} is not a {FORMAT} file")
         if data["version"] != VERSION:
             raise ValueError(f"CacheRecord.load: format version {data['version']} is not "
                              f"{VERSION}, the one this library reads")

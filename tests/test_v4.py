@@ -1,0 +1,236 @@
+"""DeepSeek-V4 through the cache (STR-1, STR-2, issue 55): transformers' own
+``DeepseekV4ForCausalLM`` (a tiny random config: compressed sparse, heavily compressed and
+sliding layers) against the stock model with its own dense cache, and the streams that carry it
+(``torch_kvcm2.streams``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE_PARAMS
+
+transformers = pytest.importorskip("transformers", reason="the [models] extra (transformers)")
+
+import torch_kvcm2 as kv  # noqa: E402
+import torch_kvcm2.models as models  # noqa: E402
+from torch_kvcm2 import streams  # noqa: E402
+from torch_kvcm2.models import reference, v4  # noqa: E402
+
+PROMPT, CHUNK, NEW = 70, 32, 24  # three prefill chunks (32 + 32 + 6), then 23 decode steps
+
+_MODELS = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(dtype=torch.float32, device="cpu"):
+    key = (dtype, device)
+    if key not in _MODELS:
+        _MODELS[key] = models.tiny_model("v4", dtype=dtype, device=device)
+    return _MODELS[key]
+
+
+def lockstep(model, plant=None, rows=2):
+    """Equal-length prompts through a Generator and the stock model in the same shapes: (our
+    logits [steps, R, V], the stock's, the generator's metrics)."""
+    prompts = torch.randint(2, 512, (rows, PROMPT), generator=torch.Generator().manual_seed(0))
+    gen = models.Generator(model, max_rows=rows, max_tokens_per_row=256, prefill_chunk=CHUNK,
+                           record_logits=True)
+    requests = [gen.submit(p.tolist(), NEW) for p in prompts]
+    if plant is not None:
+        plant(gen)
+    gen.run()
+    ours = torch.stack([torch.stack(r.logits) for r in requests], dim=1)
+    tokens = torch.tensor([r.generated for r in requests])
+    stock = reference.stock_batch_logits(model, prompts, tokens, CHUNK).float()
+    metrics = gen.metrics()
+    gen.close()
+    return ours, stock, metrics
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_v4_logits_are_bit_identical_to_the_stock_dense_cache(device):
+    """CSA entries resolved and fetched into cells, HCA entries and index keys in pools, the
+    window in windowed pages: the stock model's logits bit for bit, with entries missed and
+    fetched on the way (a selection that never missed would not show the fetch works)."""
+    ours, stock, metrics = lockstep(tiny(device=device))
+    assert ours.shape == stock.shape == (NEW, 2, 512)
+    for step in range(NEW):
+        assert torch.equal(ours[step], stock[step]), (
+            f"step {step}: max |diff| {(ours[step] - stock[step]).abs().max().item():.3g}")
+    for group in (v4.csa_group(0), v4.csa_group(2)):
+        counts = metrics["selection_groups"][group]
+        assert counts["misses"] > 0 and counts["hits"] > 0, counts
+    assert metrics["flushed_bytes"] > 0 and metrics["host_direct_bytes"] > 0
+
+
+def skip_fetch(gen):
+    """From the fourth step on, CSA resolves never fetch their misses: attention reads whatever
+    the cells held."""
+    batch = gen.batch.batches[4]
+    resolve = batch.resolve
+
+    def faulty(group, selected, out=None, fetch=False):
+        return resolve(group, selected, out, fetch=fetch and gen.steps < 4)
+    batch.resolve = faulty
+
+
+def stale_entry(gen):
+    """At step 10 layer 0's closing entry is not written into its cell (the row keeps what the
+    slot held; the flush then writes that to the host pages)."""
+    cache, put = gen.cache, v4.write_rows
+    original = cache._csa
+
+    def faulty(i, *args):
+        if gen.steps == 10 and i == 0:
+            v4.write_rows = lambda *a: None
+            try:
+                return original(i, *args)
+            finally:
+                v4.write_rows = put
+        return original(i, *args)
+    cache._csa = faulty
+
+
+@pytest.mark.parametrize("fault", [skip_fetch, stale_entry], ids=["fetch-skipped", "stale-entry"])
+def test_a_planted_fault_fails_the_check(fault):
+    ours, stock, _ = lockstep(tiny(), plant=fault)
+    assert not torch.equal(ours, stock)
+    assert (ours - stock).abs().max().item() > reference.TOLERANCE[torch.float32].max_diff
+
+
+def ragged(gen):
+    g = torch.Generator().manual_seed(1)
+    return [gen.submit(torch.randint(2, 512, (length,), generator=g).tolist(), new, arrival)
+            for length, new, arrival in ((40, 14, 0), (101, 10, 0), (66, 12, 3))]
+
+
+def uninterrupted(model):
+    gen = models.Generator(model, max_rows=3, max_tokens_per_row=256)
+    requests = ragged(gen)
+    gen.run()
+    gen.close()
+    return [r.generated for r in requests]
+
+
+def test_ragged_requests_give_the_stock_tokens():
+    """Requests of different lengths, one joining later: every row's windows close at its own
+    steps, prefill and decode rows share steps; each request checked alone against the stock
+    model (teacher-forced, fp32 tolerance, greedy tokens the stock argmax)."""
+    model = tiny()
+    gen = models.Generator(model, max_rows=3, max_tokens_per_row=256, prefill_chunk=32,
+                           record_logits=True)
+    requests = ragged(gen)
+    gen.run()
+    expected = {r.request_id: reference.stock_request_logits(model, r.prompt, r.generated, 32)
+                for r in requests}
+    result = reference.compare(requests, expected, near=1e-4)
+    assert result.ok(reference.TOLERANCE[torch.float32]), result
+    gen.close()
+
+
+def test_a_preempted_request_continues_with_the_same_tokens():
+    """Suspended mid-decode (its open windows' entries taken out of flight, its dense pages to
+    the host tier), resumed three steps later: the same tokens."""
+    model = tiny()
+    expected = uninterrupted(model)
+    gen = models.Generator(model, max_rows=3, max_tokens_per_row=256, host_tier_bytes=1 << 20)
+    requests = ragged(gen)
+    while len(requests[1].generated) < 3:
+        gen.step()
+    gen.suspend(requests[1])
+    for _ in range(3):
+        gen.step()
+    gen.resume(requests[1])
+    gen.run()
+    assert [r.generated for r in requests] == expected
+    assert gen.metrics()["preemptions"] == 1
+    gen.close()
+
+
+def test_an_exported_request_continues_in_a_second_generator(tmp_path):
+    """Every stream of a request exported mid-decode, saved, loaded and adopted by a second
+    generator: the same tokens there."""
+    model = tiny()
+    expected = uninterrupted(model)
+    first = models.Generator(model, max_rows=3, max_tokens_per_row=256)
+    second = models.Generator(model, max_rows=3, max_tokens_per_row=256)
+    requests = ragged(first)
+    while len(requests[0].generated) < 5:
+        first.step()
+    first.export(requests[0]).save(tmp_path / "request0.pt")
+    second.adopt(requests[0], streams.StreamRecord.load(tmp_path / "request0.pt"))
+    while first.pending or second.pending:
+        first.step()
+        second.step()
+    assert [r.generated for r in requests] == expected
+    first.close()
+    second.close()
+
+
+# ---- the streams ----
+
+def test_stream_lengths_derive_from_the_token_count():
+    """History: the closed windows; capacity: the windows the step closes and at least the open
+    one while tokens are in flight, nothing beyond history otherwise."""
+    assert [streams.stream_history(h, 4) for h in (0, 3, 4, 7, 8)] == [0, 0, 4, 4, 8]
+    assert streams.stream_capacity(7, 7, 4) == 4  # nothing in flight
+    assert streams.stream_capacity(6, 7, 4) == 8  # the open window [4, 8)
+    assert streams.stream_capacity(7, 8, 4) == 8  # token 7 closes window 1: it is in flight
+    assert streams.stream_capacity(8, 9, 4) == 12
+    assert streams.stream_capacity(0, 70, 4) == 68  # a chunk closing 17 windows
+    assert streams.stream_capacity(0, 2, 4) == 4
+    assert streams.stream_capacity(5, 9, 1) == 9
+    assert streams.stream_max_tokens(256, 4) == 260
+
+
+def test_can_fit_counts_every_stream():
+    """``can_fit`` asks every stream for the lengths it derives (250 tokens: 248 at rate 4,
+    240 at rate 16): with the HCA stream's pool cut to 32 KiB it is the one that refuses first,
+    at a count the rate-1 stream would still take."""
+    spec = v4.describe_v4(tiny())
+    configs = v4.stream_configs(spec, max_rows=2, max_tokens_per_row=256)
+    hca = configs[16]
+    configs[16] = kv.CacheConfig(tokens_per_page=hca.tokens_per_page, layers=hca.layers,
+                                 max_rows=2, max_tokens_per_row=hca.max_tokens_per_row,
+                                 gpu_budget_bytes=32 << 10,
+                                 host_budget_bytes=hca.host_budget_bytes)
+    group = streams.StreamSet(configs)
+    try:
+        each = {n: {r: m.can_fit(streams.stream_capacity(0, 250, r), n)
+                    for r, m in group.managers.items()} for n in range(1, 13)}
+        assert all(group.can_fit(250, n) == all(each[n].values()) for n in each)
+        refused = min(n for n in each if not group.can_fit(250, n))
+        assert not each[refused][16] and each[refused][1]
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop(1), "rate-1 stream"),
+    (lambda c: c.__setitem__(2, c[4]), "tokens_per_unit = 2"),
+    (lambda c: c.__setitem__(16, c[4]), "max_tokens_per_row must be at least 272"),
+    (lambda c: c.__setitem__(3, c[1]), "multiple of the rate"),
+])
+def test_bad_stream_configs_are_refused_by_rule(change, message):
+    configs = v4.stream_configs(v4.describe_v4(tiny()), max_rows=2, max_tokens_per_row=256)
+    change(configs)
+    with pytest.raises(ValueError, match=message):
+        streams.StreamSet(configs)
+
+
+def test_v4_refuses_what_it_does_not_run():
+    model = tiny()
+    for option in ({"mode": "absorbed"}, {"static_length": 256}, {"gpu_history_tokens": 64}):
+        with pytest.raises(ValueError, match="not supported for DeepSeek-V4"):
+            models.Generator(model, max_rows=1, max_tokens_per_row=128, **option)
+    gen = models.Generator(model, max_rows=1, max_tokens_per_row=128)
+    with pytest.raises(ValueError, match="runs eagerly"):
+        gen.compile_decode()
+    gen.close()
