@@ -1,7 +1,7 @@
 """DeepSeek-V4 through the cache (STR-1, STR-2, issue 55): transformers' own
 ``DeepseekV4ForCausalLM`` (a tiny random config: compressed sparse, heavily compressed and
 sliding layers) against the stock model with its own dense cache, and the streams that carry it
-(``torch_kvcm2.streams``)."""
+(``torch_kvcm2.stream_set``)."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers", reason="the [models] extra (t
 
 import torch_kvcm2 as kv  # noqa: E402
 import torch_kvcm2.models as models  # noqa: E402
-from torch_kvcm2 import streams  # noqa: E402
+from torch_kvcm2 import stream_set as streams  # noqa: E402
 from torch_kvcm2.models import reference, v4  # noqa: E402
 
 PROMPT, CHUNK, NEW = 70, 32, 24  # three prefill chunks (32 + 32 + 6), then 23 decode steps

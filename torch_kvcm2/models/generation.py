@@ -137,9 +137,9 @@ class Generator:
     def _build_v4(self, model, max_rows, max_tokens_per_row, mode, hot_tokens, tokens_per_page,
                   host_tier_bytes, gpu_history_tokens, static_length, kernel, device,
                   allow_untested) -> None:
-        """DeepSeek-V4: a manager per stream rate (``torch_kvcm2.streams``) and ``V4Cache``;
+        """DeepSeek-V4: a manager per stream rate (``torch_kvcm2.stream_set``) and ``V4Cache``;
         ``hot_tokens`` are cell slots in entries. Its attention runs eagerly, scatter-back."""
-        from torch_kvcm2.streams import StreamBatch, StreamSet
+        from torch_kvcm2.stream_set import StreamBatch, StreamSet
 
         from .v4 import V4Cache, describe_v4, stream_configs
 

@@ -2,7 +2,7 @@
 with its compressed sparse attention (CSA) entries in host pages and cells, resolved from its
 lightning indexer's top-k over entries, and every other stream in GPU pools.
 
-Streams (``torch_kvcm2.streams``), one manager per rate; per model layer ``i``:
+Streams (``torch_kvcm2.stream_set``), one manager per rate; per model layer ``i``:
 
 * rate 1: ``layer{i}.window`` (``kv``: the shared key/value of a token, ``head_dim`` elements,
   windowed to ``sliding_window`` tokens: the sliding-window branch every layer has);
@@ -40,7 +40,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 import torch_kvcm2 as kv
-from torch_kvcm2.streams import StreamBatch, stream_max_tokens
+from torch_kvcm2.stream_set import StreamBatch, stream_max_tokens
 
 from .dsa_cache import BAD, put_rows, read_rows, write_rows
 from .support import import_transformers
@@ -268,7 +268,7 @@ class V4Cache:
     def __init__(self, model, batch: StreamBatch, allow_untested: bool = False):
         self.spec = spec = install_v4(model, allow_untested)
         if not isinstance(batch, StreamBatch):
-            raise TypeError("V4Cache: batch must be a torch_kvcm2.streams.StreamBatch")
+            raise TypeError("V4Cache: batch must be a torch_kvcm2.stream_set.StreamBatch")
         if set(batch.batches) != set(spec.rates):
             raise ValueError(f"V4Cache: the batch has streams of rates {sorted(batch.batches)}, "
                              f"the model needs {spec.rates}; build it with stream_configs")

@@ -117,15 +117,15 @@ class StreamRecord:
 
     def save(self, path) -> None:
         """Write the record to ``path`` (plain data: ``CacheRecord.as_dict`` per rate)."""
-        torch.save({"format": "torch_kvcm2.streams", "history": self.history,
+        torch.save({"format": "torch_kvcm2.stream_set", "history": self.history,
                     "records": {rate: r.as_dict() for rate, r in self.records.items()}}, path)
 
     @classmethod
     def load(cls, path) -> "StreamRecord":
         """Read a record ``save`` wrote (no code runs); ValueError for anything else."""
         data = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(data, dict) or data.get("format") != "torch_kvcm2.streams":
-            raise ValueError(f"StreamRecord.load: {path} is not a torch_kvcm2.streams file")
+        if not isinstance(data, dict) or data.get("format") != "torch_kvcm2.stream_set":
+            raise ValueError(f"StreamRecord.load: {path} is not a torch_kvcm2.stream_set file")
         return cls(data["history"], {rate: CacheRecord.from_dict(r, f"{path} (rate {rate})")
                                      for rate, r in data["records"].items()})
 
