@@ -174,6 +174,29 @@ def test_an_exported_request_continues_in_a_second_generator(tmp_path):
     second.close()
 
 
+@pytest.mark.parametrize("arch", ["v4", "v32"])
+def test_a_shared_prefix_gives_the_stock_tokens(arch):
+    """The second request's prompt starts with the first's two whole pages (128 tokens): every
+    stream shares them (the rate-1 stream's windowed pages hold the window and the compressor's
+    per-token projections there, so nothing is recomputed) and it prefills only the rest; its
+    logits and tokens are the stock model's over the whole prompt."""
+    model = tiny() if arch == "v4" else models.tiny_model(arch)
+    gen = models.Generator(model, max_rows=2, max_tokens_per_row=256, prefill_chunk=64,
+                           record_logits=True, share_prefixes=True)
+    g = torch.Generator().manual_seed(2)
+    first = torch.randint(2, 512, (150,), generator=g).tolist()
+    second = first[:130] + torch.randint(2, 512, (20,), generator=g).tolist()
+    requests = [gen.submit(first, 6), gen.submit(second, 8, arrival=4)]
+    gen.run()
+    assert requests[1].cache is not None and requests[1].cache.reused_tokens == 128
+    expected = {r.request_id: reference.stock_request_logits(model, r.prompt, r.generated, 64)
+                for r in requests}
+    result = reference.compare(requests, expected, near=1e-4)
+    assert result.ok(reference.TOLERANCE[torch.float32]), result
+    assert gen.metrics()["prefix"]["hit_tokens"] >= 128
+    gen.close()
+
+
 # ---- the streams ----
 
 def test_stream_lengths_derive_from_the_token_count():

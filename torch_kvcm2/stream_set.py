@@ -156,8 +156,32 @@ class StreamSet:
         return all(manager.can_fit(stream_capacity(0, tokens, rate), count)
                    for rate, manager in self.managers.items())
 
-    def create_cache(self) -> "StreamRequest":
-        return StreamRequest(self, {rate: m.create_cache() for rate, m in self.managers.items()})
+    def match(self, token_ids) -> int:
+        """Tokens of ``token_ids`` every stream would share now (STR-2, PFX-2): the shortest
+        committed prefix of whole pages over the streams. A page boundary closes every window
+        (``tokens_per_page`` is a multiple of every rate), so each stream shares exactly the
+        entries of those tokens."""
+        return min(manager.match(token_ids) for manager in self.managers.values())
+
+    def create_cache(self, token_ids=None) -> "StreamRequest":
+        """A new request; with ``token_ids``, its longest prefix every stream has committed is
+        shared in each (``KVCacheManager.create_cache``), and ``reused_tokens`` says how many
+        tokens that is. The rate-1 stream's windowed layers hold the window and the compressor's
+        per-token projections, so a sharer continues with nothing to recompute."""
+        if token_ids is None:
+            return StreamRequest(self, {rate: m.create_cache() for rate, m in
+                                        self.managers.items()})
+        shared = self.match(token_ids)
+        ids = token_ids[:shared]
+        caches = {rate: m.create_cache(ids) if shared else m.create_cache()
+                  for rate, m in self.managers.items()}
+        request = StreamRequest(self, caches)
+        if any(cache.history_length != shared for cache in caches.values()):  # not expected
+            request.close()
+            raise RuntimeError(f"StreamSet.create_cache: the streams shared "
+                               f"{[c.history_length for c in caches.values()]} tokens, not "
+                               f"{shared} each")
+        return request
 
     def import_cache(self, record: StreamRecord) -> Optional["StreamRequest"]:
         """A request equal to the one ``record`` was exported from, or None (nothing kept)
@@ -203,6 +227,18 @@ class StreamRequest:
     @property
     def history_length(self) -> int:
         return self.caches[1].history_length
+
+    @property
+    def reused_tokens(self) -> int:
+        """Tokens shared from committed pages when the request was created."""
+        return self.caches[1].reused_tokens
+
+    def commit(self, token_ids) -> int:
+        """``KVCache.commit`` of every stream with the request's token ids from position 0
+        (their whole pages within history): each stream offers the pages of those tokens.
+        Returns the tokens committed in every stream."""
+        ids = token_ids[:self.history_length]
+        return min(cache.commit(ids) for cache in self.caches.values())
 
     @property
     def capacity(self) -> int:

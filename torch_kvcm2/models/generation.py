@@ -84,9 +84,12 @@ class Generator:
     ``Generator(model, max_rows=4, max_tokens_per_row=1024, mode="scatter", prefill_chunk=64,
     hot_tokens=None, tokens_per_page=64, host_tier_bytes=0, gpu_history_tokens=0, sample=False,
     temperature=1.0, seed=0, record_logits=False, static_length=None, kernel=None,
-    eos_token_id=None)``
+    eos_token_id=None, share_prefixes=False)``
     builds the manager (``layout.cache_config``), a ``Batch`` of ``max_rows`` rows and the
-    ``SparseMLACache``. ``submit`` queues requests; ``step`` runs one batched step; ``run``
+    ``SparseMLACache`` (DeepSeek-V4: a ``StreamSet``, ``StreamBatch`` and ``V4Cache``). With ``share_prefixes`` a request shares the longest prefix of its
+    prompt that an earlier request committed (whole pages, never its last token; PFX-2) and
+    prefills only the rest, and commits its prompt's pages once prefilled. ``submit`` queues
+    requests; ``step`` runs one batched step; ``run``
     steps until every request has finished. ``suspend``/``resume`` preempt a request (its dense
     pages to the host tier when ``host_tier_bytes`` > 0), ``export``/``adopt`` move one to
     another generator's manager. Call these between steps.
@@ -98,7 +101,8 @@ class Generator:
                  gpu_history_tokens: int = 0, sample: bool = False,
                  temperature: float = 1.0, seed: int = 0, record_logits: bool = False,
                  static_length: Optional[int] = None, kernel: Optional[str] = None,
-                 eos_token_id: Optional[int] = None, allow_untested: bool = False):
+                 eos_token_id: Optional[int] = None, share_prefixes: bool = False,
+                 allow_untested: bool = False):
         if prefill_chunk < 1:
             raise ValueError(f"Generator: prefill_chunk must be >= 1, got {prefill_chunk}")
         if temperature <= 0:
@@ -125,6 +129,7 @@ class Generator:
         self.device = device
         self.prefill_chunk, self.sample, self.temperature = prefill_chunk, sample, temperature
         self.seed, self.record_logits, self.eos_token_id = seed, record_logits, eos_token_id
+        self.share_prefixes = share_prefixes
         self.requests: list = []
         self.running: dict = {}  # row -> Request
         self.steps = 0
@@ -230,7 +235,10 @@ class Generator:
                 continue
             if not self.manager.can_fit(len(req.prompt) + req.max_new_tokens):
                 return  # in arrival order: wait until finished requests free pages
-            req.cache = self.manager.create_cache()
+            # a shared prefix leaves the prompt's last token to compute (its logits sample)
+            req.cache = self.manager.create_cache(req.prompt[:-1] if self.share_prefixes
+                                                  else None)
+            req.prefilled = req.cache.history_length
             row = self.batch.add(req.cache)
             self.running[row] = req
             req.state, req.joined_step = RUNNING, self.steps
@@ -267,6 +275,8 @@ class Generator:
                 req.prefilled += len(ids)
                 if req.prefilled < len(req.prompt):
                     continue  # a prefill chunk before the prompt's last: nothing to sample
+                if self.share_prefixes:  # the prompt's whole pages, for requests after it
+                    req.cache.commit(req.prompt)
             req.generated.append(picked[row])
             if self.record_logits:
                 req.logits.append(logits[row].float().cpu())
