@@ -272,9 +272,10 @@ def test_eager_attention_is_bit_identical_too():
 
 # ---- MOD-5: the example ----
 
-def test_generate_example_check_passes():
-    out = subprocess.run([sys.executable, EXAMPLE, "--check"], capture_output=True, text=True,
-                         timeout=300)
+@pytest.mark.parametrize("arch", ["v32", "v4"])
+def test_generate_example_check_passes(arch):
+    out = subprocess.run([sys.executable, EXAMPLE, "--check", "--arch", arch],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "check passed" in out.stdout
     for line in ("request 0: prompt 37 tokens", "tokens/s", "hit rate", "bytes moved"):
@@ -298,6 +299,8 @@ def test_generate_example_loads_a_local_checkpoint(tmp_path, capsys):
     (["--kernel", "sparse_mla"], "argument --kernel"),
     (["--compile", "--graph"], "argument --graph"),
     (["--model", "/nonexistent"], "argument --model"),
+    (["--arch", "v4", "--compile"], "argument --compile: not supported with --arch v4"),
+    (["--arch", "v4", "--mode", "absorbed"], "argument --mode: not supported with --arch v4"),
 ])
 def test_generate_example_refuses_bad_flags(argv, message, capsys):
     import generate  # examples/ is on sys.path (conftest)
