@@ -344,8 +344,15 @@ class StreamBatch:
         failed, done = set(), []
         for rate, batch in self.batches.items():
             before = [self._members[row].caches[rate].capacity for row in rows]
+            start = history // rate * rate
             target = np.where(moving, np.maximum(capacity // rate, history // rate + 1) * rate,
-                              history // rate * rate)
+                              start)
+            # Nothing of [history, capacity) is written between steps (the last step flushed
+            # and advanced over what it wrote; an open window's entry is written only when it
+            # closes), so every stream first drops it: growing past an in-flight range that
+            # advance left (history + the step's width, cut at a page) would move the in-flight
+            # start over tokens the write contract must assume are in cells (SAFE-1).
+            batch.resize_rows(rows, capacity=start)
             failed.update(batch.resize_rows(rows, capacity=target))
             done.append((batch, before))
         if failed:

@@ -35,7 +35,8 @@ class Request:
     """One request: its prompt, what it has generated, and where it stands.
 
     ``generated`` holds the sampled token ids; ``logits`` (when the generator records them)
-    the float32 logits each was sampled from; ``prefilled`` the prompt tokens in the cache."""
+    the float32 logits each was sampled from; ``prefilled`` the prompt tokens in the cache;
+    ``cache`` its cache until it finishes (then closed: its pages go back to the pools)."""
 
     def __init__(self, request_id: int, prompt: Sequence[int], max_new_tokens: int,
                  arrival: int = 0, seed: int = 0):
@@ -49,7 +50,8 @@ class Request:
         self.generated: list = []
         self.logits: list = []
         self.prefilled = 0
-        self.cache: Optional[kv.KVCache] = None
+        self.reused_tokens = 0  # prompt tokens shared from committed pages (share_prefixes)
+        self.cache: Optional[kv.KVCache] = None  # while waiting, running or suspended
         self.state = WAITING
         self.joined_step: Optional[int] = None
         self.finished_step: Optional[int] = None
@@ -238,7 +240,7 @@ class Generator:
             # a shared prefix leaves the prompt's last token to compute (its logits sample)
             req.cache = self.manager.create_cache(req.prompt[:-1] if self.share_prefixes
                                                   else None)
-            req.prefilled = req.cache.history_length
+            req.prefilled = req.reused_tokens = req.cache.history_length
             row = self.batch.add(req.cache)
             self.running[row] = req
             req.state, req.joined_step = RUNNING, self.steps
@@ -282,7 +284,8 @@ class Generator:
                 req.logits.append(logits[row].float().cpu())
             if req.done or picked[row] == self.eos_token_id:
                 req.max_new_tokens = len(req.generated)
-                self._release(row)
+                self._release(row).close()  # its pages free (committed ones stay cached)
+                req.cache = None
                 req.state, req.finished_step = FINISHED, self.steps
 
     def _release(self, row: int) -> kv.KVCache:
