@@ -245,6 +245,27 @@ class V4Step:
     any_prefill: bool
     window_keys: torch.Tensor    # int32[R, Lw] the window's key positions (BAD: padding)
     window_mask: torch.Tensor    # [R, 1, S, Lw] 0 where a query sees a window key, else min
+    entries: dict                # rate -> Entries of the step
+
+
+@dataclass
+class Entries:
+    """A compressed stream's entries in one step, the same for every layer of its rate."""
+
+    closing: torch.Tensor  # int64[R, K] the windows the step's tokens close (BAD: none)
+    every: torch.Tensor    # int64[R, T] every entry each row has after the step (BAD past it)
+    before: torch.Tensor   # int64[R] the entries each row had before the step
+
+
+def _step_entries(history: torch.Tensor, counts: torch.Tensor, rate: int, device) -> Entries:
+    """``Entries`` of a rate from the rows' token histories and new tokens (int64[R], host)."""
+    first, end = history // rate, (history + counts) // rate
+    K, T = max(int((end - first).max()), 1), int(end.max())
+    closing = first[:, None] + torch.arange(K)
+    closing = torch.where(closing < end[:, None], closing, BAD)
+    every = torch.arange(T).expand(len(end), -1)
+    every = torch.where(every < end[:, None], every, BAD)
+    return Entries(closing.to(device), every.to(device), first.to(device))
 
 
 def _entries(paged: torch.Tensor, rate: int) -> torch.Tensor:
@@ -309,12 +330,14 @@ class V4Cache:
         sees = (k >= 0) & (k <= p) & (k > p - W)
         mask = torch.where(sees, torch.zeros((), dtype=self.dtype),
                            torch.finfo(self.dtype).min)[:, None]
-        counts_t = torch.tensor(counts)
+        counts_t, history_t = torch.tensor(counts), torch.tensor(history)
         dev = self.device
+        entries = {rate: _step_entries(history_t, counts_t, rate, dev)
+                   for rate in self.spec.rates if rate > 1}
         self.step = V4Step(positions=positions.to(dev), history=history, counts=counts,
                            decode_row=(counts_t == 1).to(dev), prefill_row=(counts_t > 1).to(dev),
                            any_prefill=any(n > 1 for n in counts), window_keys=keys.to(dev),
-                           window_mask=mask.to(dev))
+                           window_mask=mask.to(dev), entries=entries)
         position_ids = positions.clamp(min=0).long().to(dev)
         # the model takes a prebuilt mask dict as is; this forward builds its own masks
         return {"input_ids": ids.to(dev), "position_ids": position_ids,
@@ -369,18 +392,6 @@ class V4Cache:
         return (torch.cat([keys, compressed[:, None]], dim=2),
                 torch.cat([mask, bias.to(mask.dtype)[:, None]], dim=-1))
 
-    def _closing(self, rate: int):
-        """The windows the step's tokens close, per row: int64[R, K] ordinals (BAD: none), and
-        the count of entries each row has after the step."""
-        step = self.step
-        firsts = [h // rate for h in step.history]
-        ends = [(h + n) // rate for h, n in zip(step.history, step.counts)]
-        K = max([e - f for f, e in zip(firsts, ends)] + [0])
-        out = torch.full((self.rows, max(K, 1)), BAD, dtype=torch.long)
-        for row, (f, e) in enumerate(zip(firsts, ends)):
-            out[row, :e - f] = torch.arange(f, e)
-        return out.to(self.device), ends
-
     def _projections(self, i, proj, windows, rate, lo, hi, overlap):
         """Stored projections ``proj[..., lo:hi]`` (kv then gate halves) of the tokens of
         ``windows`` [R, K], laid out as the stock compressor lays them out: [R, K, w, D]
@@ -422,14 +433,13 @@ class V4Cache:
         rate, hd, step = self.spec.hca_rate, self.spec.head_dim, self.step
         self._put_tokens(state_layer(i), PROJ, torch.cat([compressor.kv_proj(hidden),
                                                           compressor.gate_proj(hidden)], -1))
-        windows, ends = self._closing(rate)
+        windows, every = step.entries[rate].closing, step.entries[rate].every
         new_kv, new_gate = self._projections(i, compressor, windows, rate, 0, 2 * hd, False)
         entries = self._compress(compressor, new_kv, new_gate, windows, rate)
         name = entry_layer(i)
         rows = _entries(self._pool(rate, name, ENTRY)[1], rate)
         index = self._entry_index(rate, name, ENTRY, windows)
         write_rows(rows, index.flatten(), entries.reshape(-1, hd))
-        every = self._every(ends)
         compressed = read_rows(rows, self._entry_index(rate, name, ENTRY, every), self.dtype)
         threshold = (step.positions.long() + 1) // rate  # entries a query may see
         every = torch.arange(every.shape[1], device=self.device)
@@ -443,7 +453,7 @@ class V4Cache:
         self._put_tokens(state_layer(i), PROJ, torch.cat([
             compressor.kv_proj(hidden), compressor.gate_proj(hidden),
             indexer.kv_proj(hidden), indexer.gate_proj(hidden)], -1))
-        windows, ends = self._closing(rate)
+        windows, every = step.entries[rate].closing, step.entries[rate].every
         name, group = entry_layer(i), csa_group(i)
         batch = self.batch.batches[rate]
         # this step's entries and index keys, from the stored projections
@@ -456,7 +466,6 @@ class V4Cache:
         write_rows(key_rows, self._entry_index(rate, name, INDEX_KEYS, windows).flatten(),
                    index_keys.reshape(-1, ihd))
         # the indexer's top-k over the row's entries, as the stock indexer takes it
-        every = self._every(ends)
         T = every.shape[1]
         all_keys = read_rows(key_rows, self._entry_index(rate, name, INDEX_KEYS, every),
                              self.dtype)
@@ -485,8 +494,8 @@ class V4Cache:
         compressed.scatter_(1, placed[..., None].expand(-1, -1, hd),
                             read_rows(cells, index.long(), self.dtype))
         if step.any_prefill:
-            history = torch.tensor([h // rate for h in step.history], device=self.device)
-            old = torch.where(step.prefill_row[:, None] & (every < history[:, None]), every, BAD)
+            before = step.entries[rate].before
+            old = torch.where(step.prefill_row[:, None] & (every < before[:, None]), every, BAD)
             got = read_rows(host_rows, self._entry_index(rate, name, ENTRY, old), self.dtype)
             compressed.scatter_(1, torch.where(old >= 0, old, T)[..., None].expand(-1, -1, hd),
                                 got)
@@ -498,13 +507,6 @@ class V4Cache:
                           device=self.device)
         bias.scatter_(-1, safe, 0.0)
         return compressed[:, :T], bias[..., :T]
-
-    def _every(self, ends) -> torch.Tensor:
-        """int64[R, T]: every entry ordinal of each row after the step (T the most any row
-        has; BAD past a row's own)."""
-        ends_t = torch.tensor(ends, device=self.device)
-        every = torch.arange(max(ends), device=self.device).expand(self.rows, -1)
-        return torch.where(every < ends_t[:, None], every, BAD)
 
     def _indexer(self, indexer, hidden, q_residual, position_ids, keys, T):
         """The stock lightning indexer's top-k over ``keys`` [R, T, index_head_dim]: int64[R, S,
