@@ -170,10 +170,11 @@ def uninterrupted(model, **options):
     return [r.generated for r in requests]
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", ARCHES + ["v4"])
 def test_a_preempted_request_continues_with_the_same_tokens(arch):
     """Request 1 is suspended with its dense pages offloaded to the host tier mid-decode, the
-    others go on, and it resumes three steps later with a fresh, empty lease."""
+    others go on, and it resumes three steps later with a fresh, empty lease (DeepSeek-V4:
+    every stream, its open windows' entries taken out of flight first)."""
     model = tiny(arch, torch.float32)
     expected = uninterrupted(model)
     gen = models.Generator(model, max_rows=3, max_tokens_per_row=256, host_tier_bytes=1 << 20)
@@ -193,13 +194,15 @@ def test_a_preempted_request_continues_with_the_same_tokens(arch):
     gen.close()
 
 
-@pytest.mark.parametrize("arch", ARCHES)
-@pytest.mark.parametrize("gpu_history", [0, 4096], ids=["offload", "gpu_history"])
+@pytest.mark.parametrize("arch, gpu_history", [
+    ("v32", 0), ("glm", 0), ("v32", 4096), ("glm", 4096), ("v4", 0)],
+    ids=["v32-offload", "glm-offload", "v32-gpu_history", "glm-gpu_history", "v4-offload"])
 def test_an_exported_request_continues_in_a_second_manager(arch, tmp_path, gpu_history):
     """Request 0 is exported mid-decode, saved, loaded and imported into another manager, where
     it finishes while the first generator finishes the others; with GPU-resident history (RSD-1)
     it leaves GPU pages in the first and moves onto them in the second (its history copied in
-    from the host pages the import filled)."""
+    from the host pages the import filled); DeepSeek-V4's record holds every stream's
+    (``StreamRecord``)."""
     model = tiny(arch, torch.float32)
     expected = uninterrupted(model)
     first = models.Generator(model, max_rows=3, max_tokens_per_row=256,
@@ -209,8 +212,9 @@ def test_an_exported_request_continues_in_a_second_manager(arch, tmp_path, gpu_h
     requests = ragged(first)
     while len(requests[0].generated) < 4:
         first.step()
-    first.export(requests[0]).save(tmp_path / "request0.pt")
-    second.adopt(requests[0], kv.CacheRecord.load(tmp_path / "request0.pt"))
+    record = first.export(requests[0])
+    record.save(tmp_path / "request0.pt")
+    second.adopt(requests[0], type(record).load(tmp_path / "request0.pt"))
     while first.pending or second.pending:
         first.step()
         second.step()
@@ -218,7 +222,8 @@ def test_an_exported_request_continues_in_a_second_manager(arch, tmp_path, gpu_h
     if gpu_history:
         assert second.metrics()["gpu_history"]["promotions"] > 0
     else:
-        assert second.metrics()["selection_groups"][models.group_id(0)]["misses"] > 0
+        group = "csa0" if arch == "v4" else models.group_id(0)
+        assert second.metrics()["selection_groups"][group]["misses"] > 0
     first.close()
     second.close()
 

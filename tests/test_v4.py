@@ -111,14 +111,6 @@ def ragged(gen):
             for length, new, arrival in ((40, 14, 0), (101, 10, 0), (66, 12, 3))]
 
 
-def uninterrupted(model):
-    gen = models.Generator(model, max_rows=3, max_tokens_per_row=256)
-    requests = ragged(gen)
-    gen.run()
-    gen.close()
-    return [r.generated for r in requests]
-
-
 def test_ragged_requests_give_the_stock_tokens():
     """Requests of different lengths, one joining later: every row's windows close at its own
     steps, prefill and decode rows share steps; each request checked alone against the stock
@@ -133,45 +125,6 @@ def test_ragged_requests_give_the_stock_tokens():
     result = reference.compare(requests, expected, near=1e-4)
     assert result.ok(reference.TOLERANCE[torch.float32]), result
     gen.close()
-
-
-def test_a_preempted_request_continues_with_the_same_tokens():
-    """Suspended mid-decode (its open windows' entries taken out of flight, its dense pages to
-    the host tier), resumed three steps later: the same tokens."""
-    model = tiny()
-    expected = uninterrupted(model)
-    gen = models.Generator(model, max_rows=3, max_tokens_per_row=256, host_tier_bytes=1 << 20)
-    requests = ragged(gen)
-    while len(requests[1].generated) < 3:
-        gen.step()
-    gen.suspend(requests[1])
-    for _ in range(3):
-        gen.step()
-    gen.resume(requests[1])
-    gen.run()
-    assert [r.generated for r in requests] == expected
-    assert gen.metrics()["preemptions"] == 1
-    gen.close()
-
-
-def test_an_exported_request_continues_in_a_second_generator(tmp_path):
-    """Every stream of a request exported mid-decode, saved, loaded and adopted by a second
-    generator: the same tokens there."""
-    model = tiny()
-    expected = uninterrupted(model)
-    first = models.Generator(model, max_rows=3, max_tokens_per_row=256)
-    second = models.Generator(model, max_rows=3, max_tokens_per_row=256)
-    requests = ragged(first)
-    while len(requests[0].generated) < 5:
-        first.step()
-    first.export(requests[0]).save(tmp_path / "request0.pt")
-    second.adopt(requests[0], streams.StreamRecord.load(tmp_path / "request0.pt"))
-    while first.pending or second.pending:
-        first.step()
-        second.step()
-    assert [r.generated for r in requests] == expected
-    first.close()
-    second.close()
 
 
 @pytest.mark.parametrize("arch", ["v4", "v32"])

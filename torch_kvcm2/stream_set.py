@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from .batch import Batch
-from .cache import KVCache
 from .config import CacheConfig
 from .manager import KVCacheManager
 from .transfer import CacheRecord
@@ -227,6 +226,10 @@ class StreamRequest:
     @property
     def history_length(self) -> int:
         return self.caches[1].history_length
+
+    @property
+    def suspended(self) -> bool:
+        return all(cache.suspended for cache in self.caches.values())
 
     @property
     def reused_tokens(self) -> int:

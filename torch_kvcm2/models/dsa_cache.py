@@ -73,6 +73,27 @@ def read_rows(paged: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> t
                                                                   device=got.device))
 
 
+def step_rows(batch, tokens: Mapping[int, Sequence[int]], rows: int, where: str) -> tuple:
+    """Each row's new tokens and history (lists of ``rows`` ints, 0 for rows without tokens)
+    of a step that brings ``tokens`` (row -> token ids); ValueError naming ``where`` for a row
+    without a member, without tokens, or whose capacity is not its history plus its tokens."""
+    members = batch.members()
+    counts, histories = [0] * rows, [0] * rows
+    for row, ids in tokens.items():
+        cache = members.get(row)
+        if cache is None:
+            raise ValueError(f"{where}: row {row} has no member")
+        n, h = len(ids), cache.history_length
+        if n == 0:
+            raise ValueError(f"{where}: row {row} brings no tokens")
+        if cache.capacity != h + n:
+            raise ValueError(f"{where}: row {row} brings {n} token(s) but its cache has history "
+                             f"{h} and capacity {cache.capacity}; resize(capacity=history + {n}) "
+                             f"first")
+        counts[row], histories[row] = n, h
+    return counts, histories
+
+
 @dataclass
 class StepState:
     """What ``prepare_step`` knows about the step that every layer reads."""
@@ -172,22 +193,8 @@ class SparseMLACache:
         ``attention_mask`` (4D) for ``model.model(**inputs, past_key_values=self)``."""
         batch = self.batch
         batch.publish()
-        members = batch.members()
         R = self.rows
-        counts, histories = [0] * R, [0] * R
-        for row, ids in tokens.items():
-            cache = members.get(row)
-            if cache is None:
-                raise ValueError(f"SparseMLACache.prepare_step: row {row} has no member")
-            n, h = len(ids), cache.history_length
-            if n == 0:
-                raise ValueError(f"SparseMLACache.prepare_step: row {row} brings no tokens")
-            if cache.capacity != h + n:
-                raise ValueError(
-                    f"SparseMLACache.prepare_step: row {row} brings {n} token(s) but its cache has "
-                    f"history {h} and capacity {cache.capacity}; resize(capacity=history + {n}) "
-                    f"first")
-            counts[row], histories[row] = n, h
+        counts, histories = step_rows(batch, tokens, R, "SparseMLACache.prepare_step")
         S = max(counts) if any(counts) else 1
         longest = max(h + n for h, n in zip(histories, counts))
         T = self.static_length or longest

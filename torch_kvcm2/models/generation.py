@@ -88,13 +88,13 @@ class Generator:
     temperature=1.0, seed=0, record_logits=False, static_length=None, kernel=None,
     eos_token_id=None, share_prefixes=False)``
     builds the manager (``layout.cache_config``), a ``Batch`` of ``max_rows`` rows and the
-    ``SparseMLACache`` (DeepSeek-V4: a ``StreamSet``, ``StreamBatch`` and ``V4Cache``). With ``share_prefixes`` a request shares the longest prefix of its
-    prompt that an earlier request committed (whole pages, never its last token; PFX-2) and
-    prefills only the rest, and commits its prompt's pages once prefilled. ``submit`` queues
-    requests; ``step`` runs one batched step; ``run``
-    steps until every request has finished. ``suspend``/``resume`` preempt a request (its dense
-    pages to the host tier when ``host_tier_bytes`` > 0), ``export``/``adopt`` move one to
-    another generator's manager. Call these between steps.
+    ``SparseMLACache`` (DeepSeek-V4: a ``StreamSet``, ``StreamBatch`` and ``V4Cache``). With
+    ``share_prefixes`` a request shares the longest prefix of its prompt that an earlier request
+    committed (whole pages, never its last token; PFX-2) and prefills only the rest, and commits
+    its prompt's pages once prefilled. ``submit`` queues requests; ``step`` runs one batched
+    step; ``run`` steps until every request has finished. ``suspend``/``resume`` preempt a
+    request (its dense pages to the host tier when ``host_tier_bytes`` > 0), ``export``/``adopt``
+    move one to another generator's manager. Call these between steps.
     """
 
     def __init__(self, model, *, max_rows: int = 4, max_tokens_per_row: int = 1024,

@@ -42,7 +42,7 @@ import torch
 import torch_kvcm2 as kv
 from torch_kvcm2.stream_set import StreamBatch, stream_max_tokens
 
-from .dsa_cache import BAD, put_rows, read_rows, write_rows
+from .dsa_cache import BAD, put_rows, read_rows, step_rows, write_rows
 from .support import import_transformers
 
 CSA, HCA, SLIDING = ("compressed_sparse_attention", "heavily_compressed_attention",
@@ -301,20 +301,7 @@ class V4Cache:
     def prepare_step(self, tokens: Mapping[int, Sequence[int]]) -> dict:
         batch, R, W = self.batch, self.rows, self.spec.sliding_window
         batch.publish()
-        members = batch.members()
-        counts, history = [0] * R, [0] * R
-        for row, ids in tokens.items():
-            request = members.get(row)
-            if request is None:
-                raise ValueError(f"V4Cache.prepare_step: row {row} has no member")
-            n, h = len(ids), request.history_length
-            if n == 0:
-                raise ValueError(f"V4Cache.prepare_step: row {row} brings no tokens")
-            if request.capacity != h + n:
-                raise ValueError(f"V4Cache.prepare_step: row {row} brings {n} token(s) but its "
-                                 f"request has history {h} and capacity {request.capacity}; "
-                                 f"resize(capacity=history + {n}) first")
-            counts[row], history[row] = n, h
+        counts, history = step_rows(batch, tokens, R, "V4Cache.prepare_step")
         S = max(max(counts), 1)
         kept = [min(h, W - 1) for h in history]  # the stock window keeps W - 1 older keys
         Lw = max(max(k + n for k, n in zip(kept, counts)), 1)
