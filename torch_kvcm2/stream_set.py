@@ -26,6 +26,7 @@ each, with the same row for a request in every one; their methods take and repor
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -145,6 +146,7 @@ class StreamSet:
             self.close()
             raise
         self.config = configs[1]
+        self.page_lcm = math.lcm(*(c.tokens_per_page for c in configs.values()))
 
     @property
     def max_tokens_per_row(self) -> int:
@@ -157,10 +159,12 @@ class StreamSet:
 
     def match(self, token_ids) -> int:
         """Tokens of ``token_ids`` every stream would share now (STR-2, PFX-2): the shortest
-        committed prefix of whole pages over the streams. A page boundary closes every window
-        (``tokens_per_page`` is a multiple of every rate), so each stream shares exactly the
-        entries of those tokens."""
-        return min(manager.match(token_ids) for manager in self.managers.values())
+        committed prefix over the streams, cut to a whole page of every stream (their page
+        sizes may differ). A page boundary of a rate-r stream closes every window (its
+        ``tokens_per_page`` is a multiple of r), so each stream shares exactly the entries of
+        those tokens."""
+        shared = min(manager.match(token_ids) for manager in self.managers.values())
+        return shared // self.page_lcm * self.page_lcm
 
     def create_cache(self, token_ids=None) -> "StreamRequest":
         """A new request; with ``token_ids``, its longest prefix every stream has committed is

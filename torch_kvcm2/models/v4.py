@@ -140,11 +140,13 @@ def _ceil_to(value: int, step: int) -> int:
 
 
 def stream_configs(spec: V4Spec, *, max_rows: int, max_tokens_per_row: int,
-                   tokens_per_page: Optional[int] = None, hot_entries: Optional[int] = None,
-                   device="cpu") -> dict:
+                   tokens_per_page: Optional[int] = None, window_page_tokens: int = 16,
+                   hot_entries: Optional[int] = None, device="cpu") -> dict:
     """The ``CacheConfig`` of each rate for ``spec`` (module docstring): budgets sized for
-    ``max_rows`` requests of ``max_tokens_per_row`` tokens; ``tokens_per_page`` a multiple of
-    every rate (default: the largest rate, at least 64); ``hot_entries`` cell slots per request
+    ``max_rows`` requests of ``max_tokens_per_row`` tokens; ``tokens_per_page`` the compressed
+    streams' pages, a multiple of every rate (default: the largest rate, at least 64);
+    ``window_page_tokens`` the rate-1 stream's (the windows and the compressor states: small
+    pages keep what a window holds close to the window); ``hot_entries`` cell slots per request
     and CSA layer (default twice ``index_topk``, at least ``index_topk`` + 1: the selection and
     the entry in flight, rounded up to whole pages)."""
     rates = spec.rates
@@ -152,6 +154,7 @@ def stream_configs(spec: V4Spec, *, max_rows: int, max_tokens_per_row: int,
     if any(P % r for r in rates):
         raise ValueError(f"stream_configs: tokens_per_page ({P}) must be a multiple of every "
                          f"rate {rates}")
+    pages = {r: window_page_tokens if r == 1 else P for r in rates}
     isz, hd = spec.itemsize, spec.head_dim
     layers = {r: [] for r in rates}
     gpu = {r: 0 for r in rates}
@@ -161,14 +164,15 @@ def stream_configs(spec: V4Spec, *, max_rows: int, max_tokens_per_row: int,
         tokens = max_rows * _ceil_to(stream_max_tokens(max_tokens_per_row, r), P)
         layers[1].append(kv.LayerSpec(window_layer(i), [kv.BufferSpec(KV, hd * isz)],
                                       window=spec.sliding_window))
-        gpu[1] += max_rows * _ceil_to(max_tokens_per_row, P) * hd * isz
+        gpu[1] += max_rows * _ceil_to(max_tokens_per_row, pages[1]) * hd * isz
         if kind == SLIDING:
             continue
         state_window = 2 * r if kind == CSA else r
         layers[1].append(kv.LayerSpec(state_layer(i),
                                       [kv.BufferSpec(PROJ, spec.proj_elements(i) * isz)],
                                       window=state_window))
-        gpu[1] += max_rows * _ceil_to(max_tokens_per_row, P) * spec.proj_elements(i) * isz
+        gpu[1] += (max_rows * _ceil_to(max_tokens_per_row, pages[1]) * spec.proj_elements(i)
+                   * isz)
         if kind == HCA:
             layers[r].append(kv.LayerSpec(entry_layer(i), [kv.BufferSpec(ENTRY, hd * isz // r)]))
             gpu[r] += tokens * hd * isz // r
@@ -187,7 +191,7 @@ def stream_configs(spec: V4Spec, *, max_rows: int, max_tokens_per_row: int,
     for r in rates:
         # tables, residency state and staging are small: a quarter more and 8 MiB cover them
         configs[r] = kv.CacheConfig(
-            tokens_per_page=P, layers=layers[r], max_rows=max_rows,
+            tokens_per_page=pages[r], layers=layers[r], max_rows=max_rows,
             max_tokens_per_row=stream_max_tokens(max_tokens_per_row, r),
             gpu_budget_bytes=gpu[r] * 5 // 4 + (8 << 20),
             host_budget_bytes=host[r] * 5 // 4 + (8 << 20), device=device)
