@@ -331,11 +331,53 @@ def test_can_fit_counts_a_windowed_group_at_the_prefill_peak():
     assert free_slots()[swa] > 0  # the window gave back what history left behind it
 
 
+@pytest.mark.parametrize("pages, fits", [(None, True), (-2, True), (-3, False)])
+def test_can_fit_with_a_prefill_chunk_counts_a_windowed_group_at_its_chunked_peak(pages, fits):
+    """A 2,000-token request on a windowed group (window 40, 16-token pages) prefilled in chunks
+    of 48 holds at most ``windowed_peak_pages`` pages (11): with exactly those,
+    ``can_fit(prefill_chunk=48)`` says yes where ``can_fit`` (the whole prompt's 125 pages) says
+    no, and the chunked prefill never fails. The bound keeps two pages of slack: the prefill
+    also fits in 9, and fails in 8 (the planted shortfall)."""
+    from torch_kvcm2.lengths import windowed_peak_pages
+
+    P, W, C, T = 16, 40, 48, 2000
+    layer = kv.LayerSpec("w", [kv.BufferSpec("kv", 64)], window=W)
+
+    def config(budget):
+        return kv.CacheConfig(tokens_per_page=P, layers=[layer], max_rows=1,
+                              max_tokens_per_row=2048, gpu_budget_bytes=budget,
+                              host_budget_bytes=1 << 20)
+    probe = kv.KVCacheManager(config(1 << 24))
+    stats = probe.stats()
+    probe.close()
+    page = sum(g["page_bytes"] * g["scale"] for g in stats["pool_groups"])
+    peak = windowed_peak_pages(W, 0, C, P)
+    assert peak == 11
+    manager = kv.KVCacheManager(config(stats["gpu"]["reserved_bytes"]
+                                       + (peak + (pages or 0)) * page))
+    assert manager.can_fit(T, prefill_chunk=C) == (pages is None) and not manager.can_fit(T)
+    batch = kv.Batch(manager)
+    cache = manager.create_cache()
+    row = batch.add(cache)
+    while cache.history_length < T:
+        h = cache.history_length
+        n = min(C, T - h)
+        if batch.resize_rows([row], capacity=[h + n]):
+            break
+        batch.publish()
+        batch.finish_step(torch.tensor([n], dtype=torch.int32))
+        batch.poll()
+    assert (cache.history_length == T) == fits
+    batch.close(discard=True)
+    manager.close()
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"tokens": -1}, ValueError, "tokens must be >= 0"),
     ({"tokens": 1.5}, TypeError, "tokens must be an int"),
     ({"tokens": 65}, ValueError, "exceeds max_tokens_per_row"),
     ({"tokens": 4, "count": -2}, ValueError, "count must be >= 0"),
+    ({"tokens": 4, "prefill_chunk": -1}, ValueError, "prefill_chunk must be >= 0"),
 ])
 def test_can_fit_rejects_bad_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):

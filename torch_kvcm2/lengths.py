@@ -135,6 +135,16 @@ def first_live_page(history: int, tokens_per_page: int, window) -> int:
     return (history - window) // tokens_per_page
 
 
+def windowed_peak_pages(window: int, sinks: int, prefill_chunk: int, tokens_per_page: int) -> int:
+    """The most pages a request holds in a windowed life cycle while it is prefilled in chunks of
+    at most ``prefill_chunk`` tokens and then decodes: its sink pages, and the pages the tokens
+    ``[h - chunk - window, h + chunk)`` can touch at a chunk's resize (the window of the history
+    the last publish saw, the chunk since, the chunk being allocated), two more for the pages
+    those spans straddle."""
+    span = window + 2 * max(prefill_chunk, 1)
+    return sink_pages(sinks, tokens_per_page) + -(-span // tokens_per_page) + 2
+
+
 def live_pages(history: int, allocated: int, tokens_per_page: int, window, sinks: int) -> tuple:
     """The page ordinals a cache holds in a life cycle of ``window`` and ``sinks`` at history h
     with ``allocated`` pages: ``(sink_end, first, allocated)``, the pages ``[0, sink_end)`` and

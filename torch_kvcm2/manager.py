@@ -13,6 +13,7 @@ from .batch import Batch
 from .cache import KVCache
 from .config import CacheConfig
 from .host_region import DEFAULT_CHUNK_BYTES, check_options, default_threads, resolve_numa
+from .lengths import windowed_peak_pages
 from .memory import BatchReserve, batch_reserve_bytes
 from .prefix import token_array
 from .request_table import RequestTable
@@ -240,7 +241,8 @@ class KVCacheManager:
         return stats
 
     # ---- admission and lifetime (STO-8, STO-9) ----
-    def can_fit(self, tokens: int, count: int = 1, *, resuming=()) -> bool:
+    def can_fit(self, tokens: int, count: int = 1, *, resuming=(),
+                prefill_chunk: Optional[int] = None) -> bool:
         """Whether ``count`` new requests of ``tokens`` tokens each fit the pools now, changing
         nothing (STO-8). A request of ``tokens`` tokens needs ``ceil(tokens / P)`` pages in every
         pool group: its prefill allocates the whole prompt's pages before history advances, so a
@@ -252,14 +254,25 @@ class KVCacheManager:
         (``KVCache.offloaded_pages``): with ``tokens=0`` it says whether ``resume()`` can bring
         them back; with ``tokens`` and ``count=1``, whether the first step after a resume can
         also grow by ``tokens`` (``ceil(tokens / P)`` pages per pool group, at least what the
-        growth takes)."""
+        growth takes). ``prefill_chunk``: the prompt is prefilled in chunks of at most that many
+        tokens with history advancing after each (and each step's resize before the publish
+        that releases pages behind the window), so a windowed group holds at most its sink
+        pages and the pages of ``window + 2 * prefill_chunk`` tokens (the window, the last
+        chunk not yet released, the chunk being allocated; ``windowed_peak_pages``) rather than
+        the whole prompt's."""
         self.check_open("KVCacheManager.can_fit")
         tokens, count = check_int("tokens", tokens), check_int("count", count)
         config = self.config
         if tokens > config.max_tokens_per_row:
             raise ValueError(f"can_fit: tokens ({tokens}) exceeds max_tokens_per_row "
                              f"({config.max_tokens_per_row})")
-        pages = [ceil_div(tokens, config.tokens_per_page) * count] * len(self.storage.groups)
+        whole = ceil_div(tokens, config.tokens_per_page)
+        if prefill_chunk is not None:
+            prefill_chunk = check_int("prefill_chunk", prefill_chunk)
+        pages = [count * (whole if prefill_chunk is None or not group.window else
+                          min(whole, windowed_peak_pages(group.window, group.sinks,
+                                                         prefill_chunk, config.tokens_per_page)))
+                 for group in self.storage.groups]
         for cache in resuming:
             if not isinstance(cache, KVCache) or cache.manager is not self:
                 raise ValueError("can_fit: resuming must hold caches of this manager")

@@ -152,9 +152,13 @@ class StreamSet:
     def max_tokens_per_row(self) -> int:
         return self.config.max_tokens_per_row
 
-    def can_fit(self, tokens: int, count: int = 1) -> bool:
-        """Whether ``count`` new requests of ``tokens`` tokens fit every stream's pools now."""
-        return all(manager.can_fit(stream_capacity(0, tokens, rate), count)
+    def can_fit(self, tokens: int, count: int = 1, *,
+                prefill_chunk: Optional[int] = None) -> bool:
+        """Whether ``count`` new requests of ``tokens`` tokens fit every stream's pools now
+        (``KVCacheManager.can_fit`` with each stream's derived length; ``prefill_chunk``: a
+        windowed stream counts its peak during a chunked prefill, not the whole prompt)."""
+        return all(manager.can_fit(stream_capacity(0, tokens, rate), count,
+                                   prefill_chunk=prefill_chunk)
                    for rate, manager in self.managers.items())
 
     def match(self, token_ids) -> int:

@@ -110,6 +110,7 @@ class Generator:
         if temperature <= 0:
             raise ValueError(f"Generator: temperature must be > 0, got {temperature}")
         self.model = model
+        self.prefill_chunk, self.sample, self.temperature = prefill_chunk, sample, temperature
         device = next(model.parameters()).device
         if type(model).__name__ == "DeepseekV4ForCausalLM":
             self._build_v4(model, max_rows, max_tokens_per_row, mode, hot_tokens, tokens_per_page,
@@ -129,7 +130,6 @@ class Generator:
                                         allow_untested=allow_untested)
         self._tier = host_tier_bytes > 0
         self.device = device
-        self.prefill_chunk, self.sample, self.temperature = prefill_chunk, sample, temperature
         self.seed, self.record_logits, self.eos_token_id = seed, record_logits, eos_token_id
         self.share_prefixes = share_prefixes
         self.requests: list = []
@@ -161,7 +161,8 @@ class Generator:
         self.spec = describe_v4(model, allow_untested)
         configs = stream_configs(self.spec, max_rows=max_rows,
                                  max_tokens_per_row=max_tokens_per_row, hot_entries=hot_tokens,
-                                 tokens_per_page=tokens_per_page, device=device)
+                                 tokens_per_page=tokens_per_page,
+                                 prefill_chunk=self.prefill_chunk, device=device)
         self.manager = StreamSet(configs, host_tier_bytes=host_tier_bytes)
         self.config = self.manager.config
         self.batch = StreamBatch(self.manager)
@@ -235,7 +236,8 @@ class Generator:
                 return
             if req.state != WAITING or req.arrival > self.steps:
                 continue
-            if not self.manager.can_fit(len(req.prompt) + req.max_new_tokens):
+            if not self.manager.can_fit(len(req.prompt) + req.max_new_tokens,
+                                        prefill_chunk=self.prefill_chunk):
                 return  # in arrival order: wait until finished requests free pages
             # a shared prefix leaves the prompt's last token to compute (its logits sample)
             req.cache = self.manager.create_cache(req.prompt[:-1] if self.share_prefixes

@@ -40,6 +40,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 import torch_kvcm2 as kv
+from torch_kvcm2.lengths import windowed_peak_pages
 from torch_kvcm2.stream_set import StreamBatch, stream_max_tokens
 
 from .dsa_cache import BAD, put_rows, read_rows, step_rows, write_rows
@@ -141,20 +142,30 @@ def _ceil_to(value: int, step: int) -> int:
 
 def stream_configs(spec: V4Spec, *, max_rows: int, max_tokens_per_row: int,
                    tokens_per_page: Optional[int] = None, window_page_tokens: int = 16,
-                   hot_entries: Optional[int] = None, device="cpu") -> dict:
+                   hot_entries: Optional[int] = None, prefill_chunk: Optional[int] = None,
+                   device="cpu") -> dict:
     """The ``CacheConfig`` of each rate for ``spec`` (module docstring): budgets sized for
     ``max_rows`` requests of ``max_tokens_per_row`` tokens; ``tokens_per_page`` the compressed
     streams' pages, a multiple of every rate (default: the largest rate, at least 64);
     ``window_page_tokens`` the rate-1 stream's (the windows and the compressor states: small
     pages keep what a window holds close to the window); ``hot_entries`` cell slots per request
     and CSA layer (default twice ``index_topk``, at least ``index_topk`` + 1: the selection and
-    the entry in flight, rounded up to whole pages)."""
+    the entry in flight, rounded up to whole pages); ``prefill_chunk``: the windowed pools hold
+    each row's peak during a prefill in chunks of that many tokens
+    (``lengths.windowed_peak_pages``; admit with ``can_fit(..., prefill_chunk=)``) instead of
+    every token of a row."""
     rates = spec.rates
     P = tokens_per_page or max(64, max(rates))
     if any(P % r for r in rates):
         raise ValueError(f"stream_configs: tokens_per_page ({P}) must be a multiple of every "
                          f"rate {rates}")
     pages = {r: window_page_tokens if r == 1 else P for r in rates}
+
+    def windowed_tokens(window: int) -> int:  # what a row holds of a windowed buffer, at most
+        whole = _ceil_to(max_tokens_per_row, pages[1])
+        if prefill_chunk is None:
+            return whole
+        return min(whole, windowed_peak_pages(window, 0, prefill_chunk, pages[1]) * pages[1])
     isz, hd = spec.itemsize, spec.head_dim
     layers = {r: [] for r in rates}
     gpu = {r: 0 for r in rates}
@@ -164,15 +175,14 @@ def stream_configs(spec: V4Spec, *, max_rows: int, max_tokens_per_row: int,
         tokens = max_rows * _ceil_to(stream_max_tokens(max_tokens_per_row, r), P)
         layers[1].append(kv.LayerSpec(window_layer(i), [kv.BufferSpec(KV, hd * isz)],
                                       window=spec.sliding_window))
-        gpu[1] += max_rows * _ceil_to(max_tokens_per_row, pages[1]) * hd * isz
+        gpu[1] += max_rows * windowed_tokens(spec.sliding_window) * hd * isz
         if kind == SLIDING:
             continue
         state_window = 2 * r if kind == CSA else r
         layers[1].append(kv.LayerSpec(state_layer(i),
                                       [kv.BufferSpec(PROJ, spec.proj_elements(i) * isz)],
                                       window=state_window))
-        gpu[1] += (max_rows * _ceil_to(max_tokens_per_row, pages[1]) * spec.proj_elements(i)
-                   * isz)
+        gpu[1] += max_rows * windowed_tokens(state_window) * spec.proj_elements(i) * isz
         if kind == HCA:
             layers[r].append(kv.LayerSpec(entry_layer(i), [kv.BufferSpec(ENTRY, hd * isz // r)]))
             gpu[r] += tokens * hd * isz // r
