@@ -44,6 +44,15 @@ stand-in's indexer reads only the keys), so its misses cross PCIe while layer l'
 and attention run; each layer's attention waits for its own fetch by an event, inside the one
 captured graph. The summary gives TPOT p50 with over without, per level (``overlap_tpot_ratio``).
 
+Each level is set against its physical bound (``step_bound``): the fastest its step could run
+with every part overlapped, the slowest of its HBM bytes (weights, indexer keys, the gathered
+rows) at the device-copy rate, its FLOPs (the weights' product) at a bf16 GEMM's rate, and its
+misses over PCIe at the slower of the copy engine and the GPU's own gather from pinned memory,
+all measured at the start of the same run (``measure_ceilings``; the gather's rate differs from
+host to host). The table gives the bound, the term that sets it and the step's fraction of it
+("of bound": 1.0 is the GPU's limit); the summary gives each side's at its best throughput. The
+bound is the stand-in's: its attention is a word gather with none of MLA's arithmetic.
+
 Budgets, the same for both sides: the KV GPU budget one H200 of an 8xH200 node has left after
 DeepSeek-V3.2's weights (FP8, ~690 GB over 8 GPUs = 86 GB; 10 GB of activations and workspace:
 ``--gpu-kv-gb`` 45 of 141 GB) and one GPU's share of a 2 TiB host (``--host-gb`` 240 of 256,
@@ -82,7 +91,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_kvcm2 as kv  # noqa: E402
 from torch_kvcm2.memory import batch_memory_bytes, pool_group_count  # noqa: E402
-from harness import Result, pick_device, write_json  # noqa: E402
+from harness import Result, Timer, ceilings, pick_device, write_json  # noqa: E402
 
 WORD = 4  # bytes per int32 word of the stand-in model's KV
 SCORE_MASK = (1 << 20) - 1  # a key's score: the low 20 bits of its words' int32 sum
@@ -241,6 +250,14 @@ class Level:
     maximum: bool = False  # the side's largest concurrency
     overlap: bool = False  # torch_kvcm2 with each layer's fetch on a side stream (FetchStream)
     binding: str = ""  # at the maximum: what binds it
+    bound_ms: float = 0.0  # the physical bound of the step (``step_bound``)
+    bound_by: str = ""  # the term that sets it: HBM, GEMM or PCIe
+    bound_terms: dict = field(default_factory=dict)  # each term's ms
+
+    @property
+    def of_bound(self) -> float:
+        """The bound over the measured TPOT p50: 1.0 is a step at what the GPU allows."""
+        return self.bound_ms / self.tpot_p50 if self.bound_ms else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -619,6 +636,54 @@ class DecodeStep:
         return checked
 
 
+def measure_ceilings(device: str, shape: Shape, quick: bool) -> dict:
+    """The ceilings the bounds use, measured in this run: ``hbm`` (a device copy, read + write
+    GB/s), ``h2d`` (the copy engine), ``gather`` (GB/s of ``latent_bytes`` rows gathered from
+    pinned host memory by the GPU's own loads, through the UVA view: how a fetch moves misses,
+    which on some hosts runs well below the copy engine) and ``gemm`` (TFLOP/s of a bf16
+    ``torch.mm``, the stand-in weights' product)."""
+    timer = Timer(device, 5 if quick else 20)
+    out = ceilings(timer, device, quick)
+    rows = (1 << 14) if quick else (1 << 20)
+    host = torch.zeros(rows, shape.latent_bytes, dtype=torch.uint8)
+    if device == "cuda":
+        host = host.pin_memory()
+        source = kv.ops.uva_view(host)
+    else:
+        source = host
+    index = torch.randint(0, rows, (rows // 4,), device=device)
+    target = torch.empty(rows // 4, shape.latent_bytes, dtype=torch.uint8, device=device)
+    us = timer.graph(lambda: torch.index_select(source, 0, index, out=target), 4)
+    out["gather"] = target.numel() / us / 1e3
+    n = 512 if quick else 8192
+    a = torch.ones(n, n, dtype=torch.bfloat16, device=device)
+    c = torch.empty_like(a)
+    us = timer.graph(lambda: torch.mm(a, a, out=c), 2)
+    out["gemm"] = 2 * n ** 3 / us / 1e6
+    return out
+
+
+def step_bound(shape: Shape, level: "Level", ceiling: dict) -> tuple:
+    """The fastest the level's step could run with every part overlapped (ENG-5, issue 54's
+    bound on the stand-in): the slowest of its HBM bytes at the copy rate (the layers' weights,
+    every indexer key of the rows' pages, the K selected rows gathered per layer), its FLOPs at
+    the GEMM rate (the weights' product) and its misses over PCIe at the slower of the copy
+    engine and the GPU's gather. Returns (ms, the term, every term's ms)."""
+    wrows = shape.weight_bytes(level.rows) // 2 // shape.hidden
+    span = -(-(level.context + shape.output) // shape.page) * shape.page
+    per_layer = (wrows * shape.hidden * 2 + level.rows * span * shape.key_bytes
+                 + level.rows * shape.top_k * shape.latent_bytes)
+    terms = {
+        "HBM": level.layers * per_layer / (ceiling["hbm"] * 1e9) * 1e3,
+        "GEMM": level.layers * 2 * wrows * shape.hidden * level.rows / (ceiling["gemm"] * 1e12)
+        * 1e3,
+        "PCIe": level.fetched_bytes_per_step / (min(ceiling["h2d"], ceiling["gather"]) * 1e9)
+        * 1e3,
+    }
+    by = max(terms, key=terms.get)
+    return terms[by], by, terms
+
+
 def levels_for(limit: int) -> list:
     out, c = [], 1
     while c < limit:
@@ -682,15 +747,20 @@ def check_gpu_fits(shapes: list, device: str) -> None:
 def sweep(shape: Shape, device: str, contexts: list, low_layers: int, progress) -> list:
     """Every context's levels: the sweep at ``shape.layers`` and, when ``low_layers`` differs,
     concurrency 1 and 2 again with that many layers (the full model: its budgets, weights and
-    per-step host costs as they are, not scaled)."""
+    per-step host costs as they are, not scaled). Returns the levels, each with its physical
+    bound (``step_bound``), and the ceilings measured for them (``measure_ceilings``)."""
     low = replace(shape, layers=low_layers, max_concurrency=2)
     check_gpu_fits([shape] + ([low] if low_layers and low_layers != shape.layers else []), device)
+    ceiling = measure_ceilings(device, shape, device == "cpu")
+    progress("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceiling.items()))
     levels = []
     for context in contexts:
         levels += run_context(shape, device, context, progress)
         if low_layers and low_layers != shape.layers:
             levels += run_context(low, device, context, progress)
-    return levels
+    for level in levels:
+        level.bound_ms, level.bound_by, level.bound_terms = step_bound(shape, level, ceiling)
+    return levels, ceiling
 
 
 def summarize(levels: list, shape: Shape) -> dict:
@@ -713,6 +783,7 @@ def summarize(levels: list, shape: Shape) -> dict:
             if d and o:
                 small[rows] = o[0].tokens_per_s / d[0].tokens_per_s
         tpot = max(lv.tpot_p99 / lv.tpot_p50 for lv in by["kvcm2"])
+        top = {s: max(by[s], key=lambda lv: lv.tokens_per_s) for s in by}
         out[context] = {
             "max_concurrency": {"dense": dense_max, "kvcm2": ours_max, "ratio": ours_max / dense_max},
             "best_tokens_per_s": {**best, "ratio": best["kvcm2"] / best["dense"]},
@@ -720,6 +791,9 @@ def summarize(levels: list, shape: Shape) -> dict:
             "low_concurrency_layers": low_layers,
             "tpot_p99_over_p50": tpot,
             "binding": {s: by[s][-1].binding for s in by},
+            # each side's best level against its physical bound (step_bound)
+            "of_bound_at_best": {s: {"rows": top[s].rows, "of_bound": top[s].of_bound,
+                                     "bound_by": top[s].bound_by} for s in top},
             # torch_kvcm2's TPOT p50 with the fetches on a side stream over without, per level
             "overlap_tpot_ratio": {f"{lv.rows}@{lv.layers}L": overlapped[lv.rows, lv.layers].tpot_p50
                                    / lv.tpot_p50 for lv in here
@@ -734,8 +808,8 @@ def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
           f"latent {shape.latent_bytes} B + key {shape.key_bytes} B per token per layer, locality "
           f"{shape.locality}, budgets GPU {shape.gpu_kv_gb * shape.scale:.2f} GB / host "
           f"{shape.host_gb * shape.scale:.2f} GB (x{shape.scale:.3f} of {shape.gpu_kv_gb} / {shape.host_gb})")
-    print("| context | layers | side  | conc. | tokens/s | TPOT p50 ms | p99 ms | host ms | hit rate | PCIe MB/step | eager parts ms (weights/indexer/cache/attention) | bound |")
-    print("|---------|--------|-------|-------|----------|-------------|--------|---------|----------|--------------|--------------------------------------------------|-------|")
+    print("| context | layers | side  | conc. | tokens/s | TPOT p50 ms | p99 ms | host ms | hit rate | PCIe MB/step | eager parts ms (weights/indexer/cache/attention) | bound ms (by) | of bound | binds |")
+    print("|---------|--------|-------|-------|----------|-------------|--------|---------|----------|--------------|--------------------------------------------------|---------------|----------|-------|")
     for lv in levels:
         parts = "/".join(f"{lv.parts_ms.get(p, 0):.2f}" for p in ("weights", "indexer", "cache", "attention"))
         bound = lv.binding if lv.maximum else ""
@@ -743,7 +817,8 @@ def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
         label = "kv+ov" if lv.overlap else lv.side  # kv+ov: kvcm2 with FetchStream
         print(f"| {lv.context:7} | {lv.layers:6} | {label:5} | {lv.rows:5} | {lv.tokens_per_s:8.0f} | "
               f"{lv.tpot_p50:11.3f} | {lv.tpot_p99:6.3f} | {lv.host_p50:7.3f} | {hit} | "
-              f"{lv.fetched_bytes_per_step / 1e6:12.2f} | {parts:48} | {bound} |")
+              f"{lv.fetched_bytes_per_step / 1e6:12.2f} | {parts:48} | "
+              f"{lv.bound_ms:7.3f} ({lv.bound_by:4}) | {lv.of_bound:8.2f} | {bound} |")
     for context, s in summary.items():
         mc, bt = s["max_concurrency"], s["best_tokens_per_s"]
         low = ", ".join(f"c={c}: {r:.2f}x" for c, r in s["low_concurrency_ratio"].items())
@@ -751,6 +826,10 @@ def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
               f"target >= 3x); best tokens/s {bt['kvcm2']:.0f} vs {bt['dense']:.0f} ({bt['ratio']:.2f}x; "
               f">= 3x); at low concurrency ({s['low_concurrency_layers']} layers) {low} (>= 0.97x); TPOT p99/p50 {s['tpot_p99_over_p50']:.2f} "
               f"(<= 1.2); bound: kvcm2 by {s['binding']['kvcm2']}, dense by {s['binding']['dense']}")
+        ob = s["of_bound_at_best"]
+        print(f"# {context} tokens: at each side's best, the step at "
+              + ", ".join(f"{side} {v['of_bound']:.2f} of its bound ({v['rows']} requests, "
+                          f"{v['bound_by']})" for side, v in ob.items()))
         if s["overlap_tpot_ratio"]:
             print(f"# {context} tokens: TPOT p50 with the fetches overlapped (kv+ov) over without: "
                   + ", ".join(f"{k}: {r:.3f}x" for k, r in s["overlap_tpot_ratio"].items()))
@@ -788,7 +867,7 @@ def bench_serve(device: str, quick: bool) -> list:
     (the H200 default: 4 layers, 32K and 128K tokens, 1-2 requests also with all 61), its four
     target figures in the note."""
     shape, contexts = (QUICK, [256, 512]) if quick else (Shape(layers=4), [32768, 131072])
-    levels = sweep(shape, device, contexts, shape.model_layers, lambda what: None)
+    levels, _ = sweep(shape, device, contexts, shape.model_layers, lambda what: None)
     out = []
     for context, s in summarize(levels, shape).items():
         mc, bt = s["max_concurrency"], s["best_tokens_per_s"]
@@ -879,18 +958,22 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
 
     low_layers = shape.model_layers if args.low_layers is None or quick else args.low_layers
-    levels = sweep(shape, device, contexts, low_layers, progress)
+    levels, ceiling = sweep(shape, device, contexts, low_layers, progress)
     summary = summarize(levels, shape)
     title = ("CPU smoke run: numbers are not claims" if device == "cpu"
              else f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
     print_table(levels, summary, shape, title)
+    print("# ceilings of this run (the bounds' rates): HBM copy {hbm:.0f} GB/s (read + write), "
+          "copy engine H2D {h2d:.1f} GB/s, GPU gather of latent rows from pinned memory "
+          "{gather:.1f} GB/s, bf16 GEMM {gemm:.1f} TFLOP/s".format(**ceiling))
     if args.plot:
         plot([lv for lv in levels if lv.layers == shape.layers], args.plot, f"P-SERVE: {title}")
     if args.json:
         write_json(args.json, {"device": title, "shape": shape.__dict__, "summary": summary,
+                               "ceilings": ceiling,
                                "levels": [{**lv.__dict__, "tokens_per_s": lv.tokens_per_s,
                                            "tpot_p50": lv.tpot_p50, "tpot_p99": lv.tpot_p99,
-                                           "host_p50": lv.host_p50}
+                                           "host_p50": lv.host_p50, "of_bound": lv.of_bound}
                                           for lv in levels]})
     return 0
 

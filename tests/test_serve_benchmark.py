@@ -45,6 +45,12 @@ def test_quick_serve_runs_both_sides_checked_with_table_json_and_plot(serve, tmp
         ratios = summary["overlap_tpot_ratio"]
         assert len(ratios) == sum(c == context for c, _, _ in ours) and all(r > 0 for r in ratios.values())
     assert all(lv["checked_tokens"] > 0 and lv["tokens_per_s"] > 0 and lv["host_p50"] > 0 for lv in levels)
+    # every level against its physical bound, from the ceilings measured in the same run
+    assert set(data["ceilings"]) == {"hbm", "h2d", "d2h", "gather", "gemm"}
+    assert all(v > 0 for v in data["ceilings"].values())
+    assert all(lv["bound_ms"] == max(lv["bound_terms"].values()) > 0 and lv["of_bound"] > 0
+               and lv["bound_terms"][lv["bound_by"]] == lv["bound_ms"] for lv in levels)
+    assert all(set(s["of_bound_at_best"]) == {"dense", "kvcm2"} for s in data["summary"].values())
     ours = [lv for lv in levels if lv["side"] == "kvcm2"]
     assert all(0.85 < lv["hit_rate"] < 0.95 for lv in ours)  # locality 0.9 of the top-K
     printed = capsys.readouterr().out
@@ -68,6 +74,23 @@ def test_quick_serve_with_gpu_resident_history(serve, tmp_path):
     assert any(lv["gpu_rows"] < lv["rows"] and lv["hit_rate"] < 1.0 for lv in ours)
     for summary in data["summary"].values():
         assert summary["max_concurrency"]["kvcm2"] > summary["max_concurrency"]["dense"]
+
+
+def test_the_step_bound_by_hand(serve):
+    """step_bound's three terms for a level worked by hand: 2 layers, 4 rows, context 448 plus
+    64 output tokens on 64-token pages (512 tokens of keys), K = 8 rows of 100 B gathered, the
+    weights 10 KB a layer of a 64-wide hidden dimension, 1 MB of misses a step."""
+    shape = serve.Shape(layers=2, model_layers=2, latent_bytes=100, key_bytes=10, top_k=8,
+                        page=64, output=64, hidden=64, dense_weight_mb=0.01, expert_mb=0.0)
+    level = serve.Level(side="kvcm2", context=448, rows=4, layers=2, fetched_bytes_per_step=1e6)
+    ceiling = {"hbm": 1.0, "h2d": 2.0, "gather": 0.5, "gemm": 1.0}
+    wrows = 10_000 // 2 // 64  # 78 rows of the bf16 weight matrix
+    hbm_bytes = 2 * (wrows * 64 * 2 + 4 * 512 * 10 + 4 * 8 * 100)
+    ms, by, terms = serve.step_bound(shape, level, ceiling)
+    assert terms["HBM"] == pytest.approx(hbm_bytes / 1e9 * 1e3)
+    assert terms["GEMM"] == pytest.approx(2 * 2 * wrows * 64 * 4 / 1e12 * 1e3)
+    assert terms["PCIe"] == pytest.approx(1e6 / 0.5e9 * 1e3)  # the gather, slower than the CE
+    assert (ms, by) == (terms["PCIe"], "PCIe")
 
 
 def test_serve_bad_flag_is_a_usage_error(serve, capsys):
