@@ -664,8 +664,8 @@ def measure_ceilings(device: str, shape: Shape, quick: bool) -> dict:
 
 
 def step_bound(shape: Shape, level: "Level", ceiling: dict) -> tuple:
-    """The fastest the level's step could run with every part overlapped (ENG-5, issue 54's
-    bound on the stand-in): the slowest of its HBM bytes at the copy rate (the layers' weights,
+    """The fastest the level's step could run with every part overlapped (ENG-5, on the
+    stand-in): the slowest of its HBM bytes at the copy rate (the layers' weights,
     every indexer key of the rows' pages, the K selected rows gathered per layer), its FLOPs at
     the GEMM rate (the weights' product) and its misses over PCIe at the slower of the copy
     engine and the GPU's gather. Returns (ms, the term, every term's ms)."""

@@ -640,10 +640,10 @@ def advance(lengths, accepted):
 
 
 # --------------------------------------------------------------------------------------------
-# RSD: GPU-resident history, offload only under pressure (SPEC §20, issue 53)
+# RSD: GPU-resident history, offload only under pressure (docs/REQUIREMENTS.md §15f)
 # --------------------------------------------------------------------------------------------
 #
-# Written from SPEC §20 (RSD-1, RSD-2) and the decisions recorded for issue 53, not from kernels.
+# Written from docs/REQUIREMENTS.md §15f (RSD-1, RSD-2) and docs/DESIGN.md's decisions, not from kernels.
 #
 # Residency is per page. Each row of a selection group has a GPU history page table
 # ``gpu_pages[r]``: one GPU page slot id per page ordinal of the row, BAD when that page is not

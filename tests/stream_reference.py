@@ -1,7 +1,7 @@
-"""A plain-Python reference model of request streams with a compression rate (SPEC §21 STR-1..2,
-issue 55: DeepSeek-V4's compressed sparse attention through the cache).
+"""A plain-Python reference model of request streams with a compression rate (docs/REQUIREMENTS.md
+§15g, STR-1..2: DeepSeek-V4's compressed sparse attention through the cache).
 
-Written from ../shared/SPEC.md §5-§9 and §21, docs/REQUIREMENTS.md (vocabulary), docs/HOST_PATH.md
+Written from docs/REQUIREMENTS.md (§2 vocabulary, §5-§9, §15g), docs/HOST_PATH.md
 (the write contract) and the semantics of transformers' DeepSeek-V4 definition
 (``transformers/models/deepseek_v4/modeling_deepseek_v4.py``, transformers 5.23.0), whose functions
 are named below wherever a rule comes from. Nothing is imported from the library or copied from
@@ -21,7 +21,7 @@ are being written by the current step), as in REQ-1. It owns one **stream** per 
 ``[i*r, (i+1)*r)``. A raw stream has ``r = 1`` (an entry is a token). A compressed stream is fed by
 a **compressor**, which keeps a small per-request **state** between steps.
 
-Decisions (what issue 55 leaves open)
+Decisions (what the requirements leave open)
 =====================================
 D1  Existence. Entry ``i`` is written when its window closes -- by the step that processes token
     ``(i+1)*r - 1`` -- and never before. It exists for capacity ``c`` iff ``(i+1)*r <= c``
@@ -63,7 +63,7 @@ D4  Layout. Every stream uses pages of ``P`` tokens (``tokens_per_page``, 256 as
     only once its first entry exists (pages ``ceil(c_r / (P/r))``). Pool groups are keyed by
     (medium, rate, window, entry bytes): streams of different rates never share a slot, as their
     page counts differ.
-D5  Write paths. Sparse streams (CSA entries) live in host pages + cells, as SPEC §8: with the
+D5  Write paths. Sparse streams (CSA entries) live in host pages + cells, as REQUIREMENTS §8: with the
     stream's selection shape in tokens ``(U*r, I)`` (``U`` entries per unit; V4's indexer selects
     single entries, ``U = 1``), the in-flight start ``s0 = max(h, floor((c-I)/(U*r))*U*r)`` maps to
     entries: ``[h_r, s0//r)`` are written straight to host pages (declared), ``[s0//r, c_r)`` into
@@ -366,7 +366,7 @@ def first_live_page(h: int, P: int, window) -> int:
 
 
 def inflight_start(h: int, c: int, unit_tokens: int, I: int) -> int:
-    """SPEC §2: s0 = max(h, floor((c - I) / U) * U), U in tokens."""
+    """REQUIREMENTS §2: s0 = max(h, floor((c - I) / U) * U), U in tokens."""
     return max(h, (c - I) // unit_tokens * unit_tokens)
 
 

@@ -333,7 +333,7 @@ def test_serve_bad_flag_is_a_usage_error_naming_it():
     assert result.returncode == 2 and "argument --locality" in result.stderr, output(result)
 
 
-# ---- a newcomer's bad flags and long runs (issue 52) ----
+# ---- a newcomer's bad flags and long runs ----
 
 @pytest.mark.parametrize("script, args, flag", [
     ("serve.py", ["--seed", "-1"], "--seed"),  # numpy refuses negative seeds

@@ -1,4 +1,4 @@
-"""The reference model of GPU-resident history (SPEC §20 RSD-1/RSD-2, issue 53), on plain data.
+"""The reference model of GPU-resident history (docs/REQUIREMENTS.md §15f, RSD-1/RSD-2), on plain data.
 
 CPU only and pure Python: no op of the extension runs here. The functions under test are
 ``reference.resolve_resident``, ``write_indices_resident``, ``flush_resident``, ``demote`` and

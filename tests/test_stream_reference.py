@@ -1,4 +1,4 @@
-"""Tests of the stream reference model (tests/stream_reference.py; SPEC §21 STR-1..2, issue 55).
+"""Tests of the stream reference model (tests/stream_reference.py; docs/REQUIREMENTS.md §15g, STR-1..2).
 
 Each rule on hand-computed cases, the rules against transformers' DeepSeek-V4 compressors (skipped
 without transformers), random engine days on several seeds, directed scenarios (a fork whose

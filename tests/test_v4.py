@@ -1,4 +1,4 @@
-"""DeepSeek-V4 through the cache (STR-1, STR-2, issue 55): transformers' own
+"""DeepSeek-V4 through the cache (STR-1, STR-2): transformers' own
 ``DeepseekV4ForCausalLM`` (a tiny random config: compressed sparse, heavily compressed and
 sliding layers) against the stock model with its own dense cache, and the streams that carry it
 (``torch_kvcm2.stream_set``)."""
