@@ -965,7 +965,9 @@ def main(argv=None) -> int:
     print_table(levels, summary, shape, title)
     print("# ceilings of this run (the bounds' rates): HBM copy {hbm:.0f} GB/s (read + write), "
           "copy engine H2D {h2d:.1f} GB/s, GPU gather of latent rows from pinned memory "
-          "{gather:.1f} GB/s, bf16 GEMM {gemm:.1f} TFLOP/s".format(**ceiling))
+          "{gather:.1f} GB/s (a torch gather through the UVA view), bf16 GEMM {gemm:.1f} TFLOP/s; "
+          "the PCIe term runs at the {slower}".format(
+              **ceiling, slower="gather" if ceiling["gather"] < ceiling["h2d"] else "copy engine"))
     if args.plot:
         plot([lv for lv in levels if lv.layers == shape.layers], args.plot, f"P-SERVE: {title}")
     if args.json:

@@ -196,6 +196,48 @@ def test_v4_engine_day(seed):
     gen.close()
 
 
+def test_a_shared_prefix_whose_window_pages_are_gone_shares_less():
+    """With 16-token prefill chunks the first request (300 tokens) has released the window
+    pages of its early prefix by the time it commits: the second (its first 290 tokens the
+    same) shares the longest prefix every stream can still match (not the shortest match cut
+    to the streams' common page, whose window pages are gone) and gives the stock tokens."""
+    model = tiny()
+    gen = models.Generator(model, max_rows=2, max_tokens_per_row=512, prefill_chunk=16,
+                           record_logits=True, share_prefixes=True)
+    g = torch.Generator().manual_seed(3)
+    first = torch.randint(2, 512, (300,), generator=g).tolist()
+    second = first[:290] + torch.randint(2, 512, (10,), generator=g).tolist()
+    requests = [gen.submit(first, 4), gen.submit(second, 4, arrival=30)]
+    gen.run()
+    assert requests[1].reused_tokens % 64 == 0
+    expected = {r.request_id: reference.stock_request_logits(model, r.prompt, r.generated, 16)
+                for r in requests}
+    assert reference.compare(requests, expected, near=1e-4).ok(
+        reference.TOLERANCE[torch.float32])
+    gen.close()
+
+
+def test_a_request_grows_past_an_in_flight_range_advance_left():
+    """Chunks of 6 tokens: after each step ``advance`` leaves the rate-4 stream's capacity at
+    history + the step's width (cut at a page), an in-flight range nothing was written to;
+    ``StreamRequest.resize`` drops it before growing (growing past it is refused, SAFE-1)."""
+    spec = v4.describe_v4(tiny())
+    group = streams.StreamSet(v4.stream_configs(spec, max_rows=1, max_tokens_per_row=128))
+    batch = streams.StreamBatch(group)
+    request = group.create_cache()
+    batch.add(request)
+    for _ in range(5):
+        h = request.history_length
+        assert request.resize(capacity=h + 6)
+        assert request.lengths(4) == (h // 4 * 4, max((h + 6) // 4, h // 4 + 1) * 4)
+        batch.publish()
+        batch.finish_step([h], [6], host_writes=True)
+        batch.poll()
+    assert request.history_length == 30 and request.lengths(4)[0] == 28
+    batch.close(discard=True)
+    group.close()
+
+
 # ---- the streams ----
 
 def test_stream_lengths_derive_from_the_token_count():
@@ -213,9 +255,10 @@ def test_stream_lengths_derive_from_the_token_count():
 
 
 def test_can_fit_counts_every_stream():
-    """``can_fit`` asks every stream for the lengths it derives (250 tokens: 248 at rate 4,
-    240 at rate 16): with the HCA stream's pool cut to 32 KiB it is the one that refuses first,
-    at a count the rate-1 stream would still take."""
+    """``can_fit`` asks every stream for the most it holds (250 tokens: 252 at rate 4, 256 at
+    rate 16, the open window's entry in flight at the last step): with the HCA stream's pool
+    cut to 32 KiB it is the one that refuses first, at a count the rate-1 stream would still
+    take."""
     spec = v4.describe_v4(tiny())
     configs = v4.stream_configs(spec, max_rows=2, max_tokens_per_row=256)
     hca = configs[16]
@@ -225,7 +268,8 @@ def test_can_fit_counts_every_stream():
                                  host_budget_bytes=hca.host_budget_bytes)
     group = streams.StreamSet(configs)
     try:
-        each = {n: {r: m.can_fit(streams.stream_capacity(0, 250, r), n)
+        assert [streams.stream_peak(250, r) for r in (1, 4, 16)] == [250, 252, 256]
+        each = {n: {r: m.can_fit(streams.stream_peak(250, r), n)
                     for r, m in group.managers.items()} for n in range(1, 13)}
         assert all(group.can_fit(250, n) == all(each[n].values()) for n in each)
         refused = min(n for n in each if not group.can_fit(250, n))

@@ -53,6 +53,12 @@ def stream_capacity(history: int, capacity: int, rate: int) -> int:
     return max(capacity // rate, history // rate + 1) * rate
 
 
+def stream_peak(tokens: int, rate: int) -> int:
+    """The most tokens a rate-``rate`` stream holds for a request of ``tokens`` tokens: its
+    last step's capacity, ``ceil(tokens / r) * r`` (the open window's entry in flight)."""
+    return -(-tokens // rate) * rate
+
+
 def stream_max_tokens(max_tokens_per_row: int, rate: int) -> int:
     """The ``max_tokens_per_row`` a rate-``rate`` stream's config needs for requests of up to
     ``max_tokens_per_row`` tokens (its open window's entry can reach one window past them)."""
@@ -155,9 +161,10 @@ class StreamSet:
     def can_fit(self, tokens: int, count: int = 1, *,
                 prefill_chunk: Optional[int] = None) -> bool:
         """Whether ``count`` new requests of ``tokens`` tokens fit every stream's pools now
-        (``KVCacheManager.can_fit`` with each stream's derived length; ``prefill_chunk``: a
-        windowed stream counts its peak during a chunked prefill, not the whole prompt)."""
-        return all(manager.can_fit(stream_capacity(0, tokens, rate), count,
+        (``KVCacheManager.can_fit`` with the most each stream holds, ``stream_peak``;
+        ``prefill_chunk``: a windowed stream counts its peak during a chunked prefill, not the
+        whole prompt). A refusal is counted by the stream that refused."""
+        return all(manager.can_fit(stream_peak(tokens, rate), count,
                                    prefill_chunk=prefill_chunk)
                    for rate, manager in self.managers.items())
 
@@ -167,8 +174,15 @@ class StreamSet:
         sizes may differ). A page boundary of a rate-r stream closes every window (its
         ``tokens_per_page`` is a multiple of r), so each stream shares exactly the entries of
         those tokens."""
+        step = self.page_lcm
         shared = min(manager.match(token_ids) for manager in self.managers.values())
-        return shared // self.page_lcm * self.page_lcm
+        shared = shared // step * step
+        # a windowed stream matches only a prefix whose window pages were committed and are
+        # still held (PFX-5), so a shorter cut may not match there: step back to one that does
+        while shared and any(m.match(token_ids[:shared]) < shared
+                             for m in self.managers.values()):
+            shared -= step
+        return shared
 
     def create_cache(self, token_ids=None) -> "StreamRequest":
         """A new request; with ``token_ids``, its longest prefix every stream has committed is
@@ -183,10 +197,10 @@ class StreamSet:
         caches = {rate: m.create_cache(ids) if shared else m.create_cache()
                   for rate, m in self.managers.items()}
         request = StreamRequest(self, caches)
-        if any(cache.history_length != shared for cache in caches.values()):  # not expected
+        got = [cache.history_length for cache in caches.values()]
+        if any(n != shared for n in got):  # match() checked each stream: not expected
             request.close()
-            raise RuntimeError(f"StreamSet.create_cache: the streams shared "
-                               f"{[c.history_length for c in caches.values()]} tokens, not "
+            raise RuntimeError(f"StreamSet.create_cache: the streams shared {got} tokens, not "
                                f"{shared} each")
         return request
 
@@ -214,8 +228,9 @@ class StreamSet:
         m["streams"] = {rate: self.managers[rate].metrics() for rate in self.rates if rate > 1}
         for sub in m["streams"].values():
             m["selection_groups"].update(sub["selection_groups"])
-            m["flushed_bytes"] += sub["flushed_bytes"]
-            m["host_direct_bytes"] += sub["host_direct_bytes"]
+            for key in ("flushed_bytes", "host_direct_bytes", "admissions_refused",
+                        "allocations_failed"):  # each counted by the stream it happened in
+                m[key] += sub[key]
         return m
 
     def close(self) -> None:
@@ -265,18 +280,24 @@ class StreamRequest:
         return cache.history_length, cache.capacity
 
     def resize(self, capacity: int) -> bool:
-        """Every stream to the capacity derived from ``capacity`` tokens; False with nothing
-        changed when a stream's pools cannot supply its pages."""
+        """Every stream to the capacity derived from ``capacity`` tokens, each first dropping
+        its unwritten in-flight range (``StreamBatch.resize_rows`` says why). False, with every
+        stream at its history (nothing in flight), when a stream's pools cannot supply its
+        pages; an error of a stream's lengths leaves them there too, then propagates."""
         h = self.history_length
-        before = {rate: cache.capacity for rate, cache in self.caches.items()}
         for rate, cache in self.caches.items():
-            if not cache.resize(capacity=stream_capacity(h, capacity, rate)):
-                for done, old in before.items():
-                    if done == rate:
-                        break
-                    self.caches[done].resize(capacity=old)
-                return False
-        return True
+            cache.resize(capacity=stream_history(h, rate))
+        try:
+            grown = all(cache.resize(capacity=stream_capacity(h, capacity, rate))
+                        for rate, cache in self.caches.items())
+        except Exception:
+            grown = None
+        if not grown:
+            for rate, cache in self.caches.items():
+                cache.resize(capacity=stream_history(h, rate))
+            if grown is None:
+                raise
+        return bool(grown)
 
     def suspend(self, offload: Optional[bool] = None) -> bool:
         """``KVCache.suspend`` of every stream, after taking each stream's open window out of
@@ -285,20 +306,24 @@ class StreamRequest:
         done = []
         for cache in self.caches.values():
             if not cache.suspend(offload):
-                for other in done:
-                    other.resume()
+                if not all(other.resume() for other in done):
+                    raise RuntimeError("StreamRequest.suspend: a stream refused and another "
+                                       "could not be resumed again; close the request")
                 return False
             done.append(cache)
         return True
 
     def resume(self) -> bool:
+        """``KVCache.resume`` of every stream; False, every stream suspended again as it was
+        (offloaded ones offloaded), when one cannot come back."""
         done = []
         for cache in self.caches.values():
+            offloaded = cache.offloaded
             if not cache.resume():
-                for other in done:
-                    other.suspend(False)
+                for other, was in done:
+                    other.suspend(offload=was)
                 return False
-            done.append(cache)
+            done.append((cache, offloaded))
         return True
 
     def export(self) -> StreamRecord:
@@ -346,15 +371,15 @@ class StreamBatch:
 
     def resize_rows(self, rows, capacity) -> list:
         """``StreamRequest.resize`` of many rows: each stream's ``Batch.resize_rows`` with the
-        capacities derived from the token ``capacity``; a row that fails in one stream is put
-        back in the others. Returns the rows that failed."""
+        capacities derived from the token ``capacity``; a row that fails in one stream is not
+        grown in the later ones, and every stream of it is left at its history. Returns the
+        rows that failed."""
         rows = list(rows)
         capacity = np.asarray(capacity, dtype=np.int64)
         history = np.array([self._members[row].history_length for row in rows], dtype=np.int64)
         moving = capacity > history
-        failed, done = set(), []
+        failed = set()
         for rate, batch in self.batches.items():
-            before = [self._members[row].caches[rate].capacity for row in rows]
             start = history // rate * rate
             target = np.where(moving, np.maximum(capacity // rate, history // rate + 1) * rate,
                               start)
@@ -364,12 +389,14 @@ class StreamBatch:
             # advance left (history + the step's width, cut at a page) would move the in-flight
             # start over tokens the write contract must assume are in cells (SAFE-1).
             batch.resize_rows(rows, capacity=start)
-            failed.update(batch.resize_rows(rows, capacity=target))
-            done.append((batch, before))
-        if failed:
+            live = [i for i, row in enumerate(rows) if row not in failed]
+            failed.update(batch.resize_rows([rows[i] for i in live],
+                                            capacity=target[live]))
+        if failed:  # every stream of a failed row back at its history: a shrink, never refused
             back = [i for i, row in enumerate(rows) if row in failed]
-            for batch, before in done:
-                batch.resize_rows([rows[i] for i in back], capacity=[before[i] for i in back])
+            for rate, batch in self.batches.items():
+                batch.resize_rows([rows[i] for i in back],
+                                  capacity=history[back] // rate * rate)
         return sorted(failed)
 
     def publish(self) -> None:

@@ -269,6 +269,7 @@ class Entries:
     closing: torch.Tensor  # int64[R, K] the windows the step's tokens close (BAD: none)
     every: torch.Tensor    # int64[R, T] every entry each row has after the step (BAD past it)
     before: torch.Tensor   # int64[R] the entries each row had before the step
+    any_closing: bool      # some row closes a window (else no entry is computed or written)
 
 
 def _step_entries(history: torch.Tensor, counts: torch.Tensor, rate: int, device) -> Entries:
@@ -279,7 +280,8 @@ def _step_entries(history: torch.Tensor, counts: torch.Tensor, rate: int, device
     closing = torch.where(closing < end[:, None], closing, BAD)
     every = torch.arange(T).expand(len(end), -1)
     every = torch.where(every < end[:, None], every, BAD)
-    return Entries(closing.to(device), every.to(device), first.to(device))
+    return Entries(closing.to(device), every.to(device), first.to(device),
+                   bool((end > first).any()))
 
 
 def _entries(paged: torch.Tensor, rate: int) -> torch.Tensor:
@@ -435,12 +437,13 @@ class V4Cache:
         self._put_tokens(state_layer(i), PROJ, torch.cat([compressor.kv_proj(hidden),
                                                           compressor.gate_proj(hidden)], -1))
         windows, every = step.entries[rate].closing, step.entries[rate].every
-        new_kv, new_gate = self._projections(i, compressor, windows, rate, 0, 2 * hd, False)
-        entries = self._compress(compressor, new_kv, new_gate, windows, rate)
         name = entry_layer(i)
         rows = _entries(self._pool(rate, name, ENTRY)[1], rate)
-        index = self._entry_index(rate, name, ENTRY, windows)
-        write_rows(rows, index.flatten(), entries.reshape(-1, hd))
+        if step.entries[rate].any_closing:
+            new_kv, new_gate = self._projections(i, compressor, windows, rate, 0, 2 * hd, False)
+            entries = self._compress(compressor, new_kv, new_gate, windows, rate)
+            index = self._entry_index(rate, name, ENTRY, windows)
+            write_rows(rows, index.flatten(), entries.reshape(-1, hd))
         compressed = read_rows(rows, self._entry_index(rate, name, ENTRY, every), self.dtype)
         threshold = (step.positions.long() + 1) // rate  # entries a query may see
         every = torch.arange(every.shape[1], device=self.device)
@@ -455,17 +458,18 @@ class V4Cache:
             compressor.kv_proj(hidden), compressor.gate_proj(hidden),
             indexer.kv_proj(hidden), indexer.gate_proj(hidden)], -1))
         windows, every = step.entries[rate].closing, step.entries[rate].every
+        closing = step.entries[rate].any_closing
         name, group = entry_layer(i), csa_group(i)
         batch = self.batch.batches[rate]
-        # this step's entries and index keys, from the stored projections
-        new_kv, new_gate = self._projections(i, compressor, windows, rate, 0, 4 * hd, True)
-        entries = self._compress(compressor, new_kv, new_gate, windows, rate)
-        new_kv, new_gate = self._projections(i, indexer, windows, rate, 4 * hd,
-                                             4 * hd + 4 * ihd, True)
-        index_keys = self._compress(indexer, new_kv, new_gate, windows, rate)
         key_rows = _entries(batch.manager.buffer_view(name, INDEX_KEYS), rate)
-        write_rows(key_rows, self._entry_index(rate, name, INDEX_KEYS, windows).flatten(),
-                   index_keys.reshape(-1, ihd))
+        if closing:  # this step's entries and index keys, from the stored projections
+            new_kv, new_gate = self._projections(i, compressor, windows, rate, 0, 4 * hd, True)
+            entries = self._compress(compressor, new_kv, new_gate, windows, rate)
+            new_kv, new_gate = self._projections(i, indexer, windows, rate, 4 * hd,
+                                                 4 * hd + 4 * ihd, True)
+            index_keys = self._compress(indexer, new_kv, new_gate, windows, rate)
+            write_rows(key_rows, self._entry_index(rate, name, INDEX_KEYS, windows).flatten(),
+                       index_keys.reshape(-1, ihd))
         # the indexer's top-k over the row's entries, as the stock indexer takes it
         T = every.shape[1]
         all_keys = read_rows(key_rows, self._entry_index(rate, name, INDEX_KEYS, every),
@@ -479,18 +483,20 @@ class V4Cache:
         table, start = batch.write_indices(group)
         # this step's entries: the in-flight one into its cell, a prefill's others to host pages
         cells = _entries(batch.cells(name, ENTRY), rate)
-        first = torch.where(windows >= 0, windows * rate, BAD)
-        inflight = (windows >= 0) & (first >= start[:, None].long())
-        cell = table[:, :1].long().expand_as(windows)
-        write_rows(cells, torch.where(inflight, cell // rate, BAD).flatten(),
-                   entries.reshape(-1, hd))
         host_rows = _entries(batch.manager.buffer_view(name, ENTRY), rate)
-        if step.any_prefill:
-            direct = torch.where((windows >= 0) & ~inflight, windows, BAD)
-            put_rows(host_rows, self._entry_index(rate, name, ENTRY, direct).flatten(),
-                     entries.reshape(-1, hd))
+        if closing:
+            first = torch.where(windows >= 0, windows * rate, BAD)
+            inflight = (windows >= 0) & (first >= start[:, None].long())
+            cell = table[:, :1].long().expand_as(windows)
+            write_rows(cells, torch.where(inflight, cell // rate, BAD).flatten(),
+                       entries.reshape(-1, hd))
+            if step.any_prefill:
+                direct = torch.where((windows >= 0) & ~inflight, windows, BAD)
+                put_rows(host_rows, self._entry_index(rate, name, ENTRY, direct).flatten(),
+                         entries.reshape(-1, hd))
         # the compressed keys: decode rows' selection from the cells, prefill rows' every entry
-        compressed = entries.new_zeros(self.rows, T + 1, hd)  # column T takes the unplaced
+        compressed = torch.zeros(self.rows, T + 1, hd, dtype=self.dtype,
+                                 device=self.device)  # column T takes the unplaced
         placed = torch.where(index >= 0, selected.long(), T)
         compressed.scatter_(1, placed[..., None].expand(-1, -1, hd),
                             read_rows(cells, index.long(), self.dtype))
@@ -500,8 +506,9 @@ class V4Cache:
             got = read_rows(host_rows, self._entry_index(rate, name, ENTRY, old), self.dtype)
             compressed.scatter_(1, torch.where(old >= 0, old, T)[..., None].expand(-1, -1, hd),
                                 got)
-            mine = torch.where(step.prefill_row[:, None] & (windows >= 0), windows, T)
-            compressed.scatter_(1, mine[..., None].expand(-1, -1, hd), entries)
+            if closing:
+                mine = torch.where(step.prefill_row[:, None] & (windows >= 0), windows, T)
+                compressed.scatter_(1, mine[..., None].expand(-1, -1, hd), entries)
         valid = topk >= 0
         safe = torch.where(valid, topk, T)
         bias = torch.full((self.rows, topk.shape[1], T + 1), float("-inf"), dtype=self.dtype,
