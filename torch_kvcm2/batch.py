@@ -93,7 +93,7 @@ class Batch:
         mirror = TableMirror(config, len(manager.storage.groups), max_rows, allocated,
                              manager.requests, self.gpu_history_slots)
         self._step = step = DeviceStep(self, allocated, mirror)
-        self._table = table = RowTable(self, mirror, step.clear_leases)
+        self._table = table = RowTable(self, mirror, step)
         self._readback = table.readback = Readback(table, allocated["snapshot"], step.counter_parts,
                                               step.counter_stage, allocated["counter_snapshot"])
         self._readback.flush_token_bytes = step.flush_token_bytes

@@ -38,9 +38,9 @@ from .memory import ALLOCATED, CAPACITY, HISTORY, LEASE, sparse_buffers
 class GpuHistory:
     """The host bookkeeping of one batch's GPU history pages."""
 
-    def __init__(self, batch, mirror):
+    def __init__(self, batch, mirror, step):
         config = batch.config
-        self.config, self.mirror = config, mirror
+        self.config, self.mirror, self.step = config, mirror, step  # step: the DeviceStep
         self.manager = batch.manager
         self.slots = batch.gpu_history_slots
         self.P, self.R, self.MP = config.tokens_per_page, batch.max_rows, config.max_pages_per_row
@@ -151,12 +151,12 @@ class GpuHistory:
         index.append(np.array([self.flag_base + row]))
         value.append(np.array([0], dtype=np.int32))
 
-    def seed(self, batch, demoted: list) -> None:
+    def seed(self, table, demoted: list) -> None:
         """Demotions (RSD-2): each row's cleared lease is seeded from its GPU pages, device to
         device, in every selection group (``seed_plan``): the units copied into every sparse
         buffer's cells, their slots' residency and the lease's recency set. Runs after the
         publish that cleared the leases and before anything writes the freed pages."""
-        step, table = batch._step, batch._table
+        step = self.step
         device = self.config.device
         for row, h, c, pages in demoted:
             if not len(pages):
@@ -189,18 +189,18 @@ class GpuHistory:
                         v[dst_page, :, dst_piece] = v[src_page, :, src_piece]
                 state.resident[lease, :n] = units
 
-    def copy_in(self, batch, promoted: list) -> None:
+    def copy_in(self, table, promoted: list) -> None:
         """Promotions: each row's history pages, host -> its GPU pages in every sparse buffer,
         whole pages, on the current stream (RSD-1). Pages past the history hold what the host
         page holds; the step writes its in-flight tokens over them."""
         if not promoted:
             return
         manager, config = self.manager, self.config
-        step = batch._step
+        step = self.step
         for row, gpu in promoted:
             if not len(gpu):
                 continue
-            cache = batch._table.caches[row]
+            cache = table.caches[row]
             gpu_index = torch.as_tensor(gpu.astype(np.int64), device=config.device)
             for group in config.selection_groups:
                 cell_pages = step.cell_pages[group.index]

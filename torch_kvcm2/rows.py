@@ -71,13 +71,13 @@ PUBLISHED = UPLOAD | DECLARED_ONLY | PAGES
 class RowTable:
     """Rows, leases, row flags and the publish of one batch (see the module docstring)."""
 
-    def __init__(self, batch, mirror, clear_leases):
+    def __init__(self, batch, mirror, step):
         self.batch, self.manager, self.config = batch, batch.manager, batch.config
         self.requests = batch.manager.requests  # every request's host state, by slot
         self.max_rows = R = batch.max_rows
         self.mirror = mirror  # tables.TableMirror: the device table store and its host copy
         self.readback = None  # readback.Readback, set by the batch right after
-        self._clear_leases = clear_leases  # empties the residency of int64 device leases
+        self._clear_leases = step.clear_leases  # empties the residency of int64 device leases
         self.caches: list = [None] * R
         self.leases = [BAD] * R  # each row's lease as the next publish uploads it
         self.free_leases = list(range(R))  # a heap
@@ -90,7 +90,7 @@ class RowTable:
         self.windowed = any(g.window is not None for g in batch.manager.storage.groups)
         self.closed = False
         self.seated = self.leased = 0  # members, and members with a lease (metrics)
-        self.gpu = GpuHistory(batch, mirror)  # RSD-1: rows whose history is on GPU pages
+        self.gpu = GpuHistory(batch, mirror, step)  # RSD-1: rows whose history is on GPU pages
 
     def describe(self, row: int) -> RowFlags:
         """A row's flags (for messages and debugging)."""
@@ -366,8 +366,8 @@ class RowTable:
         self.mirror.publish(rows, owners, slots, values, sorted(leases), self._clear_leases,
                             lengths=(ALLOCATED,) if pages_only else None, extra=extra)
         if extra is not None:  # the demoted rows' cells seeded from their freed GPU pages,
-            self.gpu.seed(self.batch, demoted)  # before a promotion writes those pages
-            self.gpu.copy_in(self.batch, promoted)
+            self.gpu.seed(self, demoted)  # before a promotion writes those pages
+            self.gpu.copy_in(self, promoted)
         self.mirror.epoch += 1
         readback.published(rows, values, reserves)
         done = UPLOAD | DECLARED_ONLY | NEW_LEASE
