@@ -156,6 +156,23 @@ def run(driver, fn, steps):
     return outputs
 
 
+def compiled_equals_eager(fn, steps, **options):
+    """Two CPU drivers of ``Driver(..., seed=3, **options)``: ``steps`` steps of ``fn`` eagerly
+    on one and under ``torch.compile(fullgraph=True)`` on the other; every output and every
+    state tensor equal, bit for bit (CPU kernels: even the miss list's order is
+    deterministic). Returns (eager, compiled)."""
+    eager, compiled = Driver("cpu", seed=3, **options), Driver("cpu", seed=3, **options)
+    eager.batch.publish()
+    compiled.batch.publish()
+    expected = run(eager, fn, steps)
+    got = run(compiled, torch.compile(fn, fullgraph=True), steps)
+    for a, b in zip(expected, got):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for x, y in zip(eager.batch.state_tensors(), compiled.batch.state_tensors()):
+        assert torch.equal(x, y)
+    return eager, compiled
+
+
 def mirror_inputs(driver, static_selected, static_tokens):
     """The driver's next inputs copied into a captured step's static input tensors (a twin
     driver of the same seed draws the same values)."""

@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 
 from torch_kvcm2 import ops
 from conftest import DEVICE_PARAMS
-from stepping import Driver, op_samples, run, step, step_groups
+from stepping import Driver, compiled_equals_eager, op_samples, step, step_groups
 
 
 def registered_ops():
@@ -49,15 +49,7 @@ def test_decode_step_compiles_fullgraph_and_equals_eager(fn):
     ``step_groups``: every group resolved and fetched in one call (``resolve_groups``)."""
     torch._dynamo.reset()
     counters.clear()
-    eager, compiled = Driver("cpu", seed=3), Driver("cpu", seed=3)
-    eager.batch.publish()
-    compiled.batch.publish()
-    expected = run(eager, fn, 4)
-    got = run(compiled, torch.compile(fn, fullgraph=True), 4)
-    for a, b in zip(expected, got):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-    for x, y in zip(eager.batch.state_tensors(), compiled.batch.state_tensors()):
-        assert torch.equal(x, y)  # CPU kernels: even the miss list's order is deterministic
+    eager, compiled = compiled_equals_eager(fn, 4)
     assert counters["stats"]["unique_graphs"] == 1  # one graph across steps and membership changes
     assert [c.history_length for c in eager.caches] == [c.history_length for c in compiled.caches]
 

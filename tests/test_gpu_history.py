@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import DEVICE_PARAMS
-from stepping import ROWS, WORDS, Driver, attend, make_batch, run, step, step_groups, write_tokens
+from stepping import (ROWS, WORDS, Driver, attend, compiled_equals_eager, make_batch, run, step,
+                      step_groups, write_tokens)
 
 PAGE_BYTES = 3 * 4 * 16  # a page ordinal: 4 tokens x 16 bytes in each of the 3 sparse layers
 
@@ -91,16 +92,7 @@ def test_compiled_step_with_gpu_history_equals_eager(fn):
     """INT-2 with GPU-resident history: the step under torch.compile(fullgraph=True) gives the
     eager step's outputs and state, bit for bit; a row's residency is data, not a graph branch."""
     torch._dynamo.reset()
-    eager = Driver("cpu", seed=3, gpu_history_bytes=20 * PAGE_BYTES)
-    compiled = Driver("cpu", seed=3, gpu_history_bytes=20 * PAGE_BYTES)
-    eager.batch.publish()
-    compiled.batch.publish()
-    expected = run(eager, fn, 6)
-    got = run(compiled, torch.compile(fn, fullgraph=True), 6)
-    for a, b in zip(expected, got):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-    for x, y in zip(eager.batch.state_tensors(), compiled.batch.state_tensors()):
-        assert torch.equal(x, y)
+    _, compiled = compiled_equals_eager(fn, 6, gpu_history_bytes=20 * PAGE_BYTES)
     assert compiled.manager.metrics()["gpu_history"]["promotions"] > 0
 
 

@@ -127,6 +127,27 @@ def test_ragged_requests_give_the_stock_tokens():
     gen.close()
 
 
+def shared_prefix_run(model, chunk: int, first: int, shared: int, max_tokens: int, seed: int):
+    """Two requests through a ``share_prefixes`` Generator: the first of ``first`` random
+    tokens, the second its first ``shared`` tokens and ten of its own, arriving once the first
+    has committed; each checked alone against the stock model. Returns the requests and the
+    prefix index's hit tokens."""
+    gen = models.Generator(model, max_rows=2, max_tokens_per_row=max_tokens,
+                           prefill_chunk=chunk, record_logits=True, share_prefixes=True)
+    g = torch.Generator().manual_seed(seed)
+    one = torch.randint(2, 512, (first,), generator=g).tolist()
+    two = one[:shared] + torch.randint(2, 512, (10,), generator=g).tolist()
+    requests = [gen.submit(one, 6), gen.submit(two, 6, arrival=first // chunk + 2)]
+    gen.run()
+    expected = {r.request_id: reference.stock_request_logits(model, r.prompt, r.generated, chunk)
+                for r in requests}
+    result = reference.compare(requests, expected, near=1e-4)
+    assert result.ok(reference.TOLERANCE[torch.float32]), result
+    hits = gen.metrics()["prefix"]["hit_tokens"]
+    gen.close()
+    return requests, hits
+
+
 @pytest.mark.parametrize("arch", ["v4", "v32"])
 def test_a_shared_prefix_gives_the_stock_tokens(arch):
     """The second request's prompt starts with the first's two whole pages (128 tokens): every
@@ -134,66 +155,9 @@ def test_a_shared_prefix_gives_the_stock_tokens(arch):
     per-token projections there, so nothing is recomputed) and it prefills only the rest; its
     logits and tokens are the stock model's over the whole prompt."""
     model = tiny() if arch == "v4" else models.tiny_model(arch)
-    gen = models.Generator(model, max_rows=2, max_tokens_per_row=256, prefill_chunk=64,
-                           record_logits=True, share_prefixes=True)
-    g = torch.Generator().manual_seed(2)
-    first = torch.randint(2, 512, (150,), generator=g).tolist()
-    second = first[:130] + torch.randint(2, 512, (20,), generator=g).tolist()
-    requests = [gen.submit(first, 6), gen.submit(second, 8, arrival=4)]
-    gen.run()
+    requests, hits = shared_prefix_run(model, 64, 150, 130, 256, seed=2)
     assert requests[1].reused_tokens == 128 and requests[0].reused_tokens == 0
-    expected = {r.request_id: reference.stock_request_logits(model, r.prompt, r.generated, 64)
-                for r in requests}
-    result = reference.compare(requests, expected, near=1e-4)
-    assert result.ok(reference.TOLERANCE[torch.float32]), result
-    assert gen.metrics()["prefix"]["hit_tokens"] >= 128
-    gen.close()
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_v4_engine_day(seed):
-    """A day of a V4-shaped engine: requests with random prompts (some sharing a system prompt
-    of two pages) arrive at random steps on three rows, prefill in chunks, decode, and are
-    preempted (their dense pages to the host tier) and resumed at random; every request's
-    logits are then checked alone against the stock model, and nothing stays allocated."""
-    import random
-
-    rng, model = random.Random(seed), tiny()
-    # pools for twice the rows: suspended requests keep their sparse pages
-    gen = models.Generator(model, max_rows=3, max_tokens_per_row=640, prefill_chunk=48,
-                           record_logits=True, share_prefixes=True, host_tier_bytes=4 << 20)
-    system = [rng.randrange(2, 512) for _ in range(130)]
-    requests = []
-    for i in range(10):
-        own = [rng.randrange(2, 512) for _ in range(rng.randrange(3, 120))]
-        prompt = system + own if rng.random() < 0.5 else own
-        requests.append(gen.submit(prompt, rng.randrange(2, 24), arrival=rng.randrange(0, 40)))
-    suspended, preemptions = [], 0
-    for _ in range(600):
-        if not gen.pending and not suspended:
-            break
-        running = [r for r in requests if r.state == "running" and r.generated
-                   and len(r.generated) < r.max_new_tokens - 1]
-        if running and rng.random() < 0.08:
-            victim = rng.choice(running)
-            gen.suspend(victim)
-            suspended.append(victim)
-            preemptions += 1
-        elif suspended and len(gen.running) < gen.batch.max_rows and rng.random() < 0.3:
-            gen.resume(suspended.pop(0))
-        gen.step()
-    assert not gen.pending and not suspended
-    assert preemptions > 0 and all(r.state == "finished" for r in requests)
-    expected = {r.request_id: reference.stock_request_logits(model, r.prompt, r.generated, 48)
-                for r in requests}
-    result = reference.compare(requests, expected, near=1e-4)
-    assert result.ok(reference.TOLERANCE[torch.float32]), result
-    m = gen.metrics()
-    assert m["prefix"]["hit_tokens"] > 0 and m["preemptions"] == preemptions
-    for manager in gen.manager.managers.values():  # only committed pages stay, cached
-        assert all(g["used_bytes"] == 0 for g in manager.metrics()["pool_groups"]), (
-            manager.metrics()["pool_groups"])
-    gen.close()
+    assert hits >= 128
 
 
 def test_a_shared_prefix_whose_window_pages_are_gone_shares_less():
@@ -201,20 +165,8 @@ def test_a_shared_prefix_whose_window_pages_are_gone_shares_less():
     pages of its early prefix by the time it commits: the second (its first 290 tokens the
     same) shares the longest prefix every stream can still match (not the shortest match cut
     to the streams' common page, whose window pages are gone) and gives the stock tokens."""
-    model = tiny()
-    gen = models.Generator(model, max_rows=2, max_tokens_per_row=512, prefill_chunk=16,
-                           record_logits=True, share_prefixes=True)
-    g = torch.Generator().manual_seed(3)
-    first = torch.randint(2, 512, (300,), generator=g).tolist()
-    second = first[:290] + torch.randint(2, 512, (10,), generator=g).tolist()
-    requests = [gen.submit(first, 4), gen.submit(second, 4, arrival=30)]
-    gen.run()
+    requests, _ = shared_prefix_run(tiny(), 16, 300, 290, 512, seed=3)
     assert requests[1].reused_tokens % 64 == 0
-    expected = {r.request_id: reference.stock_request_logits(model, r.prompt, r.generated, 16)
-                for r in requests}
-    assert reference.compare(requests, expected, near=1e-4).ok(
-        reference.TOLERANCE[torch.float32])
-    gen.close()
 
 
 def test_a_request_grows_past_an_in_flight_range_advance_left():

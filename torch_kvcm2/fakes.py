@@ -101,6 +101,17 @@ def _cells_and_host(cell: Tensor, pool: Tensor, pos: int, like: Tensor, b: int, 
     _same_device(like, pool, op, "host pools")
 
 
+def _unit_shape(tokens_per_unit: int, tokens_per_page: int, max_inflight_tokens: int,
+                window: int, sinks: int, op: str) -> None:
+    """A selection group's unit, page, in-flight, window and sink parameters."""
+    _check(tokens_per_unit > 0 and tokens_per_page > 0 and tokens_per_page % tokens_per_unit == 0,
+           f"{op}: tokens_per_unit must be positive and divide tokens_per_page")
+    _check(max_inflight_tokens > 0 and window >= 0,
+           f"{op}: max_inflight_tokens must be positive and window non-negative (0 = none)")
+    _check(sinks >= 0 and (sinks == 0 or window > 0),
+           f"{op}: sinks must be non-negative, and 0 without a window (window 0)")
+
+
 def _inflight_slots(inflight_slots: Tensor, rows, tokens_per_unit: int,
                     max_inflight_tokens: int, op: str) -> None:
     _check(tokens_per_unit > 0 and max_inflight_tokens > 0,
@@ -193,12 +204,7 @@ def _check_resolve(resident, recency, index_table, miss_list, miss_count, counte
            f"{_shape(recency)} but resident has {_shape(resident)}")
     _check(index_table.shape == selected.shape, lambda: f"{op}: index_table has shape "
            f"{_shape(index_table)} but selected has {_shape(selected)}")
-    _check(tokens_per_unit > 0 and tokens_per_page > 0 and tokens_per_page % tokens_per_unit == 0,
-           f"{op}: tokens_per_unit must be positive and divide tokens_per_page")
-    _check(max_inflight_tokens > 0 and window >= 0,
-           f"{op}: max_inflight_tokens must be positive and window non-negative (0 = none)")
-    _check(sinks >= 0 and (sinks == 0 or window > 0),
-           f"{op}: sinks must be non-negative, and 0 without a window (window 0)")
+    _unit_shape(tokens_per_unit, tokens_per_page, max_inflight_tokens, window, sinks, op)
     slots = resident.shape[1]
     units_per_page = tokens_per_page // tokens_per_unit
     _check(slots > 0 and slots % units_per_page == 0, lambda: f"{op}: slots ({slots}) must be a "
@@ -326,12 +332,7 @@ def _fake_resolve_gpu_history(index_table, write_table, write_start, counters, s
            f"{op}: counters must be a contiguous int64 tensor of shape [{NUM_COUNTERS}]")
     for t in (index_table, write_table, write_start, counters, gpu_rows, gpu_pages):
         _same_device(selected, t, op, "every tensor")
-    _check(tokens_per_unit > 0 and tokens_per_page > 0 and tokens_per_page % tokens_per_unit == 0,
-           f"{op}: tokens_per_unit must be positive and divide tokens_per_page")
-    _check(max_inflight_tokens > 0 and window >= 0,
-           f"{op}: max_inflight_tokens must be positive and window non-negative (0 = none)")
-    _check(sinks >= 0 and (sinks == 0 or window > 0),
-           f"{op}: sinks must be non-negative, and 0 without a window (window 0)")
+    _unit_shape(tokens_per_unit, tokens_per_page, max_inflight_tokens, window, sinks, op)
     _check(write_table.shape[1] >= max_inflight_tokens + tokens_per_unit - 1,
            lambda: f"{op}: write_table is too narrow: {write_table.shape[1]} columns, an "
            f"in-flight range can hold {max_inflight_tokens + tokens_per_unit - 1} tokens")
