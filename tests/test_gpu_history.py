@@ -134,6 +134,7 @@ def test_seeds_of_a_demotion_are_the_reference_models(shape):
     import random
 
     import reference as ref
+    import reference_resident as rsd
     from torch_kvcm2.gpu_history import seed_plan
 
     U, P, I, S = shape["U"], shape["P"], shape["I"], shape["S"]
@@ -145,7 +146,7 @@ def test_seeds_of_a_demotion_are_the_reference_models(shape):
         pages = -(-c // P) + rnd.randrange(0, 2)
         state = ref.ResidencyState.fresh(2, S)
         gpu_pages = [[], list(range(pages))]
-        ref.demote(state, [], gpu_pages, pages, 1, [0, h], [0, c], [0, 1], U, P, I, window,
+        rsd.demote(state, [], gpu_pages, pages, 1, [0, h], [0, c], [0, 1], U, P, I, window,
                    sinks)
         units, recency = seed_plan(h, c, U, P, I, S, window, sinks, pages * (P // U))
         assert units.tolist() + [ref.BAD] * (S - len(units)) == state.resident[1], (h, c)

@@ -1,5 +1,5 @@
 """resolve_gpu_history (RSD-1) at op level against the reference model of GPU-resident history
-(tests/reference.py: ``resolve_resident``, ``write_indices_resident``).
+(tests/reference_resident.py: ``resolve_resident``, ``write_indices_resident``).
 
 A batch mixes rows on cells with rows whose whole history is on GPU pages (the library's
 residency is per request: all of a row's pages or none, docs/DESIGN.md). The library step for
@@ -18,6 +18,7 @@ import torch
 from torch_kvcm2 import ops
 
 import reference as ref
+import reference_resident as rsd
 from conftest import DEVICE_PARAMS
 from residency_harness import BAD, I32, Group, t32
 
@@ -66,7 +67,7 @@ class GpuRows(Group):
         old = self.counters.cpu().tolist()
         self.library_step(selected, history, capacity, lease, fault)
         tables = [t if f else None for f, t in zip(self.flags, self.tables)]
-        want_index, want_misses, want_deltas = ref.resolve_resident(
+        want_index, want_misses, want_deltas = rsd.resolve_resident(
             self.ref, selected, history, capacity, lease, self.U, self.P, self.I, tables,
             self.gpu_slots, self.window, self.sinks)
         ctx = dict(selected=selected, history=history, capacity=capacity, lease=lease,
@@ -78,7 +79,7 @@ class GpuRows(Group):
         assert self.resident.cpu().tolist() == self.ref.resident, ctx
         assert self.recency.cpu().tolist() == self.ref.recency, ctx
         slots = ref.locate_inflight(self.ref.resident, history, capacity, lease, self.U, self.I)
-        want_write, want_start = ref.write_indices_resident(
+        want_write, want_start = rsd.write_indices_resident(
             self.ref.resident, slots, history, capacity, lease, self.U, self.I,
             self.write_table.shape[1], self.P, tables, self.gpu_slots)
         assert self.write_table.cpu().tolist() == want_write, ctx
@@ -234,7 +235,7 @@ def flush_step(device, seed, fault=None):
     host_ref = [ref.pages_from_tensor(pool5[:, b]) for b in range(2)]
     slots = ref.locate_inflight(g.ref.resident, h, c, lease, U, I)
     gpu_tables = [t if f else None for f, t in zip(g.flags, g.tables)]
-    ref.flush_resident(host_ref, [ref.pages_from_tensor(s) for s in spaces],
+    rsd.flush_resident(host_ref, [ref.pages_from_tensor(s) for s in spaces],
                        [g.ref.resident] * 2, [slots] * 2, table, new_history, h, c, lease,
                        [S, U, I] * 2, [gpu_tables] * 2, [gpu_slots] * 2)
     # the library

@@ -1,7 +1,7 @@
 """The reference model of GPU-resident history (docs/REQUIREMENTS.md §15f, RSD-1/RSD-2), on plain data.
 
 CPU only and pure Python: no op of the extension runs here. The functions under test are
-``reference.resolve_resident``, ``write_indices_resident``, ``flush_resident``, ``demote`` and
+``reference_resident.resolve_resident``, ``write_indices_resident``, ``flush_resident``, ``demote`` and
 their checkers; today's ``resolve``, ``write_indices``, ``flush`` and ``fetch`` are the baseline
 they must equal on rows without GPU pages.
 
@@ -21,6 +21,7 @@ import random
 import pytest
 
 import reference as ref
+import reference_resident as rsd
 
 BAD = ref.BAD
 
@@ -107,7 +108,7 @@ class World:
         when that page is resident (RSD-RES-3: a resident page holds all of its history)."""
         value = self.truth[r][t]
         self._put(self.host, self.page_table[r][t // self.P], t % self.P, value)
-        p = ref.gpu_page_of(self.gpu_pages[r], t // self.U, self.E, self.gpu_slots)
+        p = rsd.gpu_page_of(self.gpu_pages[r], t // self.U, self.E, self.gpu_slots)
         if p != BAD:
             self._put(self.spaces, self.cell_pages + p, t % self.P, value)
 
@@ -133,7 +134,7 @@ class World:
     def demote(self, r):
         """RSD-2 through the reference; the row's pages go back to the free list."""
         freed = [p for p in self.gpu_pages[r] if p != BAD]
-        seeds = ref.demote(self.state, self.spaces, self.gpu_pages, self.gpu_slots, r, self.h,
+        seeds = rsd.demote(self.state, self.spaces, self.gpu_pages, self.gpu_slots, r, self.h,
                            self.c, self.lease, self.U, self.P, self.I, self.window, self.sinks)
         self.gpu_free.extend(freed)
         self.modes[r] = "none"
@@ -162,12 +163,12 @@ class World:
         return sel
 
     def resolve(self, selected):
-        index, misses, deltas = ref.resolve_resident(
+        index, misses, deltas = rsd.resolve_resident(
             self.state, selected, self.h, self.c, self.lease, self.U, self.P, self.I,
             self.gpu_pages, self.gpu_slots, self.window, self.sinks)
-        ref.check_res_resident(self.state, self.h, self.c, self.lease, self.U, self.P, self.I,
+        rsd.check_res_resident(self.state, self.h, self.c, self.lease, self.U, self.P, self.I,
                                self.gpu_pages, self.gpu_slots, self.window, self.sinks)
-        ref.check_index_space(index, selected, self.h, self.c, self.lease, self.U, self.P,
+        rsd.check_index_space(index, selected, self.h, self.c, self.lease, self.U, self.P,
                               self.I, self.num_leases, self.S, self.gpu_pages, self.gpu_slots,
                               self.window, self.sinks)
         ref.fetch(self.spaces, self.host, [self.page_table] * len(BUFFERS), misses, self.S,
@@ -181,7 +182,7 @@ class World:
         located = ref.locate_inflight(self.state.resident, self.h, self.c, self.lease, self.U,
                                       self.I)
         width = self.I + self.U - 1
-        out, start = ref.write_indices_resident(self.state.resident, located, self.h, self.c,
+        out, start = rsd.write_indices_resident(self.state.resident, located, self.h, self.c,
                                                 self.lease, self.U, self.I, width, self.P,
                                                 self.gpu_pages, self.gpu_slots)
         for r in range(self.rows):
@@ -222,7 +223,7 @@ class World:
                     continue
                 assert e != BAD, f"row {r}: selectable unit {u} got BAD"
                 end = min(self.U, self.c[r] - u * self.U)
-                got = [ref.unit_bytes(space, e, self.U, 0, end) for space in self.spaces]
+                got = [rsd.unit_bytes(space, e, self.U, 0, end) for space in self.spaces]
                 want = [[b"".join(self.truth[r][u * self.U + i][b][k] for i in range(end))
                          for k in range(BUFFERS[b][0])] for b in range(len(BUFFERS))]
                 assert got == want, f"row {r}: unit {u} read wrong bytes through entry {e}"
@@ -234,7 +235,7 @@ class World:
         located = ref.locate_inflight(self.state.resident, self.h, self.c, self.lease, self.U,
                                       self.I)
         nb = len(BUFFERS)
-        return ref.flush_resident(self.host, self.spaces, [self.state.resident] * nb,
+        return rsd.flush_resident(self.host, self.spaces, [self.state.resident] * nb,
                                   [located] * nb, self.page_table, new_history, self.h, self.c,
                                   self.lease, [self.S, self.U, self.I] * nb,
                                   [self.gpu_pages] * nb, [self.gpu_slots] * nb)
@@ -248,7 +249,7 @@ class World:
             for t in range(upto[r]):
                 assert self._get(self.host, self.page_table[r][t // self.P], t % self.P) == \
                     self.truth[r][t], f"row {r}: host page wrong at token {t}"
-                p = ref.gpu_page_of(self.gpu_pages[r], t // self.U, self.E, self.gpu_slots)
+                p = rsd.gpu_page_of(self.gpu_pages[r], t // self.U, self.E, self.gpu_slots)
                 if p != BAD:
                     assert self._get(self.spaces, self.cell_pages + p, t % self.P) == \
                         self.truth[r][t], f"row {r}: GPU page {p} wrong at token {t}"
@@ -272,7 +273,7 @@ class World:
         reads = self.read(selected, index)
         for r in demote_mid:
             self.demote(r)
-            ref.check_res_resident(self.state, self.h, self.c, self.lease, self.U, self.P,
+            rsd.check_res_resident(self.state, self.h, self.c, self.lease, self.U, self.P,
                                    self.I, self.gpu_pages, self.gpu_slots, self.window,
                                    self.sinks)
         if accepted is None:
@@ -311,7 +312,7 @@ def test_gpu_page_is_a_page_of_the_buffer_tensor():
         E = P // U
         for p in range(6):
             for u in range(3 * E):
-                e = ref.gpu_entry(leases, S, p, E, u)
+                e = rsd.gpu_entry(leases, S, p, E, u)
                 assert divmod(e, E) == (leases * S // E + p, u % E)
                 for t in range(u * U, (u + 1) * U):
                     assert divmod(e * U + t % U, P) == (leases * S // E + p, t % P)
@@ -322,10 +323,10 @@ def test_gpu_page_of_reads_bad_ids_as_not_resident():
     negative ids, ids past the pool and pages past the table are "not resident"."""
     row = [3, BAD, -7, 9, 10]
     E = 4
-    assert [ref.gpu_page_of(row, u, E, 10) for u in (0, 3, 4, 8, 12, 15, 16, 20, -1)] == \
+    assert [rsd.gpu_page_of(row, u, E, 10) for u in (0, 3, 4, 8, 12, 15, 16, 20, -1)] == \
         [3, 3, BAD, BAD, 9, 9, BAD, BAD, BAD]
-    assert ref.gpu_page_of(None, 0, E, 10) == BAD
-    assert ref.gpu_page_of([], 0, E, 10) == BAD
+    assert rsd.gpu_page_of(None, 0, E, 10) == BAD
+    assert rsd.gpu_page_of([], 0, E, 10) == BAD
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,7 +369,7 @@ def test_rows_without_gpu_pages_equal_todays_resolve(shape):
             selected = [[rnd.randrange(-2, top) for _ in range(K)] for _ in range(rows)]
             tables = _no_pages_variant(rnd, rows, gpu_slots)
             want = ref.resolve(a, selected, h, c, lease, U, P, I, window, sinks)
-            got = ref.resolve_resident(b, selected, h, c, lease, U, P, I, tables, gpu_slots,
+            got = rsd.resolve_resident(b, selected, h, c, lease, U, P, I, tables, gpu_slots,
                                        window, sinks)
             assert got == want
             assert b == a
@@ -397,10 +398,10 @@ def test_rows_without_gpu_pages_in_a_mixed_batch_equal_todays_resolve():
             c = [x + rnd.randint(0, I + 3) for x in h]
             selected = [[rnd.randrange(-1, ref.ceil_div(c[r], U) + 2) for _ in range(K)]
                         for r in range(rows)]
-            got_index, got_misses, got = ref.resolve_resident(b, selected, h, c, lease, U, P, I,
+            got_index, got_misses, got = rsd.resolve_resident(b, selected, h, c, lease, U, P, I,
                                                               tables, gpu_slots)
             want_index, want_misses, want = ref.resolve(a, selected, h, c, holes, U, P, I)
-            alone_index, alone_misses, part = ref.resolve_resident(alone, selected, h, c, others,
+            alone_index, alone_misses, part = rsd.resolve_resident(alone, selected, h, c, others,
                                                                    U, P, I, tables, gpu_slots)
             for r in range(rows):
                 mine = (alone_index, alone) if r in resident_rows else (want_index, a)
@@ -408,8 +409,8 @@ def test_rows_without_gpu_pages_in_a_mixed_batch_equal_todays_resolve():
                 assert (b.resident[r], b.recency[r]) == (mine[1].resident[r], mine[1].recency[r])
             assert sorted(got_misses) == sorted(want_misses + alone_misses)
             assert got == [x + y for x, y in zip(want, part)]
-            ref.check_res_resident(b, h, c, lease, U, P, I, tables, gpu_slots)
-            ref.check_index_space(got_index, selected, h, c, lease, U, P, I, leases, S, tables,
+            rsd.check_res_resident(b, h, c, lease, U, P, I, tables, gpu_slots)
+            rsd.check_index_space(got_index, selected, h, c, lease, U, P, I, leases, S, tables,
                                   gpu_slots)
             h = [rnd.randint(x, y) for x, y in zip(h, c)]
 
@@ -434,7 +435,7 @@ def test_write_indices_and_flush_without_gpu_pages_equal_today(U, I, S):
         if case % 3 == 0:  # stale or wrong records: confirmed against resident
             located = [[rnd.choice([BAD, 0, 1, S - 1, S + 2]) for _ in line] for line in located]
         tables = _no_pages_variant(rnd, rows, gpu_slots)
-        assert ref.write_indices_resident(resident, located, h, c, lease, U, I, width, P, tables,
+        assert rsd.write_indices_resident(resident, located, h, c, lease, U, I, width, P, tables,
                                           gpu_slots) == \
             ref.write_indices(resident, located, h, c, lease, U, I, width)
         cells_n = leases * S // (P // U)
@@ -447,7 +448,7 @@ def test_write_indices_and_flush_without_gpu_pages_equal_today(U, I, S):
         new_history = [rnd.randint(max(x, 0) - 1, max(x, y, 0) + 1) for x, y in zip(h, c)]
         want = ref.flush([host], [cells], [resident], [located], page_table, new_history, h, c,
                          lease, [S, U, I])
-        got = ref.flush_resident([host2], [space], [resident], [located], page_table,
+        got = rsd.flush_resident([host2], [space], [resident], [located], page_table,
                                  new_history, h, c, lease, [S, U, I], [tables], [gpu_slots])
         assert got == want
         assert ref.pages_to_bytes(host2) == ref.pages_to_bytes(host)
@@ -467,14 +468,14 @@ def test_fully_resident_row_hand_computed():
     before = state.clone()
     tables = [[7, 3, 5]]  # pages 0, 1, 2 of the row
     # h = 13, c = 15: units 0..5 history, 6 (partly written head) and 7 in flight
-    index, misses, deltas = ref.resolve_resident(state, [[5, 0, 7, 5, -1, 9]], [13], [15], [1],
+    index, misses, deltas = rsd.resolve_resident(state, [[5, 0, 7, 5, -1, 9]], [13], [15], [1],
                                                  U, P, I, tables, 10)
     base = 3 * S
     assert index == [[base + 3 * 4 + 1, base + 7 * 4 + 0, base + 3 * 4 + 3, base + 3 * 4 + 1,
                       BAD, BAD]]
     assert misses == [] and deltas == [3, 0, 1]
     assert state.resident == before.resident and state.recency == before.recency
-    out, start = ref.write_indices_resident(state.resident, [[BAD] * 3], [13], [15], [1], U, I,
+    out, start = rsd.write_indices_resident(state.resident, [[BAD] * 3], [13], [15], [1], U, I,
                                             4, P, tables, 10)
     # tokens 13 (unit 6, row 1) and 14 (unit 7, row 0) on page 1 (id 3)
     assert start == [13] and out == [[(base + 3 * 4 + 2) * U + 1, (base + 3 * 4 + 3) * U + 0,
@@ -531,7 +532,7 @@ def test_mtp_selection_reads_gpu_entries_per_query_token():
     state = ref.ResidencyState.fresh(2, S)
     tables = [[4, BAD, 2]]
     selected = [[[0, 5, -1], [9, 0, 5]]]  # unit 0 on page 0 (GPU), 5 on page 1 (host), 9 page 2
-    index, misses, deltas = ref.resolve_resident_multi(state, selected, [20], [22], [0], U, P,
+    index, misses, deltas = rsd.resolve_resident_multi(state, selected, [20], [22], [0], U, P,
                                                        I, tables, 8)
     base = 2 * S
     slot5 = state.resident[0].index(5)
@@ -559,10 +560,10 @@ def test_resident_row_write_and_flush_put_exact_bytes_on_host():
     gpu = [[BAD, 2, 0]]  # page 0 not on the GPU (cells), pages 1 and 2 on GPU slots 2 and 0
     page_table = [[5, 1, 3]]
     h, c, lease = [7], [13], [1]  # s0 = 7; in-flight units 3 (page 0), 4, 5 (page 1), 6 (1)
-    ref.resolve_resident(state, [[]], h, c, lease, U, P, I, gpu, gpu_slots)
+    rsd.resolve_resident(state, [[]], h, c, lease, U, P, I, gpu, gpu_slots)
     assert sorted(u for u in state.resident[1] if u != BAD) == [3]  # only unit 3 is admitted
     located = ref.locate_inflight(state.resident, h, c, lease, U, I)
-    out, start = ref.write_indices_resident(state.resident, located, h, c, lease, U, I, I + U - 1,
+    out, start = rsd.write_indices_resident(state.resident, located, h, c, lease, U, I, I + U - 1,
                                             P, gpu, gpu_slots)
     slot3 = state.resident[1].index(3)
     want = [(1 * S + slot3) * U + 1]  # token 7
@@ -574,7 +575,7 @@ def test_resident_row_write_and_flush_put_exact_bytes_on_host():
             continue
         written[7 + j] = rnd.randbytes(3)
         space[idx // P][0][idx % P * 3:(idx % P + 1) * 3] = written[7 + j]
-    copies = ref.flush_resident([host], [space], [state.resident], [located], page_table, [11],
+    copies = rsd.flush_resident([host], [space], [state.resident], [located], page_table, [11],
                                 h, c, lease, [S, U, I], [gpu], [gpu_slots])
     assert copies == [(0, 0, 3, 5, 7, 8), (0, 0, 4, 1, 8, 10), (0, 0, 5, 1, 10, 11)]
     for t in range(16):
@@ -617,15 +618,15 @@ def test_demote_hand_computed():
     before = copy.deepcopy(space)
     state = ref.ResidencyState.fresh(leases, S)
     gpu = [[5, 2]]
-    seeds = ref.demote(state, [space], gpu, gpu_slots, 0, [13], [15], [0], U, P, I)
+    seeds = rsd.demote(state, [space], gpu, gpu_slots, 0, [13], [15], [0], U, P, I)
     assert seeds == [(6, 0), (7, 1), (5, 2), (4, 3)]
     assert state.resident[0] == [6, 7, 5, 4]
     assert state.recency[0] == [3, 2, 0, 1]  # units 4, 5, 6, 7
     assert gpu == [[BAD, BAD]]
     for u, s in seeds:
-        src = ref.gpu_entry(leases, S, 2, 4, u)  # all on page 1 (slot 2)
-        assert ref.unit_bytes(space, s, U) == ref.unit_bytes(before, src, U)
-    assert ref.unit_bytes(space, src, U) == ref.unit_bytes(before, src, U)  # pages untouched
+        src = rsd.gpu_entry(leases, S, 2, 4, u)  # all on page 1 (slot 2)
+        assert rsd.unit_bytes(space, s, U) == rsd.unit_bytes(before, src, U)
+    assert rsd.unit_bytes(space, src, U) == rsd.unit_bytes(before, src, U)  # pages untouched
 
 
 def test_demote_keeps_cells_pinned_and_recent_in_a_mixed_row():
@@ -638,14 +639,14 @@ def test_demote_keeps_cells_pinned_and_recent_in_a_mixed_row():
     state.resident[0] = [11, 2, BAD, 10, 5, 0, 9, BAD]
     state.recency[0] = [4, 0, 1, 5, 2, 3, 6, 7]
     gpu = [[0, 1, BAD]]
-    seeds = ref.demote(state, [], gpu, 2, 0, [10], [12], [0], U, P, I)
+    seeds = rsd.demote(state, [], gpu, 2, 0, [10], [12], [0], U, P, I)
     # slots 1 (unit 2), 4 (5), 5 (0) are stale and emptied; victims: empty in recency order
     # 4, 1, 5, 2, 7, then occupied non-in-flight: 6 (unit 9); in flight: none on the GPU
     assert seeds == [(7, 4), (6, 1), (5, 5), (4, 2), (3, 7), (2, 6)]
     assert state.resident[0] == [11, 6, 4, 10, 7, 5, 2, 3]
     assert state.recency[0] == [0, 3, 6, 7, 2, 5, 1, 4]
     before = state.clone()
-    assert ref.demote(state, [], [[BAD, BAD]], 2, 0, [10], [12], [0], U, P, I) == []
+    assert rsd.demote(state, [], [[BAD, BAD]], 2, 0, [10], [12], [0], U, P, I) == []
     assert state == before
 
 
@@ -673,8 +674,8 @@ def test_demoted_row_resolves_like_a_cells_only_row_that_held_the_units(seed):
               [(0, s, 0, u) for u, s in seeds], twin.S, twin.U)
     for u, s in seeds:  # the seeded bytes are the host page's bytes (below h)
         end = max(0, min(w.U, w.h[0] - u * w.U))
-        assert [ref.unit_bytes(sp, s, w.U, 0, end) for sp in w.spaces] == \
-            [ref.unit_bytes(sp, s, w.U, 0, end) for sp in twin.spaces]
+        assert [rsd.unit_bytes(sp, s, w.U, 0, end) for sp in w.spaces] == \
+            [rsd.unit_bytes(sp, s, w.U, 0, end) for sp in twin.spaces]
     for _ in range(6):
         selected = [w.random_selection(r) for r in range(w.rows)]
         twin.rnd.setstate(w.rnd.getstate())
@@ -760,13 +761,13 @@ def test_checkers_catch_a_unit_in_two_places_and_a_wrong_entry():
     gpu = [[1, BAD]]
     state.resident[0][0] = 2  # unit 2 is on GPU page 1
     with pytest.raises(AssertionError, match="one place"):
-        ref.check_res_resident(state, [4], [4], [0], U, P, I, gpu, 4)
+        rsd.check_res_resident(state, [4], [4], [0], U, P, I, gpu, 4)
     state.resident[0][0] = BAD
     with pytest.raises(AssertionError, match="RES-2"):
-        ref.check_res_resident(state, [9], [11], [0], U, P, I, gpu, 4)  # unit 4 (page 1)
-    good = ref.gpu_entry(1, S, 1, 4, 2)
-    ref.check_index_space([[good]], [[2]], [8], [8], [0], U, P, I, 1, S, gpu, 4)
+        rsd.check_res_resident(state, [9], [11], [0], U, P, I, gpu, 4)  # unit 4 (page 1)
+    good = rsd.gpu_entry(1, S, 1, 4, 2)
+    rsd.check_index_space([[good]], [[2]], [8], [8], [0], U, P, I, 1, S, gpu, 4)
     for bad in (0, good + 1):
         with pytest.raises(AssertionError):
-            ref.check_index_space([[bad]], [[2]], [8], [8], [0], U, P, I, 1, S, gpu, 4)
+            rsd.check_index_space([[bad]], [[2]], [8], [8], [0], U, P, I, 1, S, gpu, 4)
 

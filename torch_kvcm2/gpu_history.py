@@ -219,7 +219,7 @@ class GpuHistory:
 def seed_plan(h: int, c: int, U: int, P: int, I: int, S: int, window: int, sinks: int,
               units_on_gpu: int) -> tuple[np.ndarray, np.ndarray]:
     """The seeds of a row demoted onto a cleared lease of S slots, as the reference model's
-    ``demote`` makes them (tests/reference.py): its in-flight units ascending, then its whole
+    ``demote`` makes them (tests/reference_resident.py): its in-flight units ascending, then its whole
     history units on live pages (a window releases pages), newest first, at most S, all below
     ``units_on_gpu``; seed k takes slot k (a cleared lease's empty slots in recency order).
     Returns (the units of slots 0..n-1, the lease's recency afterwards: the slots not seeded in
