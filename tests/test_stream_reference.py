@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 
+import stream_engine
 import stream_reference as sr
 from stream_reference import CSA, HCA, SLIDING
 
@@ -405,7 +406,7 @@ def test_transformers_indexer_keys_have_the_overlap(v4_modules):
 def test_engine_days():
     totals = Counter()
     for seed in range(4):
-        day = sr.EngineDay(seed, steps=160)
+        day = stream_engine.EngineDay(seed, steps=160)
         totals.update(day.run())
     for event in ("admitted", "prefill", "decode", "finished", "matched", "warmups", "forked",
                   "migrated", "suspended", "offloaded", "resumed", "aborted", "refused",
@@ -421,7 +422,7 @@ def prefill(day, req):
 
 
 def quiet_day():
-    return sr.EngineDay(0, steps=0)
+    return stream_engine.EngineDay(0, steps=0)
 
 
 def test_fork_at_a_crossing_window():
@@ -570,4 +571,4 @@ def test_faults_fail_a_random_day(monkeypatch, name, fault):
     monkeypatch.setattr(sr, name, fault)
     with pytest.raises(AssertionError):
         for seed in range(4):
-            sr.EngineDay(seed, steps=160).run()
+            stream_engine.EngineDay(seed, steps=160).run()
