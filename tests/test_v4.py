@@ -160,6 +160,52 @@ def test_a_shared_prefix_gives_the_stock_tokens(arch):
     assert hits >= 128
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_v4_engine_day(seed):
+    """A day of a V4-shaped engine: requests with random prompts (some sharing a system prompt
+    of two pages) arrive at random steps on three rows, prefill in chunks, decode, and are
+    preempted (their dense pages to the host tier) and resumed at random; every request's
+    logits are then checked alone against the stock model, and nothing stays allocated."""
+    import random
+
+    rng, model = random.Random(seed), tiny()
+    # pools for twice the rows: suspended requests keep their sparse pages
+    gen = models.Generator(model, max_rows=3, max_tokens_per_row=640, prefill_chunk=48,
+                           record_logits=True, share_prefixes=True, host_tier_bytes=4 << 20)
+    system = [rng.randrange(2, 512) for _ in range(130)]
+    requests = []
+    for i in range(10):
+        own = [rng.randrange(2, 512) for _ in range(rng.randrange(3, 120))]
+        prompt = system + own if rng.random() < 0.5 else own
+        requests.append(gen.submit(prompt, rng.randrange(2, 24), arrival=rng.randrange(0, 40)))
+    suspended, preemptions = [], 0
+    for _ in range(600):
+        if not gen.pending and not suspended:
+            break
+        running = [r for r in requests if r.state == "running" and r.generated
+                   and len(r.generated) < r.max_new_tokens - 1]
+        if running and rng.random() < 0.08:
+            victim = rng.choice(running)
+            gen.suspend(victim)
+            suspended.append(victim)
+            preemptions += 1
+        elif suspended and len(gen.running) < gen.batch.max_rows and rng.random() < 0.3:
+            gen.resume(suspended.pop(0))
+        gen.step()
+    assert not gen.pending and not suspended
+    assert preemptions > 0 and all(r.state == "finished" for r in requests)
+    expected = {r.request_id: reference.stock_request_logits(model, r.prompt, r.generated, 48)
+                for r in requests}
+    result = reference.compare(requests, expected, near=1e-4)
+    assert result.ok(reference.TOLERANCE[torch.float32]), result
+    m = gen.metrics()
+    assert m["prefix"]["hit_tokens"] > 0 and m["preemptions"] == preemptions
+    for manager in gen.manager.managers.values():  # only committed pages stay, cached
+        assert all(g["used_bytes"] == 0 for g in manager.metrics()["pool_groups"]), (
+            manager.metrics()["pool_groups"])
+    gen.close()
+
+
 def test_a_shared_prefix_whose_window_pages_are_gone_shares_less():
     """With 16-token prefill chunks the first request (300 tokens) has released the window
     pages of its early prefix by the time it commits: the second (its first 290 tokens the
