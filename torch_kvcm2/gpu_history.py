@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from . import lengths as rules
+from . import ops
 from .config import BAD
 from .memory import ALLOCATED, CAPACITY, HISTORY, LEASE, sparse_buffers
 
@@ -155,39 +156,50 @@ class GpuHistory:
         """Demotions (RSD-2): each row's cleared lease is seeded from its GPU pages, device to
         device, in every selection group (``seed_plan``): the units copied into every sparse
         buffer's cells, their slots' residency and the lease's recency set. Runs after the
-        publish that cleared the leases and before anything writes the freed pages."""
-        step = self.step
-        device = self.config.device
+        publish that cleared the leases and before anything writes the freed pages.
+
+        Groups of one shape seed the same units into the same slots, so each shape is one
+        OP-FETCH over all its layers' buffers, its miss list the seeds (lease, slot k, row 0,
+        unit) and its "host" pool each buffer's own cells viewed as pages, the page table the
+        row's GPU page slots after the cells: one launch where a copy per layer cost 3.5 ms of
+        host time at 61 layers (docs/DESIGN.md, P-DEMOTE)."""
+        step, device = self.step, self.config.device
         for row, h, c, pages in demoted:
             if not len(pages):
                 continue
-            lease = table.leases[row]
-            plans = {}  # groups of one shape seed the same units into the same slots
+            lease = int(table.leases[row])
+            shapes = {}  # key -> (n, its packed device data, groups' states, cells)
             for group, state in zip(self.config.selection_groups, step.groups):
                 sp = group.sparse
-                U, E = sp.tokens_per_unit, group.units_per_page
-                key = (U, sp.max_inflight_tokens, sp.slots, group.window or 0, group.sinks,
-                       step.cell_pages[group.index])
-                if key not in plans:
-                    units, recency = seed_plan(h, c, U, self.P, sp.max_inflight_tokens,
-                                               sp.slots, group.window or 0, group.sinks,
-                                               len(pages) * E)
-                    src = key[-1] + pages[units // E].astype(np.int64)
-                    dst = lease * sp.slots + np.arange(len(units))
-                    plans[key] = [torch.as_tensor(x, device=device) for x in (
-                        units.astype(np.int32), recency.astype(np.int32), src, units % E,
-                        dst // E, dst % E)]
-                units, recency, src_page, src_piece, dst_page, dst_piece = plans[key]
-                n = len(units)
-                state.recency[lease] = recency
-                if not n:
-                    continue
-                for layer in group.layers:
-                    for buf in sparse_buffers(self.config, layer):
-                        space = step.cells[(layer, buf.role)]
-                        v = space.view(space.shape[0], space.shape[1], E, -1)  # units of a page
-                        v[dst_page, :, dst_piece] = v[src_page, :, src_piece]
-                state.resident[lease, :n] = units
+                key = (sp.tokens_per_unit, sp.max_inflight_tokens, sp.slots, group.window or 0,
+                       group.sinks, step.cell_pages[group.index])
+                if key not in shapes:
+                    U, _, S, window, sinks, cell_pages = key
+                    units, recency = seed_plan(h, c, U, self.P, key[1], S, window, sinks,
+                                               len(pages) * group.units_per_page)
+                    n = len(units)
+                    misses = np.stack([np.full(n, lease), np.arange(n), np.zeros(n, np.int64),
+                                       units], axis=1)
+                    packed = np.concatenate([[n, 0, 0, 0], misses.ravel(), cell_pages + pages,
+                                             units, recency]).astype(np.int32)
+                    shapes[key] = (n, torch.as_tensor(packed).to(device), [], [])
+                n, _, states, cells = shapes[key]
+                states.append(state)
+                if n:
+                    for layer in group.layers:
+                        cells += step.fetch_args[layer][0]
+            dst, src = [], []
+            for (U, _, S, *_), (n, packed, states, cells) in shapes.items():
+                at = 4 + 4 * n + len(pages)
+                units, recency = packed[at:at + n], packed[at + n:]
+                for state in states:
+                    dst += [state.recency[lease], state.resident[lease, :n]]
+                    src += [recency, units]
+                if cells:
+                    ops.fetch(cells, [cell.view(cell.shape[0], 1, -1) for cell in cells],
+                              [0] * len(cells), [packed[4 + 4 * n:at].view(1, -1)] * len(cells),
+                              packed[4:4 + 4 * n].view(n, 4), packed[:4], S, U)
+            torch._foreach_copy_(dst, src)
 
     def copy_in(self, table, promoted: list) -> None:
         """Promotions: each row's history pages, host -> its GPU pages in every sparse buffer,
