@@ -6,6 +6,7 @@ same model, same budgets, same selections.
     python benchmarks/serve.py [--json out.json] [--plot out.png] [--contexts 32768,131072]
     python benchmarks/serve.py --quick        # CPU, tiny shapes, about a minute (tested in CI)
     python benchmarks/serve.py --overlap      # torch_kvcm2 also with the fetches overlapped
+    python benchmarks/serve.py --slots-sweep 2112,4096,8192  # torch_kvcm2 again at each S
 
 The stand-in model, per layer and decode step (each part a flag, defaults below):
 
@@ -18,10 +19,12 @@ The stand-in model, per layer and decode step (each part a flag, defaults below)
 * the indexer: each row's query scores every dense indexer key of its context (``--key-bytes``
   per token per layer, read from its GPU pages once; a key's score is the low 20 bits of its
   int32 words' sum) and takes the top K (``--top-k``, ``torch.topk`` on int32). The query's
-  preference is the locality model's (``--locality`` of the top K kept from the step before;
-  the rest walk through older history, as P-STEP-WALL): its selection is added to the scores as
-  a bias, so the top-K the step uses is the top-K the indexer computed, and it equals the
-  locality model's selection (checked);
+  preference is the locality model's (benchmarks/locality.py: each step ``--turnover`` of the
+  top K replaced, ``--returning`` of the entering units ones that left a geometric
+  ``--reuse-age`` steps before, the rest new; the defaults fit the published LRU miss rates at
+  top-k 2048: 30% / 13.4% / 6.7% with 2048 / 4096 / 8192 slots): its selection is added to the
+  scores as a bias, so the top-K the step uses is the top-K the indexer computed, and it equals
+  the locality model's selection (checked);
 * attention: the K selected ``--latent-bytes`` rows per layer, gathered as int32 words through
   the index table from the cells (torch_kvcm2) or through the page table from the dense pool
   (baseline), summed. Gathers and scores move int32 words: a byte gather ran attention at 146
@@ -43,6 +46,12 @@ indexer, resolve and fetch are issued before layer l's attention (one layer of l
 stand-in's indexer reads only the keys), so its misses cross PCIe while layer l's weights GEMM
 and attention run; each layer's attention waits for its own fetch by an event, inside the one
 captured graph. The summary gives TPOT p50 with over without, per level (``overlap_tpot_ratio``).
+
+``--slots-sweep`` runs torch_kvcm2 again at each S (cells per row and layer; default 4096, 2x
+the top-k, as vLLM's hot buffer) at its best concurrency of the sweep (fewer where S's cells
+leave room for fewer): the hit rate counted against the model's and the published one, the
+step time and the most requests S leaves room for (``print_slots``). S must exceed K: the
+published 2048-slot point is S = 2112 here (the decoded token's cell, a page of units over).
 
 Each level is set against its physical bound (``step_bound``): the fastest its step could run
 with every part overlapped, the slowest of its HBM bytes (weights, indexer keys, the gathered
@@ -71,8 +80,10 @@ medium that refused. Prefill is not timed: every request's history is written st
 pages (host pages for torch_kvcm2's latents). Each level decodes ``--steps`` timed steps after a
 warm-up. Checks, every level: what attention gathered in the last step equals the bytes the
 stand-in model wrote for those tokens (sampled rows, first and last layer); the indexer's top-K
-equals the locality model's selection; the misses counted by ``manager.metrics()`` equal the
-locality model's; every decoded token reached its pages (host pages, read back) bit for bit;
+equals the locality model's selection; the misses counted by ``manager.metrics()`` are within
+5% of the locality model's under a plain LRU of S slots (``lru_misses``: the resolve breaks ties
+between units touched in one step its own way); every decoded token reached its pages (host
+pages, read back) bit for bit;
 after the level every pool slot and batch byte is back (``stats()``).
 """
 from __future__ import annotations
@@ -89,10 +100,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_kvcm2 as kv  # noqa: E402
-from torch_kvcm2.memory import batch_memory_bytes, pool_group_count  # noqa: E402
+from torch_kvcm2.memory import (batch_memory_bytes, batch_reserve_bytes,  # noqa: E402
+                                pool_group_count)
 from harness import Result, pick_device, write_json  # noqa: E402
-from serve_report import (measure_ceilings, plot, print_table, step_bound,  # noqa: E402,F401
-                          summarize)
+from locality import PUBLISHED, Reuse, lru_misses  # noqa: E402
+from serve_report import (measure_ceilings, plot, print_slots, print_table,  # noqa: E402,F401
+                          step_bound, summarize)
 
 WORD = 4  # bytes per int32 word of the stand-in model's KV
 SCORE_MASK = (1 << 20) - 1  # a key's score: the low 20 bits of its words' int32 sum
@@ -107,13 +120,15 @@ class Shape:
     latent_bytes: int = 656
     key_bytes: int = 132
     top_k: int = 2048
-    slots: int = 2560
+    slots: int = 4096
     page: int = 64
     layers_per_indexer: int = 1
-    locality: float = 0.9
+    turnover: float = Reuse.turnover
+    returning: float = Reuse.returning
+    reuse_age: float = Reuse.age
     output: int = 2048
     steps: int = 16
-    warmup: int = 3
+    warmup: int = 12  # the LRU set fills in ~10 steps at S = 8192 (benchmarks/locality.py)
     gpu_kv_gb: float = 45.0
     host_gb: float = 240.0
     dense_weight_mb: float = 67.0
@@ -130,16 +145,14 @@ class Shape:
         return self.layers / self.model_layers
 
     @property
-    def new(self) -> int:
-        """Units of each row's top-K that change every step."""
-        return max(1, round(self.top_k * (1 - self.locality)))
+    def reuse(self) -> Reuse:
+        """The selection locality model (benchmarks/locality.py)."""
+        return Reuse(self.turnover, self.returning, self.reuse_age)
 
     @property
-    def period(self) -> int:
-        """Steps after which a walked unit returns: by then the LRU set has evicted it (the
-        ``S - (K - new)`` slots beside the kept core, 1.25x over)."""
-        spare = self.slots - (self.top_k - self.new)
-        return max(2, -(-5 * spare // (4 * self.new)))
+    def level_steps(self) -> int:
+        """Steps one level runs: the warm-up, the timed ones and the eager step timed by part."""
+        return self.warmup + self.steps + 1
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weights one layer's GEMMs read for a batch of ``rows`` (module docstring)."""
@@ -147,8 +160,8 @@ class Shape:
         return int((self.dense_weight_mb + self.expert_mb * touched) * 1e6)
 
 
-QUICK = Shape(layers=2, model_layers=3, latent_bytes=64, key_bytes=16, top_k=32, slots=48, page=16,
-              output=256, steps=4, warmup=2, gpu_kv_gb=0.0009, host_gb=0.00225, dense_weight_mb=0.05,
+QUICK = Shape(layers=2, model_layers=3, latent_bytes=64, key_bytes=16, top_k=32, slots=64, page=16,
+              output=256, steps=4, warmup=6, gpu_kv_gb=0.0009, host_gb=0.00225, dense_weight_mb=0.05,
               expert_mb=0.01, experts_per_gpu=4, hidden=64, max_concurrency=64)
 
 
@@ -183,33 +196,35 @@ def write_tokens(view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor, word
 
 def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
     """(the most requests of ``context`` + ``output`` tokens the budgets hold, the medium that
-    binds): a manager reserves its batch memory (the cells, on torch_kvcm2's side) for
-    ``max_rows`` rows at construction, so the rows and the requests' pages share each budget.
-    Read off the batch memory of 1 and 2 rows and one request's pages per medium."""
+    binds): a manager reserves its batch memory (the cells on torch_kvcm2's side, the GPU
+    history pages) for ``max_rows`` rows at construction (``batch_reserve_bytes``), so the rows
+    and the requests' pages share each budget; the largest count that fits both, by bisection."""
     config = build_config(shape, side, device, context, 1)
-    groups = pool_group_count(config)
-    reserved = [batch_memory_bytes(config, groups, rows) for rows in (1, 2)]
-    # the GPU history pages (RSD-1): set aside once, whatever the rows
-    history = batch_memory_bytes(config, groups, 1, config.gpu_history_slots)
     pages = -(-(context + shape.output) // shape.page)
     # a request's page of every buffer, per medium: sparse buffers in host pools, dense in GPU
-    page_bytes = {"gpu": 0, "host": 0}
+    request = {"gpu": 0, "host": 0}
     for layer in config.layers:
         for buf in layer.buffers:
-            page_bytes["host" if buf.sparse else "gpu"] += config.tokens_per_page * buf.bytes_per_token
-    best, binding = None, None
-    for medium, budget in (("gpu", shape.gpu_kv_gb), ("host", shape.host_gb)):
-        per_row = reserved[1][medium] - reserved[0][medium]
-        fixed = reserved[0][medium] - per_row + history[medium] - reserved[0][medium]
-        request = pages * page_bytes[medium]
-        if per_row + request == 0:
-            continue
-        rows = int((budget * 1e9 * shape.scale - fixed) // (per_row + request))
-        if best is None or rows < best:
-            best, binding = rows, (f"{'GPU' if medium == 'gpu' else 'host'} memory "
-                                   f"({request / 1e6:.1f} MB of pages per request, "
-                                   f"{per_row / 1e6:.1f} MB of batch memory per row)")
-    return min(best, shape.max_concurrency), binding
+            request["host" if buf.sparse else "gpu"] += pages * config.tokens_per_page * buf.bytes_per_token
+    budget = {"gpu": shape.gpu_kv_gb * 1e9 * shape.scale, "host": shape.host_gb * 1e9 * shape.scale}
+    groups = pool_group_count(config)
+
+    def short(rows: int) -> list:
+        """The media whose budget ``rows`` requests and their batch memory overrun."""
+        reserve = batch_reserve_bytes(build_config(shape, side, device, context, rows), groups)
+        return [m for m in budget if reserve[m] + rows * request[m] > budget[m]]
+
+    lo, hi = 0, shape.max_concurrency + 1  # lo fits (0 rows: nothing to hold), hi does not
+    if not short(shape.max_concurrency):
+        return shape.max_concurrency, None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if not short(mid) else (lo, mid)
+    per_row = batch_memory_bytes(config, groups, 1)
+    binding = " and ".join(f"{'GPU' if m == 'gpu' else 'host'} memory ({request[m] / 1e6:.1f} MB "
+                           f"of pages per request, {per_row[m] / 1e6:.1f} MB of batch memory "
+                           f"per row)" for m in short(hi))
+    return lo, binding
 
 
 def build_config(shape: Shape, side: str, device: str, context: int, rows: int) -> kv.CacheConfig:
@@ -245,6 +260,8 @@ class Level:
     host_ms: list = field(default_factory=list)  # per step: publish + record_advance
     parts_ms: dict = field(default_factory=dict)
     hit_rate: float = 1.0
+    model_hit_rate: float = 1.0  # the locality model's under a plain LRU of S slots
+    slots: int = 0  # torch_kvcm2's cells per row and layer (S) in a slots sweep's level, else 0
     fetched_bytes_per_step: float = 0.0
     checked_tokens: int = 0
     gpu_rows: int = 0  # torch_kvcm2's rows on GPU history pages (RSD-1)
@@ -413,9 +430,15 @@ class Side:
         hits, misses, fetched = (a - b for a, b in zip(self.counted(), before))
         if self.side == "kvcm2":
             groups = len(self.config.selection_groups)
-            want = (sh.steps + 1) * (rows - level.gpu_rows) * sh.new * groups  # + parts step
-            assert misses == want, f"{misses} misses counted by metrics(), the locality model made {want}"
+            # the model's LRU misses over the counted steps (the timed ones and the parts step)
+            # of the rows on cells (rows [0, gpu_rows) are on GPU pages: promoted in row order)
+            counted = step.model_misses[sh.warmup:].sum(0)
+            want = int(counted[step.pattern_of[level.gpu_rows:]].sum()) * groups
             level.hit_rate = hits / max(1, hits + misses)
+            level.model_hit_rate = 1 - want / max(1, hits + misses)
+            # the resolve breaks ties between units touched in one step its own way
+            assert abs(misses - want) <= 0.05 * want + rows * groups, \
+                f"{misses} misses counted by metrics(), the locality model's LRU makes {want}"
             level.fetched_bytes_per_step = fetched / (sh.steps + 1)
         level.checked_tokens = step.check(batch)
         assert batch.advance_counters.tolist() == [0, 0], "a row was refused or ran short"
@@ -478,15 +501,12 @@ class DecodeStep:
                 if role == "ik":  # the indexer reads this buffer's pages of the slots in use
                     self.keys[name] = view[info.pos::scale][:int(slots.max()) + 1]
                     self.key_slots[name] = slots
-        # the locality model's selections: a kept core plus a window walking older history
-        gen = torch.Generator(device="cpu").manual_seed(7 + rows)
-        K, new, period = sh.top_k, sh.new, sh.period
-        assert side.context >= K - new + period * new, "context too short for the selection walk"
-        order = torch.stack([torch.randperm(side.context, generator=gen)[:K - new + period * new]
-                             for _ in range(rows)]).to(dev)
-        core, walk = order[:, :K - new], order[:, K - new:]
-        self.sets = torch.stack([torch.cat([core, walk[:, i * new:(i + 1) * new]], 1)
-                                 for i in range(period)]).to(torch.int64)  # [period, R, K]
+        # the locality model's selections, one set per step the level runs (benchmarks/locality.py)
+        sets, self.pattern_of = sh.reuse.selections(side.context, sh.top_k, sh.level_steps, rows,
+                                                    seed=7 + rows)
+        self.sets = torch.as_tensor(sets, device=dev)  # int32[steps, R, K]
+        self.model_misses = lru_misses(sets[:, :self.pattern_of.max() + 1], sh.slots,
+                                       first_new=side.context)  # [steps, patterns]
         self.counter = torch.zeros((), dtype=torch.int64, device=dev)  # steps run, on the device
         self.ones = torch.ones(rows, dtype=torch.int32, device=dev)
         self.x = torch.ones(sh.hidden, rows, dtype=torch.bfloat16, device=dev)
@@ -510,7 +530,7 @@ class DecodeStep:
         mark = timer or (lambda part: None)
         history = batch.history[:self.rows]
         pos = history.long()  # the new token's position, per row
-        chosen = self.sets.index_select(0, self.counter.remainder(sh.period).view(1))[0]
+        chosen = self.sets.index_select(0, self.counter.remainder(len(self.sets)).view(1))[0].long()
         bias = torch.zeros(self.rows, self.npages * sh.page, dtype=torch.int32, device=pos.device)
         bias.scatter_(1, chosen, BIAS)
         dead = self.positions[None, :] >= pos[:, None]  # not history
@@ -608,8 +628,8 @@ class DecodeStep:
         """The checks of the module docstring for this level; returns the tokens compared."""
         sh, side = self.shape, self.side
         checked = 0
-        last = (self.counter - 1).remainder(sh.period)
-        want_sel = self.sets[int(last)].sort(1).values
+        last = (self.counter - 1).remainder(len(self.sets))
+        want_sel = self.sets[int(last)].long().sort(1).values
         for li, name in enumerate(side.names):
             if name not in self.checked:
                 continue
@@ -663,7 +683,7 @@ def run_context(shape: Shape, device: str, context: int, progress) -> list:
                     level = run if not overlap else level
                     progress(f"  {'overlap: ' if overlap else ''}{run.tokens_per_s:.0f} tokens/s, "
                              f"TPOT p50 {run.tpot_p50:.2f} ms p99 {run.tpot_p99:.2f} ms, hit rate "
-                             f"{run.hit_rate:.3f}, parts ms "
+                             f"{run.hit_rate:.3f} (model {run.model_hit_rate:.3f}), parts ms "
                              + " ".join(f"{k} {v:.2f}" for k, v in run.parts_ms.items()))
             level.maximum = True
             level.binding = side.planned_binding
@@ -716,6 +736,35 @@ def sweep(shape: Shape, device: str, contexts: list, low_layers: int, progress) 
     return levels, ceiling
 
 
+def slots_sweep(shape: Shape, device: str, levels: list, slots: list, progress) -> list:
+    """torch_kvcm2 again at each ``slots`` count (S: cells per row and layer), per context at
+    the concurrency of its best throughput in ``levels`` (fewer where S's cells leave room for
+    fewer): the hit rate against the locality model's and the published one, and what it costs
+    in step time and concurrency."""
+    out = []
+    for context in sorted({lv.context for lv in levels}):
+        best = max((lv for lv in levels if lv.context == context and lv.side == "kvcm2"
+                    and lv.layers == shape.layers and not lv.overlap),
+                   key=lambda lv: lv.tokens_per_s)
+        for S in slots:
+            sh = replace(shape, slots=S)
+            side = Side(sh, "kvcm2", device, context)
+            try:
+                rows = min(best.rows, side.max_rows)
+                progress(f"{context} tokens, kvcm2, S = {S}: concurrency {rows} (of {side.max_rows})")
+                level = side.run_level(rows)
+                assert level is not None, f"S = {S}: {rows} requests planned to fit and did not"
+                level.slots, level.binding = S, f"{side.max_rows} requests at most"
+                out.append(level)
+                progress(f"  {level.tokens_per_s:.0f} tokens/s, hit rate {level.hit_rate:.3f} "
+                         f"(model {level.model_hit_rate:.3f})")
+            except BaseException:
+                side.close(check=False)
+                raise
+            side.close()
+    return out
+
+
 def bench_serve(device: str, quick: bool) -> list:
     """benchmarks/run.py's P-SERVE rows: one per context, the sweep run as ``main`` runs it
     (the H200 default: 4 layers, 32K and 128K tokens, 1-2 requests also with all 61), its four
@@ -754,8 +803,16 @@ def parse_args(argv=None):
     p.add_argument("--key-bytes", type=int, default=d.key_bytes, help="indexer key per token per layer")
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--slots", type=int, default=d.slots, help="cells per request per layer (S)")
+    p.add_argument("--slots-sweep", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="comma-separated S: torch_kvcm2 again at each, at its best concurrency "
+                        "(hit rate against the locality model's and the published)")
     p.add_argument("--layers-per-indexer", type=int, default=d.layers_per_indexer)
-    p.add_argument("--locality", type=float, default=d.locality, help="share of the top-K kept step to step")
+    p.add_argument("--turnover", type=float, default=d.turnover,
+                   help="share of each row's top-K replaced every step (benchmarks/locality.py)")
+    p.add_argument("--returning", type=float, default=d.returning,
+                   help="share of the entering units that were selected before")
+    p.add_argument("--reuse-age", type=float, default=d.reuse_age,
+                   help="mean steps since a returning unit left the selection")
     p.add_argument("--output", type=int, default=d.output, help="decode tokens per request")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per level")
     p.add_argument("--gpu-kv-gb", type=float, default=d.gpu_kv_gb)
@@ -782,7 +839,7 @@ def parse_args(argv=None):
     else:
         shape = Shape(**{k: getattr(args, k) for k in (
             "layers", "model_layers", "latent_bytes", "key_bytes", "top_k", "slots",
-            "layers_per_indexer", "locality", "output", "steps", "gpu_kv_gb", "host_gb",
+            "layers_per_indexer", "turnover", "returning", "reuse_age", "output", "steps", "gpu_kv_gb", "host_gb",
             "dense_weight_mb", "expert_mb", "experts_per_gpu", "max_concurrency", "overlap",
             "gpu_history_gb")})
         contexts = [int(c) for c in args.contexts.split(",")]
@@ -791,10 +848,15 @@ def parse_args(argv=None):
             p.error(f"argument --{name.replace('_', '-')}: must be >= 1")
     if args.low_layers is not None and args.low_layers < 0:
         p.error("argument --low-layers: must be >= 0")
-    if not 0 < shape.locality < 1:
-        p.error("argument --locality: must be in (0, 1)")
-    if shape.slots < shape.top_k + 1:
-        p.error("argument --slots: must exceed --top-k (the new token needs a cell)")
+    for name in ("turnover", "returning"):
+        if not 0 < getattr(shape, name) <= 1:
+            p.error(f"argument --{name}: must be in (0, 1]")
+    if shape.reuse_age < 1:
+        p.error("argument --reuse-age: must be >= 1 (steps)")
+    for S in [shape.slots] + args.slots_sweep:
+        if S < shape.top_k + 1:
+            p.error(f"argument --slots / --slots-sweep: {S} must exceed --top-k (the new token "
+                    "needs a cell)")
     return args, shape, contexts
 
 
@@ -814,9 +876,14 @@ def main(argv=None) -> int:
     low_layers = shape.model_layers if args.low_layers is None or quick else args.low_layers
     levels, ceiling = sweep(shape, device, contexts, low_layers, progress)
     summary = summarize(levels, shape)
+    swept = slots_sweep(shape, device, levels, args.slots_sweep, progress) if args.slots_sweep else []
+    for level in swept:
+        level.bound_ms, level.bound_by, level.bound_terms = step_bound(shape, level, ceiling)
     title = ("CPU smoke run: numbers are not claims" if device == "cpu"
              else f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
     print_table(levels, summary, shape, title)
+    if swept:
+        print_slots(swept, shape)
     print("# ceilings of this run (the bounds' rates): HBM copy {hbm:.0f} GB/s (read + write), "
           "copy engine H2D {h2d:.1f} GB/s, GPU gather of latent rows from pinned memory "
           "{gather:.1f} GB/s (a torch gather through the UVA view), bf16 GEMM {gemm:.1f} TFLOP/s; "
@@ -830,7 +897,7 @@ def main(argv=None) -> int:
                                "levels": [{**lv.__dict__, "tokens_per_s": lv.tokens_per_s,
                                            "tpot_p50": lv.tpot_p50, "tpot_p99": lv.tpot_p99,
                                            "host_p50": lv.host_p50, "of_bound": lv.of_bound}
-                                          for lv in levels]})
+                                          for lv in levels + swept]})
     return 0
 
 

@@ -6,6 +6,7 @@ import torch
 
 import torch_kvcm2 as kv
 from harness import Timer, ceilings
+from locality import PUBLISHED
 
 
 def measure_ceilings(device: str, shape: Shape, quick: bool) -> dict:
@@ -97,16 +98,21 @@ def summarize(levels: list, shape: Shape) -> dict:
 
 def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
     print(f"# P-SERVE — {title}")
+    published = PUBLISHED.get(shape.slots) if shape.top_k == 2048 else None
     print(f"# {shape.layers} of {shape.model_layers} layers, K={shape.top_k}, S={shape.slots}, "
-          f"latent {shape.latent_bytes} B + key {shape.key_bytes} B per token per layer, locality "
-          f"{shape.locality}, budgets GPU {shape.gpu_kv_gb * shape.scale:.2f} GB / host "
+          f"latent {shape.latent_bytes} B + key {shape.key_bytes} B per token per layer; locality "
+          f"(benchmarks/locality.py): turnover {shape.turnover}, returning {shape.returning}, "
+          f"mean age {shape.reuse_age} steps"
+          + (f" (published LRU miss rate at S = {shape.slots * 2048 // shape.top_k} of K = 2048: "
+             f"{published:.1%})" if published else "") + f"; budgets GPU {shape.gpu_kv_gb * shape.scale:.2f} GB / host "
           f"{shape.host_gb * shape.scale:.2f} GB (x{shape.scale:.3f} of {shape.gpu_kv_gb} / {shape.host_gb})")
-    print("| context | layers | side  | conc. | tokens/s | TPOT p50 ms | p99 ms | host ms | hit rate | PCIe MB/step | eager parts ms (weights/indexer/cache/attention) | bound ms (by) | of bound | binds |")
-    print("|---------|--------|-------|-------|----------|-------------|--------|---------|----------|--------------|--------------------------------------------------|---------------|----------|-------|")
+    print("| context | layers | side  | conc. | tokens/s | TPOT p50 ms | p99 ms | host ms | hit rate (model) | PCIe MB/step | eager parts ms (weights/indexer/cache/attention) | bound ms (by) | of bound | binds |")
+    print("|---------|--------|-------|-------|----------|-------------|--------|---------|------------------|--------------|--------------------------------------------------|---------------|----------|-------|")
     for lv in levels:
         parts = "/".join(f"{lv.parts_ms.get(p, 0):.2f}" for p in ("weights", "indexer", "cache", "attention"))
         bound = lv.binding if lv.maximum else ""
-        hit = f"{lv.hit_rate:8.3f}" if lv.side == "kvcm2" else f"{'-':>8}"
+        hit = (f"{lv.hit_rate:.3f} ({lv.model_hit_rate:.3f})" if lv.side == "kvcm2"
+               else "-").rjust(16)
         label = "kv+ov" if lv.overlap else lv.side  # kv+ov: kvcm2 with FetchStream
         print(f"| {lv.context:7} | {lv.layers:6} | {label:5} | {lv.rows:5} | {lv.tokens_per_s:8.0f} | "
               f"{lv.tpot_p50:11.3f} | {lv.tpot_p99:6.3f} | {lv.host_p50:7.3f} | {hit} | "
@@ -126,6 +132,23 @@ def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
         if s["overlap_tpot_ratio"]:
             print(f"# {context} tokens: TPOT p50 with the fetches overlapped (kv+ov) over without: "
                   + ", ".join(f"{k}: {r:.3f}x" for k, r in s["overlap_tpot_ratio"].items()))
+
+
+def print_slots(levels: list, shape: Shape) -> None:
+    """The slots sweep (``slots_sweep``): per context and S, torch_kvcm2's hit rate measured by
+    ``metrics()``, the locality model's under a plain LRU, the published one where S is one of
+    its points (scaled by K / 2048), and the step."""
+    print(f"# slots sweep: torch_kvcm2 at each S (cells per row and layer), K={shape.top_k}")
+    print("| context | S | conc. | tokens/s | TPOT p50 ms | hit rate | model | published | PCIe MB/step | of bound | most requests at S |")
+    print("|---------|---|-------|----------|-------------|----------|-------|-----------|--------------|----------|--------------------|")
+    for lv in levels:
+        # the published hot buffer of N slots is S = N + a page here (the decoded token's cell)
+        published = (PUBLISHED.get(lv.slots, PUBLISHED.get(lv.slots - shape.page))
+                     if shape.top_k == 2048 else None)
+        pub = f"{1 - published:.3f}" if published is not None else "-"
+        print(f"| {lv.context:7} | {lv.slots} | {lv.rows:5} | {lv.tokens_per_s:8.0f} | "
+              f"{lv.tpot_p50:11.3f} | {lv.hit_rate:8.3f} | {lv.model_hit_rate:.3f} | {pub:>9} | "
+              f"{lv.fetched_bytes_per_step / 1e6:12.2f} | {lv.of_bound:8.2f} | {lv.binding} |")
 
 
 def plot(levels: list, path: str, title: str) -> bool:
