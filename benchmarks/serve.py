@@ -18,7 +18,8 @@ The stand-in model, per layer and decode step (each part a flag, defaults below)
   amortises;
 * the indexer: each row's query scores every dense indexer key of its context (``--key-bytes``
   per token per layer, read from its GPU pages once; a key's score is the low 20 bits of its
-  int32 words' sum) and takes the top K (``--top-k``, ``torch.topk`` on int32). The query's
+  int32 words' sum) and takes the top K (``--top-k``) with a radix select (benchmarks/topk.py, a
+  Triton program per row: an engine's kind of top-k; ``--topk torch`` for ``torch.topk``). The query's
   preference is the locality model's (benchmarks/locality.py: each step ``--turnover`` of the
   top K replaced, ``--returning`` of the entering units ones that left a geometric
   ``--reuse-age`` steps before, the rest new; the defaults fit the published LRU miss rates at
@@ -104,6 +105,7 @@ from torch_kvcm2.memory import (batch_memory_bytes, batch_reserve_bytes,  # noqa
                                 pool_group_count)
 from harness import Result, pick_device, write_json  # noqa: E402
 from locality import PUBLISHED, Reuse, lru_misses  # noqa: E402
+from topk import topk_indices  # noqa: E402
 from serve_report import (measure_ceilings, plot, print_slots, print_table,  # noqa: E402,F401
                           step_bound, summarize)
 
@@ -126,6 +128,7 @@ class Shape:
     turnover: float = Reuse.turnover
     returning: float = Reuse.returning
     reuse_age: float = Reuse.age
+    topk: str = "radix"  # the indexer's top-k: benchmarks/topk.py's radix select, or torch.topk
     output: int = 2048
     steps: int = 16
     warmup: int = 12  # the LRU set fills in ~10 steps at S = 8192 (benchmarks/locality.py)
@@ -545,7 +548,10 @@ class DecodeStep:
             scores = self.keys[name].view(torch.int32).sum(dim=(1, 3), dtype=torch.int32) & SCORE_MASK
             rows_scores = scores[self.key_slots[name]].flatten(1)  # [R, npages*P], a new tensor
             rows_scores.add_(bias).masked_fill_(dead, -1)
-            selected[name] = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices
+            if sh.topk == "radix":  # the same on both sides (benchmarks/topk.py)
+                selected[name] = topk_indices(rows_scores, sh.top_k)
+            else:
+                selected[name] = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices
             mark("cache")
             page, tok = token_rows(self.views[name, "ik"], self.pages[name, "ik"], pos[:, None])
             write_tokens(self.views[name, "ik"], page[:, 0], tok[:, 0],
@@ -806,6 +812,9 @@ def parse_args(argv=None):
     p.add_argument("--slots-sweep", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="comma-separated S: torch_kvcm2 again at each, at its best concurrency "
                         "(hit rate against the locality model's and the published)")
+    p.add_argument("--topk", choices=("radix", "torch"), default=d.topk,
+                   help="the indexer's top-k on both sides: the radix select of benchmarks/topk.py "
+                        "(default) or torch.topk")
     p.add_argument("--layers-per-indexer", type=int, default=d.layers_per_indexer)
     p.add_argument("--turnover", type=float, default=d.turnover,
                    help="share of each row's top-K replaced every step (benchmarks/locality.py)")
@@ -834,12 +843,12 @@ def parse_args(argv=None):
     if args.gpu_history_gb < 0:
         p.error("argument --gpu-history-gb: must be >= 0")
     if args.quick:
-        shape, contexts = replace(QUICK, overlap=args.overlap,
+        shape, contexts = replace(QUICK, overlap=args.overlap, topk=args.topk,
                                   gpu_history_gb=args.gpu_history_gb), [256, 512]
     else:
         shape = Shape(**{k: getattr(args, k) for k in (
             "layers", "model_layers", "latent_bytes", "key_bytes", "top_k", "slots",
-            "layers_per_indexer", "turnover", "returning", "reuse_age", "output", "steps", "gpu_kv_gb", "host_gb",
+            "layers_per_indexer", "turnover", "returning", "reuse_age", "topk", "output", "steps", "gpu_kv_gb", "host_gb",
             "dense_weight_mb", "expert_mb", "experts_per_gpu", "max_concurrency", "overlap",
             "gpu_history_gb")})
         contexts = [int(c) for c in args.contexts.split(",")]
@@ -866,7 +875,7 @@ def main(argv=None) -> int:
     quick = args.quick
     if device == "cpu" and not quick:
         print("no CUDA kernels or GPU: running --quick", file=sys.stderr)
-        shape, contexts, quick = replace(QUICK, overlap=shape.overlap,
+        shape, contexts, quick = replace(QUICK, overlap=shape.overlap, topk=shape.topk,
                                          gpu_history_gb=shape.gpu_history_gb), [256, 512], True
     started = time.perf_counter()
 

@@ -1,0 +1,115 @@
+"""A radix-select top-k for the serving benchmark's indexer: the K largest of each row's int32
+scores, one Triton program per row, in the time of a few reads of the row.
+
+    indices = topk_indices(scores, K)   # int64[R, K]: the K largest of each row of scores
+
+``torch.topk`` over every position of the context was 39% of the stand-in's step at 116
+requests and 32K tokens (72% at 128K; docs/DESIGN.md, "The serving benchmark"), where engines
+run a fused radix select. This is one: each row's keys (the scores' bits, sign flipped so
+unsigned order is int32 order) are histogrammed 11 bits at a time (bits 22-32, 11-21, 0-10), each pass
+over the elements whose higher bits equal the prefix found so far, which narrows the K-th
+largest key to one value T; a last pass writes the positions of the keys above T in position
+order, then the lowest positions holding T until there are K. Ties at T therefore go to the
+lowest positions, deterministically (``torch.topk`` leaves them unspecified; ``reference``
+is the same rule in torch). The output is the set, in that order: callers that need the
+selection sorted by score sort it themselves (attention does not).
+
+Triton runs it on CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``, as the tests do);
+``topk_indices`` falls back to ``reference`` where there is no triton (the CPU runs of the
+benchmark). Both sides of P-SERVE use the same function.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU runs without the [bench] extra
+    triton = None
+
+_BLOCK = 4096
+
+
+def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The same selection in torch: the K largest per row, ties at the K-th value to the lowest
+    positions, positions above the K-th value first, each part in position order."""
+    kth = scores.topk(k, dim=1).values[:, -1:]  # the K-th largest value per row
+    above = scores > kth
+    ties = (scores == kth) & ((scores == kth).cumsum(1) <= k - above.sum(1, keepdim=True))
+    order = torch.where(above, 0, 1) * scores.shape[1] + torch.arange(scores.shape[1],
+                                                                     device=scores.device)
+    order = torch.where(above | ties, order, 2 * scores.shape[1])
+    return order.sort(1).indices[:, :k]
+
+
+if triton is not None:
+    @triton.jit
+    def _topk_kernel(scores, out, n, k, S_STRIDE, O_STRIDE, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        keys = scores + row * S_STRIDE
+        bins = tl.arange(0, 4096)  # 2048 digit bins, then bin 2048 for keys off the prefix
+        above = 0  # keys above the prefix found so far
+        prefix = tl.zeros((), dtype=tl.uint32)
+        for p in tl.static_range(3):  # 11-bit digits at bits 22, 11, 0 (33 bits cover 32)
+            shift: tl.constexpr = 22 - 11 * p
+            hist = tl.zeros((4096,), dtype=tl.int32)
+            for start in range(0, n, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                s = tl.load(keys + offs, mask=offs < n, other=0)
+                key = s.to(tl.uint32, bitcast=True) ^ 0x80000000
+                match = offs < n
+                if p > 0:
+                    match = match & ((key >> (shift + 11)) == prefix)
+                digit = ((key >> shift) & 2047).to(tl.int32)
+                hist += tl.histogram(tl.where(match, digit, 2048), 4096)
+            # the digit of the K-th largest key: the largest d with above + #(digit >= d) >= k
+            hist = tl.where(bins < 2048, hist, 0)
+            at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+            d = tl.sum(((bins < 2048) & (above + at_least >= k)).to(tl.int32), 0) - 1
+            above += tl.sum(tl.where(bins == d, at_least - hist, 0), 0)
+            prefix = (prefix << 11) | d.to(tl.uint32)
+        # prefix is the K-th largest key T; take every key above it, then the lowest
+        # positions holding it until there are k
+        need = k - above
+        gt_at = 0
+        eq_at = 0
+        dst = out + row * O_STRIDE
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            s = tl.load(keys + offs, mask=offs < n, other=0)
+            key = s.to(tl.uint32, bitcast=True) ^ 0x80000000
+            gt = (offs < n) & (key > prefix)
+            eq = (offs < n) & (key == prefix)
+            gt_rank = gt_at + tl.cumsum(gt.to(tl.int32), 0) - 1
+            eq_rank = eq_at + tl.cumsum(eq.to(tl.int32), 0) - 1
+            tl.store(dst + gt_rank, offs.to(tl.int64), mask=gt)
+            tl.store(dst + above + eq_rank, offs.to(tl.int64), mask=eq & (eq_rank < need))
+            gt_at += tl.sum(gt.to(tl.int32), 0)
+            eq_at += tl.sum(eq.to(tl.int32), 0)
+
+
+def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64[R, K]: the positions of the K largest of each row of ``scores`` (int32[R, N],
+    rows contiguous, 1 <= K <= N), as the module docstring says; ``out`` (int64[R, K]) is
+    written when given (fixed outputs for a captured graph)."""
+    if scores.dtype != torch.int32 or scores.dim() != 2 or scores.stride(1) != 1:
+        raise ValueError(f"topk_indices: scores must be int32[R, N] with contiguous rows, got "
+                         f"{scores.dtype}{list(scores.shape)}")
+    R, n = scores.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"topk_indices: K = {k} must be in [1, {n}]")
+    if out is None:
+        out = torch.empty(R, k, dtype=torch.int64, device=scores.device)
+    if triton is None or (scores.device.type != "cuda" and not _interpreting()):
+        out.copy_(reference(scores, k))
+        return out
+    if R:
+        _topk_kernel[(R,)](scores, out, n, k, scores.stride(0), out.stride(0), BLOCK=_BLOCK,
+                           num_warps=16)
+    return out
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,76 @@
+"""The serving benchmark's radix-select top-k (benchmarks/topk.py): on CPU its torch rule
+(``reference``) against ``torch.topk``; on CUDA the Triton kernel against that rule, position for
+position, on scores with many ties (where ``torch.topk``'s own positions differ), the whole
+int32 range, K = 1 and K = N, rows not a multiple of the kernel's block. (On the development
+machine the kernel also ran under ``TRITON_INTERPRET=1`` against the rule, every case equal.)"""
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+topk = importlib.import_module("topk")
+
+CASES = [  # rows, positions, K, scores drawn from [lo, hi)
+    (3, 1000, 64, -5, 5),  # ties at the K-th value
+    (2, 5000, 2048, -2 ** 31, 2 ** 31 - 1),  # the whole int32 range
+    (4, 9000, 100, 0, 1 << 20),  # the benchmark's 20-bit scores, several blocks and a tail
+    (1, 100, 100, 0, 3),  # K = N
+    (2, 4097, 1, -1, 1),  # K = 1, one position past a block
+]
+
+
+def scores_of(R, n, lo, hi, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, (R, n), generator=g, dtype=torch.int64).to(torch.int32).to(device)
+
+
+@pytest.mark.parametrize("R,n,k,lo,hi", CASES)
+def test_the_rule_takes_the_k_largest_ties_to_the_lowest_positions(R, n, k, lo, hi):
+    s = scores_of(R, n, lo, hi, "cpu")
+    got = topk.reference(s, k)
+    assert got.shape == (R, k) and got.dtype == torch.int64
+    # the K largest values, each position once
+    assert torch.equal(s.gather(1, got).sort(1).values, s.topk(k, 1).values.sort(1).values)
+    assert all(len(set(row.tolist())) == k for row in got)
+    kth = s.topk(k, 1).values[:, -1:]
+    for row in range(R):
+        above = torch.nonzero(s[row] > kth[row]).flatten()
+        ties = torch.nonzero(s[row] == kth[row]).flatten()[:k - len(above)]
+        assert got[row].tolist() == above.tolist() + ties.tolist()  # the order documented
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="int32"):
+        topk.topk_indices(torch.zeros(2, 8), 2)
+    with pytest.raises(ValueError, match=r"K = 9 must be in \[1, 8\]"):
+        topk.topk_indices(torch.zeros(2, 8, dtype=torch.int32), 9)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("R,n,k,lo,hi", CASES)
+def test_the_kernel_is_the_rule_position_for_position(R, n, k, lo, hi):
+    pytest.importorskip("triton")
+    s = scores_of(R, n, lo, hi, "cuda")
+    want = topk.reference(s, k)
+    out = torch.full((R, k), -7, dtype=torch.int64, device="cuda")
+    assert topk.topk_indices(s, k, out=out) is out
+    assert torch.equal(out, want)
+
+
+@pytest.mark.cuda
+def test_the_kernel_at_the_benchmarks_shape_inside_a_graph():
+    """116 rows of 34,816 positions, K = 2048 (P-SERVE at 32K tokens), replayed from a CUDA
+    graph after the scores changed: the new top-k each replay."""
+    pytest.importorskip("triton")
+    s = scores_of(116, 34816, -1, 1 << 20, "cuda")
+    out = torch.empty(116, 2048, dtype=torch.int64, device="cuda")
+    topk.topk_indices(s, 2048, out=out)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk.topk_indices(s, 2048, out=out)
+    s.copy_(scores_of(116, 34816, -1, 1 << 20, "cuda", seed=1))
+    graph.replay()
+    assert torch.equal(out, topk.reference(s, 2048))
