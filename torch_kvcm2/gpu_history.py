@@ -51,6 +51,7 @@ class GpuHistory:
         self.on_gpu = np.zeros(self.R, dtype=bool)
         self.shapes = [(g.sparse.tokens_per_unit, g.sparse.max_inflight_tokens)
                        for g in config.selection_groups]
+        self.seed_shapes = None  # built by _seed_shapes at the first demotion
         self.flag_base = mirror.flag_offset
         self.lease_base = mirror.resolve_lease_offset
 
@@ -163,43 +164,48 @@ class GpuHistory:
         unit) and its "host" pool each buffer's own cells viewed as pages, the page table the
         row's GPU page slots after the cells: one launch where a copy per layer cost 3.5 ms of
         host time at 61 layers (docs/DESIGN.md, P-DEMOTE)."""
-        step, device = self.step, self.config.device
+        device = self.config.device
         for row, h, c, pages in demoted:
             if not len(pages):
                 continue
             lease = int(table.leases[row])
-            shapes = {}  # key -> (n, its packed device data, groups' states, cells)
+            dst, src = [], []
+            for (U, I, S, window, sinks, cell_pages, E), (states, cells, pools) in \
+                    self._seed_shapes().items():
+                units, recency = seed_plan(h, c, U, self.P, I, S, window, sinks, len(pages) * E)
+                n = len(units)
+                misses = np.stack([np.full(n, lease), np.arange(n), np.zeros(n, np.int64), units],
+                                  axis=1)
+                packed = torch.as_tensor(np.concatenate(
+                    [[n, 0, 0, 0], misses.ravel(), cell_pages + pages, units, recency]
+                ).astype(np.int32)).to(device)  # one copy to the device
+                at = 4 + 4 * n + len(pages)
+                for state in states:
+                    dst += [state.recency[lease], state.resident[lease, :n]]
+                    src += [packed[at + n:], packed[at:at + n]]
+                if n and cells:
+                    ops.fetch(cells, pools, [0] * len(cells),
+                              [packed[4 + 4 * n:at].view(1, -1)] * len(cells),
+                              packed[4:4 + 4 * n].view(n, 4), packed[:4], S, U)
+            torch._foreach_copy_(dst, src)
+
+    def _seed_shapes(self) -> dict:
+        """Per seed shape (U, I, S, window, sinks, cell pages, E), shared by the groups that
+        seed the same units into the same slots: their states, their layers' sparse cells and
+        those cells viewed as pages (what ``seed``'s fetch reads), built at the first demotion."""
+        if self.seed_shapes is None:
+            step, shapes = self.step, {}
             for group, state in zip(self.config.selection_groups, step.groups):
                 sp = group.sparse
                 key = (sp.tokens_per_unit, sp.max_inflight_tokens, sp.slots, group.window or 0,
-                       group.sinks, step.cell_pages[group.index])
-                if key not in shapes:
-                    U, _, S, window, sinks, cell_pages = key
-                    units, recency = seed_plan(h, c, U, self.P, key[1], S, window, sinks,
-                                               len(pages) * group.units_per_page)
-                    n = len(units)
-                    misses = np.stack([np.full(n, lease), np.arange(n), np.zeros(n, np.int64),
-                                       units], axis=1)
-                    packed = np.concatenate([[n, 0, 0, 0], misses.ravel(), cell_pages + pages,
-                                             units, recency]).astype(np.int32)
-                    shapes[key] = (n, torch.as_tensor(packed).to(device), [], [])
-                n, _, states, cells = shapes[key]
+                       group.sinks, step.cell_pages[group.index], group.units_per_page)
+                states, cells, pools = shapes.setdefault(key, ([], [], []))
                 states.append(state)
-                if n:
-                    for layer in group.layers:
-                        cells += step.fetch_args[layer][0]
-            dst, src = [], []
-            for (U, _, S, *_), (n, packed, states, cells) in shapes.items():
-                at = 4 + 4 * n + len(pages)
-                units, recency = packed[at:at + n], packed[at + n:]
-                for state in states:
-                    dst += [state.recency[lease], state.resident[lease, :n]]
-                    src += [recency, units]
-                if cells:
-                    ops.fetch(cells, [cell.view(cell.shape[0], 1, -1) for cell in cells],
-                              [0] * len(cells), [packed[4 + 4 * n:at].view(1, -1)] * len(cells),
-                              packed[4:4 + 4 * n].view(n, 4), packed[:4], S, U)
-            torch._foreach_copy_(dst, src)
+                for layer in group.layers:
+                    cells += step.fetch_args[layer][0]
+                    pools += [cell.view(cell.shape[0], 1, -1) for cell in step.fetch_args[layer][0]]
+            self.seed_shapes = shapes
+        return self.seed_shapes
 
     def copy_in(self, table, promoted: list) -> None:
         """Promotions: each row's history pages, host -> its GPU pages in every sparse buffer,
