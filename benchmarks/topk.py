@@ -5,8 +5,8 @@ scores, one Triton program per row, in the time of a few reads of the row.
 
 ``torch.topk`` over every position of the context was 39% of the stand-in's step at 116
 requests and 32K tokens (72% at 128K; docs/DESIGN.md, "The serving benchmark"), where engines
-run a fused radix select. This is one: each row's keys (the scores' bits, sign flipped so
-unsigned order is int32 order) are histogrammed 11 bits at a time (bits 22-32, 11-21, 0-10), each pass
+run a fused radix select. This is one: each row's keys (the scores plus 2^31, so they are
+non-negative 32-bit values in the scores' order) are histogrammed 11 bits at a time (bits 22-32, 11-21, 0-10), each pass
 over the elements whose higher bits equal the prefix found so far, which narrows the K-th
 largest key to one value T; a last pass writes the positions of the keys above T in position
 order, then the lowest positions holding T until there are K. Ties at T therefore go to the
@@ -50,14 +50,14 @@ if triton is not None:
         keys = scores + row * S_STRIDE
         bins = tl.arange(0, 4096)  # 2048 digit bins, then bin 2048 for keys off the prefix
         above = 0  # keys above the prefix found so far
-        prefix = tl.zeros((), dtype=tl.uint32)
+        prefix = tl.zeros((), dtype=tl.int64)
         for p in tl.static_range(3):  # 11-bit digits at bits 22, 11, 0 (33 bits cover 32)
             shift: tl.constexpr = 22 - 11 * p
             hist = tl.zeros((4096,), dtype=tl.int32)
             for start in range(0, n, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 s = tl.load(keys + offs, mask=offs < n, other=0)
-                key = s.to(tl.uint32, bitcast=True) ^ 0x80000000
+                key = s.to(tl.int64) + 2147483648  # order-preserving, in [0, 2^32)
                 match = offs < n
                 if p > 0:
                     match = match & ((key >> (shift + 11)) == prefix)
@@ -68,7 +68,7 @@ if triton is not None:
             at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
             d = tl.sum(((bins < 2048) & (above + at_least >= k)).to(tl.int32), 0) - 1
             above += tl.sum(tl.where(bins == d, at_least - hist, 0), 0)
-            prefix = (prefix << 11) | d.to(tl.uint32)
+            prefix = (prefix << 11) | d.to(tl.int64)
         # prefix is the K-th largest key T; take every key above it, then the lowest
         # positions holding it until there are k
         need = k - above
@@ -78,7 +78,7 @@ if triton is not None:
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             s = tl.load(keys + offs, mask=offs < n, other=0)
-            key = s.to(tl.uint32, bitcast=True) ^ 0x80000000
+            key = s.to(tl.int64) + 2147483648
             gt = (offs < n) & (key > prefix)
             eq = (offs < n) & (key == prefix)
             gt_rank = gt_at + tl.cumsum(gt.to(tl.int32), 0) - 1
