@@ -7,6 +7,7 @@ same model, same budgets, same selections.
     python benchmarks/serve.py --quick        # CPU, tiny shapes, about a minute (tested in CI)
     python benchmarks/serve.py --overlap      # torch_kvcm2 also with the fetches overlapped
     python benchmarks/serve.py --slots-sweep 2112,4096,8192  # torch_kvcm2 again at each S
+    python benchmarks/serve.py --attention mla  # DeepSeek-V3.2's attention modules (transformers)
 
 The stand-in model, per layer and decode step (each part a flag, defaults below):
 
@@ -28,7 +29,11 @@ The stand-in model, per layer and decode step (each part a flag, defaults below)
   the locality model's selection (checked);
 * attention: the K selected ``--latent-bytes`` rows per layer, gathered as int32 words through
   the index table from the cells (torch_kvcm2) or through the page table from the dense pool
-  (baseline), summed. Gathers and scores move int32 words: a byte gather ran attention at 146
+  (baseline), summed; with ``--attention mla``, DeepSeek-V3.2's own attention modules instead
+  (benchmarks/serve_mla.py: transformers' ``DeepseekV32Attention`` with random weights at real
+  shapes, absorbed over the K selected 656-byte FP8 rows by the project's sparse MLA kernel, the
+  output projection; ``--dense-weight-mb`` then defaults to the shared expert's 44 MB), its
+  output checked against the kernel's reference over the rows written. Gathers and scores move int32 words: a byte gather ran attention at 146
   GB/s on the H200, an order below the FP8 kernel it stands for (docs/DESIGN.md, "The serving
   benchmark").
 
@@ -105,7 +110,8 @@ from torch_kvcm2.memory import (batch_memory_bytes, batch_reserve_bytes,  # noqa
                                 pool_group_count)
 from harness import Result, pick_device, write_json  # noqa: E402
 from locality import Reuse  # noqa: E402
-from serve_model import WORD, DecodeStep, pattern, token_rows, write_tokens  # noqa: E402
+from serve_mla import MLA, mla_param_bytes  # noqa: E402
+from serve_model import WORD, DecodeStep, latent_words, pattern, token_rows, write_tokens  # noqa: E402
 from serve_report import (measure_ceilings, plot, print_slots, print_table,  # noqa: E402,F401
                           step_bound, summarize)
 
@@ -124,6 +130,13 @@ class Shape:
     returning: float = Reuse.returning
     reuse_age: float = Reuse.age
     topk: str = "radix"  # the indexer's top-k: benchmarks/topk.py's radix select, or torch.topk
+    attention: str = "gather"  # "mla": DeepSeek-V3.2's attention modules (benchmarks/serve_mla.py)
+    model_hidden: int = 7168  # the modules' shapes (--attention mla)
+    heads: int = 128
+    q_lora: int = 1536
+    nope: int = 128
+    v_dim: int = 128
+    index_heads: int = 64
     output: int = 2048
     steps: int = 16
     warmup: int = 12  # the LRU set fills in ~10 steps at S = 8192 (benchmarks/locality.py)
@@ -160,7 +173,11 @@ class Shape:
 
 QUICK = Shape(layers=2, model_layers=3, latent_bytes=64, key_bytes=16, top_k=32, slots=64, page=16,
               output=256, steps=4, warmup=6, gpu_kv_gb=0.0009, host_gb=0.00225, dense_weight_mb=0.05,
-              expert_mb=0.01, experts_per_gpu=4, hidden=64, max_concurrency=64)
+              expert_mb=0.01, experts_per_gpu=4, hidden=64, max_concurrency=64, model_hidden=64,
+              heads=2, q_lora=32, nope=16, v_dim=16, index_heads=4)
+MLA_DENSE_WEIGHT_MB = 44.0  # the shared expert (FP8) when the attention's weights are the modules'
+# --quick --attention mla: the kernel's 656-byte FP8 rows, budgets grown to hold them
+QUICK_MLA = replace(QUICK, latent_bytes=656, gpu_kv_gb=0.004, host_gb=0.012)
 
 
 def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
@@ -240,6 +257,8 @@ class Level:
     bound_ms: float = 0.0  # the physical bound of the step (``step_bound``)
     bound_by: str = ""  # the term that sets it: HBM, GEMM or PCIe
     bound_terms: dict = field(default_factory=dict)  # each term's ms
+    attention_bytes: float = 0.0  # per layer and step: the attention modules' weights (mla)
+    attention_flops: float = 0.0  # per layer and step: their products and the kernel's (mla)
 
     @property
     def of_bound(self) -> float:
@@ -280,6 +299,8 @@ class Side:
         self.weights = [torch.zeros(shape.weight_bytes(shape.max_concurrency) // 2 // shape.hidden + 1,
                                     shape.hidden, dtype=torch.bfloat16, device=device)
                         for _ in self.names]
+        # DeepSeek-V3.2's attention modules, the same weights on both sides (--attention mla)
+        self.mla = MLA(shape, len(self.names), device) if shape.attention == "mla" else None
         self.binding = None  # which medium refused the next request or batch
 
     # ---- admission ----
@@ -330,7 +351,9 @@ class Side:
                 for start in range(0, self.context, 1 << 16):  # bounded temporaries
                     p = pos[start:start + (1 << 16)]
                     page, tok = token_rows(view, pages, p)
-                    write_tokens(view, page, tok, pattern(r, p, li, role == "ik", nbytes // WORD))
+                    words = (latent_words(self.shape, r, p, li) if role == "kv"
+                             else pattern(r, p, li, 1, nbytes // WORD))
+                    write_tokens(view, page, tok, words)
 
     # ---- one concurrency level ----
     def run_level(self, rows: int, overlap: bool = False) -> Level | None:
@@ -360,6 +383,9 @@ class Side:
         batch.publish()
         step = DecodeStep(self, batch, members, overlap)
         level = Level(self.side, self.context, rows, sh.layers, overlap=overlap)
+        if self.mla:
+            level.attention_bytes = self.mla.param_bytes
+            level.attention_flops = self.mla.flops(rows, sh.top_k)
         # rows whose history moved onto GPU pages at that publish: no miss from them (RSD-1)
         level.gpu_rows = batch.row_counts()["gpu_history"]
         cuda = self.device == "cuda"
@@ -425,7 +451,7 @@ class Side:
         return tuple(sum(g[key] for g in groups) for key in ("hits", "misses", "fetched_bytes"))
 
     def close(self, check: bool = True) -> None:
-        self.weights = []  # freed before the next side allocates its own
+        self.weights, self.mla = [], None  # freed before the next side allocates its own
         for cache in self.caches:
             cache.close()
         self.caches.clear()
@@ -488,7 +514,8 @@ def check_gpu_fits(shapes: list, device: str) -> None:
     free = torch.cuda.mem_get_info()[0]
     for sh in shapes:
         kv_bytes = sh.gpu_kv_gb * 1e9 * sh.scale
-        weights = sh.layers * sh.weight_bytes(sh.max_concurrency)
+        weights = sh.layers * (sh.weight_bytes(sh.max_concurrency)
+                               + (mla_param_bytes(sh) if sh.attention == "mla" else 0))
         if kv_bytes + weights > 0.95 * free:  # the rest: activations and the allocator's slack
             raise SystemExit(
                 f"serve.py: {sh.layers} layers need {(kv_bytes + weights) / 1e9:.1f} GB of GPU "
@@ -571,6 +598,13 @@ def bench_serve(device: str, quick: bool) -> list:
     return out
 
 
+def quick_shape(args) -> Shape:
+    """The CPU smoke run's shape with the flags it honours."""
+    base = QUICK_MLA if args.attention == "mla" else QUICK
+    return replace(base, overlap=args.overlap, topk=args.topk, gpu_history_gb=args.gpu_history_gb,
+                   attention=args.attention)
+
+
 def parse_args(argv=None):
     d = Shape()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -602,7 +636,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per level")
     p.add_argument("--gpu-kv-gb", type=float, default=d.gpu_kv_gb)
     p.add_argument("--host-gb", type=float, default=d.host_gb)
-    p.add_argument("--dense-weight-mb", type=float, default=d.dense_weight_mb)
+    p.add_argument("--dense-weight-mb", type=float, default=None,
+                   help=f"the stand-in's weights read per layer besides the routed experts "
+                        f"(default {d.dense_weight_mb}: attention and shared expert in FP8; "
+                        f"{MLA_DENSE_WEIGHT_MB} with --attention mla: the shared expert alone, "
+                        f"the attention's weights being the modules')")
+    p.add_argument("--attention", choices=("gather", "mla"), default=d.attention,
+                   help="gather: the stand-in's word gather of the selected rows (default); "
+                        "mla: DeepSeek-V3.2's attention modules over them (benchmarks/serve_mla.py; "
+                        "needs transformers)")
     p.add_argument("--expert-mb", type=float, default=d.expert_mb)
     p.add_argument("--experts-per-gpu", type=int, default=d.experts_per_gpu)
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
@@ -618,15 +660,16 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.gpu_history_gb < 0:
         p.error("argument --gpu-history-gb: must be >= 0")
+    if args.dense_weight_mb is None:
+        args.dense_weight_mb = MLA_DENSE_WEIGHT_MB if args.attention == "mla" else d.dense_weight_mb
     if args.quick:
-        shape, contexts = replace(QUICK, overlap=args.overlap, topk=args.topk,
-                                  gpu_history_gb=args.gpu_history_gb), [256, 512]
+        shape, contexts = quick_shape(args), [256, 512]
     else:
         shape = Shape(**{k: getattr(args, k) for k in (
             "layers", "model_layers", "latent_bytes", "key_bytes", "top_k", "slots",
             "layers_per_indexer", "turnover", "returning", "reuse_age", "topk", "output", "steps", "gpu_kv_gb", "host_gb",
             "dense_weight_mb", "expert_mb", "experts_per_gpu", "max_concurrency", "overlap",
-            "gpu_history_gb")})
+            "gpu_history_gb", "attention")})
         contexts = [int(c) for c in args.contexts.split(",")]
     for name in ("layers", "top_k", "slots", "output", "steps", "layers_per_indexer"):
         if getattr(shape, name) < 1:
@@ -651,8 +694,7 @@ def main(argv=None) -> int:
     quick = args.quick
     if device == "cpu" and not quick:
         print("no CUDA kernels or GPU: running --quick", file=sys.stderr)
-        shape, contexts, quick = replace(QUICK, overlap=shape.overlap, topk=shape.topk,
-                                         gpu_history_gb=shape.gpu_history_gb), [256, 512], True
+        shape, contexts, quick = quick_shape(args), [256, 512], True
     started = time.perf_counter()
 
     def progress(what: str) -> None:

@@ -10,6 +10,8 @@ import torch
 import torch_kvcm2 as kv
 
 from locality import lru_misses
+from serve_mla import fp8_rows
+from torch_kvcm2.models.sparse_mla import sparse_mla_decode_reference, tolerance
 from topk import topk_indices
 
 WORD = 4  # bytes per int32 word of the stand-in model's KV
@@ -44,6 +46,13 @@ def read_tokens(view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor) -> to
 def write_tokens(view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor, words: torch.Tensor) -> None:
     chunks = view.shape[1]
     view.view(torch.int32)[page, :, tok] = words.view(*words.shape[:-1], chunks, -1)
+
+
+def latent_words(shape, rid: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.Tensor:
+    """The stand-in's latent of tokens ``pos`` of requests ``rid`` in one layer: ``pattern``,
+    made valid FP8 rows when the attention is DeepSeek-V3.2's (``serve_mla.fp8_rows``)."""
+    words = pattern(rid, pos, layer, 0, shape.latent_bytes // WORD)
+    return fp8_rows(words) if shape.attention == "mla" else words
 
 
 class DecodeStep:
@@ -89,7 +98,11 @@ class DecodeStep:
         wrows = sh.weight_bytes(rows) // 2 // sh.hidden
         self.wviews = [w[:wrows] for w in side.weights]
         self.out = torch.zeros(sh.layers, rows, dtype=torch.int32, device=dev)
-        self.gathered = {}  # layer -> int32[R, K, words] of the last step (checked layers)
+        self.mla = side.mla  # DeepSeek-V3.2's attention modules (--attention mla) or None
+        self.hidden = self.mla.hidden(rows, dev) if self.mla else None
+        # layer -> of the last step (checked layers): int32[R, K, words] gathered, or with the
+        # modules (the absorbed query, the kernel's output latents)
+        self.gathered = {}
         self.selection = {}  # layer -> int64[R, K] positions of the last step
         self.checked = (side.names[0], side.names[-1])
         self.positions = torch.arange(self.npages * P, device=dev)
@@ -148,7 +161,7 @@ class DecodeStep:
             elif li + 1 < len(names):
                 index(li + 1)  # its misses in flight while this layer attends
             mark("cache")
-            new_kv = pattern(self.rid, pos, li, 0, sh.latent_bytes // WORD)
+            new_kv = latent_words(sh, self.rid, pos, li)
             if self.kvcm2:
                 g = self.side.config.group_of(name).index
                 if self.fetches is not None:
@@ -157,16 +170,25 @@ class DecodeStep:
                 entry = self.write_entry[g].long()
                 write_tokens(cells, entry // sh.page, entry % sh.page, new_kv)
                 mark("attention")
-                e = self.index[g].long()
-                got = read_tokens(cells, e // sh.page, e % sh.page)  # [R, K, words]
+                if self.mla:  # the kernel reads the cells through the index table
+                    got = self.mla.attend(li, self.hidden, cells.view(-1, sh.latent_bytes),
+                                          self.index[g])[:2]
+                else:
+                    e = self.index[g].long()
+                    got = read_tokens(cells, e // sh.page, e % sh.page)  # [R, K, words]
             else:
                 view = self.views[name, "kv"]
                 page, tok = token_rows(view, self.pages[name, "kv"], pos[:, None])
                 write_tokens(view, page[:, 0], tok[:, 0], new_kv)
                 mark("attention")
                 page, tok = token_rows(view, self.pages[name, "kv"], selected[name])
-                got = read_tokens(view, page, tok)
-            self.out[li] = got.sum(dim=(1, 2), dtype=torch.int32)
+                if self.mla:  # the kernel reads the pool through the page table
+                    got = self.mla.attend(li, self.hidden, view.view(-1, sh.latent_bytes),
+                                          (page * sh.page + tok).to(torch.int32))[:2]
+                else:
+                    got = read_tokens(view, page, tok)
+            if not self.mla:
+                self.out[li] = got.sum(dim=(1, 2), dtype=torch.int32)
             if name in self.checked:
                 self.gathered[name] = got
                 self.selection[name] = selected[name]
@@ -214,8 +236,19 @@ class DecodeStep:
                 continue
             sel = self.selection[name]
             assert torch.equal(sel.sort(1).values, want_sel), f"{name}: the indexer's top-K is not the selection"
-            want = pattern(self.rid[:, None], sel, li, 0, sh.latent_bytes // WORD)
-            assert torch.equal(self.gathered[name], want), f"{name}: attention read wrong bytes"
+            want = latent_words(sh, self.rid[:, None], sel, li)
+            if self.mla:  # the kernel's output against the reference over the rows written
+                query, latent = self.gathered[name]
+                rows = want.reshape(-1, want.shape[-1]).view(torch.uint8)  # [R*K, 656]
+                ref = sparse_mla_decode_reference(
+                    query, rows, torch.arange(rows.shape[0], device=rows.device,
+                                              dtype=torch.int32).view(sel.shape),
+                    self.mla.modules[li].scaling)
+                atol, rtol = tolerance(torch.bfloat16)
+                assert torch.allclose(latent.float(), ref.float(), atol=atol, rtol=rtol), \
+                    f"{name}: attention over the selected rows differs from the reference"
+            else:
+                assert torch.equal(self.gathered[name], want), f"{name}: attention read wrong bytes"
             checked += sel.numel()
         # every decoded token reached its pages (host pages on torch_kvcm2's side), bit for bit
         start = side.context  # every token decoded so far, this level's and earlier levels'
@@ -230,7 +263,7 @@ class DecodeStep:
                 pages = torch.as_tensor(cache.host_pages(name, "kv"), device=side.device)
                 page, tok = token_rows(view, pages, pos)
                 got = read_tokens(view, page, tok)
-                assert torch.equal(got, pattern(torch.tensor(r), pos, li, 0, sh.latent_bytes // WORD)), \
+                assert torch.equal(got, latent_words(sh, torch.tensor(r), pos, li)), \
                     f"row {r} {name}: a decoded token's latent on its pages differs"
                 checked += len(pos)
         return checked

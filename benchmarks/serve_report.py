@@ -37,19 +37,21 @@ def measure_ceilings(device: str, shape: Shape, quick: bool) -> dict:
 
 
 def step_bound(shape: Shape, level: "Level", ceiling: dict) -> tuple:
-    """The fastest the level's step could run with every part overlapped (ENG-5, on the
-    stand-in): the slowest of its HBM bytes at the copy rate (the layers' weights,
-    every indexer key of the rows' pages, the K selected rows gathered per layer), its FLOPs at
-    the GEMM rate (the weights' product) and its misses over PCIe at the slower of the copy
-    engine and the GPU's gather. Returns (ms, the term, every term's ms)."""
+    """The fastest the level's step could run with every part overlapped (ENG-5): the slowest
+    of its HBM bytes at the copy rate (the layers' weights, the attention modules' with
+    ``--attention mla``, every indexer key of the rows' pages, the K selected rows read per
+    layer), its FLOPs at the GEMM rate (the weights' product; with the modules their
+    projections' and the sparse MLA kernel's 2 H K (576 + 512) per row) and its misses over
+    PCIe at the slower of the copy engine and the GPU's gather. Returns (ms, the term, every
+    term's ms)."""
     wrows = shape.weight_bytes(level.rows) // 2 // shape.hidden
     span = -(-(level.context + shape.output) // shape.page) * shape.page
     per_layer = (wrows * shape.hidden * 2 + level.rows * span * shape.key_bytes
-                 + level.rows * shape.top_k * shape.latent_bytes)
+                 + level.rows * shape.top_k * shape.latent_bytes + level.attention_bytes)
+    flops = 2 * wrows * shape.hidden * level.rows + level.attention_flops
     terms = {
         "HBM": level.layers * per_layer / (ceiling["hbm"] * 1e9) * 1e3,
-        "GEMM": level.layers * 2 * wrows * shape.hidden * level.rows / (ceiling["gemm"] * 1e12)
-        * 1e3,
+        "GEMM": level.layers * flops / (ceiling["gemm"] * 1e12) * 1e3,
         "PCIe": level.fetched_bytes_per_step / (min(ceiling["h2d"], ceiling["gather"]) * 1e9)
         * 1e3,
     }

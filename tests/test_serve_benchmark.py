@@ -86,6 +86,47 @@ def test_quick_serve_with_gpu_resident_history(serve, tmp_path):
         assert summary["max_concurrency"]["kvcm2"] > summary["max_concurrency"]["dense"]
 
 
+def test_quick_serve_with_deepseek_attention_modules(serve, tmp_path):
+    """--attention mla: every layer's attention is transformers' DeepseekV32Attention (random
+    weights) absorbed over the selected FP8 rows with the sparse MLA kernel, on both sides; every
+    level checks the kernel's output against the reference over the rows written, and the bound
+    counts the modules' weights and FLOPs."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "serve.json"
+    assert serve.main(["--quick", "--attention", "mla", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["shape"]["attention"] == "mla" and data["shape"]["latent_bytes"] == 656
+    levels = data["levels"]
+    assert {lv["side"] for lv in levels} == {"dense", "kvcm2"}
+    assert all(lv["checked_tokens"] > 0 and lv["attention_bytes"] > 0 and lv["attention_flops"] > 0
+               for lv in levels)
+    ours = [lv for lv in levels if lv["side"] == "kvcm2"]
+    assert all(abs(lv["hit_rate"] - lv["model_hit_rate"]) < 0.03 for lv in ours)
+    for summary in data["summary"].values():
+        assert summary["max_concurrency"]["kvcm2"] > summary["max_concurrency"]["dense"]
+
+
+def test_attention_over_other_rows_fails_the_level(serve, monkeypatch):
+    """A planted fault: the kernel handed each row's second selected entry in place of its first
+    (a row missing from the set): the check against the reference over the rows written fails."""
+    pytest.importorskip("transformers")
+    mla = importlib.import_module("serve_mla")
+    real = mla.MLA.attend
+
+    def wrong(self, layer, x, rows, index):
+        index = index.clone()
+        index[:, 0] = index[:, 1]
+        return real(self, layer, x, rows, index)
+
+    monkeypatch.setattr(mla.MLA, "attend", wrong)
+    side = serve.Side(serve.replace(serve.QUICK_MLA, attention="mla"), "kvcm2", "cpu", 256)
+    try:
+        with pytest.raises(AssertionError, match="differs from the reference"):
+            side.run_level(2)
+    finally:
+        side.close(check=False)
+
+
 def test_misses_unlike_the_locality_models_fail_the_level(serve, monkeypatch):
     """A planted fault: a locality model that expects 20% more misses than the selections make
     under an LRU: the level's check of the misses metrics() counted fails."""
