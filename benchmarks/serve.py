@@ -475,7 +475,8 @@ def levels_for(limit: int) -> list:
 
 def run_context(shape: Shape, device: str, context: int, progress) -> list:
     """Both sides at one context: concurrency 1, 2, 4, ... below the side's maximum, then the
-    maximum (``plan_rows``; admitted by ``can_fit``, and one more refused, checked)."""
+    maximum (``plan_rows``: the most rows whose batch memory and requests fit both budgets),
+    every request admitted by ``can_fit`` (a level whose requests are refused fails the run)."""
     results = []
     for name in ("dense", "kvcm2"):
         side = Side(shape, name, device, context)
