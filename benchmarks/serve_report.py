@@ -2,6 +2,8 @@
 measured in the same run, the summary of the four target figures, the table and the plot."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 import torch_kvcm2 as kv
