@@ -188,3 +188,18 @@ def test_a_shape_the_gpu_cannot_hold_is_refused_before_any_run(serve, monkeypatc
                                          r"leave the full model's run out with --low-layers 0"):
         serve.check_gpu_fits([shape, full], "cuda")
     serve.check_gpu_fits([serve.replace(full, gpu_kv_gb=30.0)], "cuda")
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_message(serve, monkeypatch, capsys):
+    """No [bench] extra: ``plot`` says how to get it and returns False (the table still prints)."""
+    import builtins
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert serve.plot([], "unused.png", "title") is False
+    assert "pip install -e .[bench]" in capsys.readouterr().err
