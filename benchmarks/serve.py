@@ -587,11 +587,13 @@ def bench_serve(device: str, quick: bool) -> list:
         low = min(s["low_concurrency_ratio"].values(), default=0.0)
         best = max((lv for lv in levels if lv.context == context and lv.side == "kvcm2"),
                    key=lambda lv: lv.tokens_per_s)
-        met = (mc["ratio"] >= 3 and bt["ratio"] >= 3 and low >= 0.97
-               and s["tpot_p99_over_p50"] <= 1.2)
+        # the targets of P-SERVE (docs/PERFORMANCE.md): each side's best at >= 0.8 of its bound
+        met = (mc["ratio"] >= 3 and bt["ratio"] >= 3 and low >= 1.0
+               and s["tpot_p99_over_p50"] <= 1.2
+               and all(v["of_bound"] >= 0.8 for v in s["of_bound_at_best"].values()))
         out.append(Result(
             "P-SERVE", f"{context} tokens: TPOT p50 at kvcm2's best ({best.rows} requests)",
-            best.tpot_p50 * 1e3, target="3x conc., 3x tokens/s", passed=met if device == "cuda" else None,
+            best.tpot_p50 * 1e3, target="3x conc. and tokens/s, 1.0x at 1-2, 0.8 of bound", passed=met if device == "cuda" else None,
             extra={**s, "note": f"{context} tokens: max concurrency {mc['kvcm2']} vs {mc['dense']} "
                                 f"({mc['ratio']:.2f}x), best tokens/s {bt['kvcm2']:.0f} vs "
                                 f"{bt['dense']:.0f} ({bt['ratio']:.2f}x), at 1-2 requests "
