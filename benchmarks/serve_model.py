@@ -99,6 +99,8 @@ class DecodeStep:
         self.wviews = [w[:wrows] for w in side.weights]
         self.out = torch.zeros(sh.layers, rows, dtype=torch.int32, device=dev)
         self.mla = side.mla  # DeepSeek-V3.2's attention modules (--attention mla) or None
+        # the kernel reads a buffer's tokens as rows of one [N, latent_bytes] view: one chunk
+        assert not self.mla or all(self.views[name, "kv"].shape[1] == 1 for name in side.names)
         self.hidden = self.mla.hidden(rows, dev) if self.mla else None
         # layer -> of the last step (checked layers): int32[R, K, words] gathered, or with the
         # modules (the absorbed query, the kernel's output latents)
