@@ -167,14 +167,23 @@ class RowRange:
 
 
 def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, window=0,
-            sinks=0):
+            sinks=0, outside=None):
     """OP-RESOLVE for one selection group over every row, following DESIGN.md step by step.
 
     Mutates ``state`` (resident, recency, counters). Returns ``(index_table, misses, deltas)``:
     ``index_table`` one list of K ints per row; ``misses`` the miss-list entries as tuples
     ``(lease, slot, row, unit)`` (in the order this model produces them; the op's order may
     differ, compare sorted); ``deltas`` ``[hits, misses, invalid]`` added this call.
+
+    ``outside(r, u)``, when given, is the entry of row r's unit u in the index space when the
+    unit lives outside the lease's cells (on a GPU history page, tests/reference_resident.py),
+    else BAD. Such a unit is dropped from the cells (step 0), neither pinned nor admitted when
+    in flight (step 1), a hit that marks no slot when selected (step 2), and gets that entry
+    (step 5); steps 3 and 4 only see the units in cells.
     """
+    if outside is None:
+        def outside(r, u):
+            return BAD
     num_leases = state.num_leases
     S = state.slots
     index_table = []
@@ -191,9 +200,10 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
         resident = state.resident[ell]
         recency = state.recency[ell]
 
-        # step 0: drop resident units that are no longer selectable
+        # step 0: drop resident units that are no longer selectable, or that live outside
         for s in range(S):
-            if resident[s] != BAD and not rng.selectable(resident[s]):
+            u = resident[s]
+            if u != BAD and (not rng.selectable(u) or outside(r, u) != BAD):
                 resident[s] = BAD
         # unit -> slot; a unit resident twice (bad data, RES-1 broken) maps to its lowest slot
         slot_of = {}
@@ -205,6 +215,8 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
         pinned_slots = set()
         admissions = []
         for u in rng.inflight_units():
+            if outside(r, u) != BAD:
+                continue  # written where it lives
             if u in slot_of:
                 pinned_slots.add(slot_of[u])
             else:
@@ -224,6 +236,9 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
                 continue  # padding: BAD, uncounted
             if not rng.selectable(u):
                 deltas[2] += 1
+                continue
+            if outside(r, u) != BAD:
+                deltas[0] += 1  # read where it lives: no slot, no recency, no miss
                 continue
             selected_set.add(u)
             if u in slot_of:
@@ -290,10 +305,12 @@ def resolve(state: ResidencyState, selected, history, capacity, lease, U, P, I, 
         # step 5: the index table
         line = []
         for u in sel_row:
-            if u >= 0 and rng.selectable(u) and u in slot_of:
-                line.append(ell * S + slot_of[u])
-            else:
+            if u < 0 or not rng.selectable(u):
                 line.append(BAD)
+            elif outside(r, u) != BAD:
+                line.append(outside(r, u))
+            else:
+                line.append(ell * S + slot_of[u] if u in slot_of else BAD)
         index_table.append(line)
 
     for k in range(3):
@@ -586,14 +603,14 @@ def selection_union(selection_rows) -> list:
 
 
 def resolve_multi(state: ResidencyState, selected, history, capacity, lease, U, P, I, window=0,
-                  sinks=0):
+                  sinks=0, outside=None):
     """OP-RESOLVE for a multi-token step: ``selected`` is one list per row of T' lists of K
     ordinals (the same T' and K for every row). Mutates ``state`` like ``resolve``. Returns
     ``(index_table, misses, deltas)`` with ``index_table`` one list per row of T' lists of K
     entries; ``misses`` and ``deltas`` as ``resolve`` returns them for the unions."""
     unions = [selection_union(rows) for rows in selected]
     union_table, misses, deltas = resolve(state, unions, history, capacity, lease, U, P, I, window,
-                                          sinks)
+                                          sinks, outside)
     index_table = []
     for rows, union, line in zip(selected, unions, union_table):
         entry_of = dict(zip(union, line))  # empty for a hole, whose entries are all BAD

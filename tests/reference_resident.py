@@ -4,7 +4,7 @@ pages), in plain Python over the base model of tests/reference.py (residency, ro
 from __future__ import annotations
 
 from reference import (BAD, ResidencyState, RowRange, _as_int32_or_bad, _confirmed_slot,
-                       _row_range, check_res1, selection_union)
+                       _row_range, check_res1, resolve, resolve_multi)
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,165 +84,30 @@ def resolve_resident(state: ResidencyState, selected, history, capacity, lease, 
     ``gpu_slots`` the number of GPU page slots. Mutates ``state``; returns ``(index_table,
     misses, deltas)`` exactly as ``resolve`` does.
 
-    Per seated row, the steps of ``resolve`` with these changes ("on the GPU": `gpu_page_of`):
-    0. besides units no longer selectable, units on the GPU are dropped from the lease's slots;
-    1. in-flight units on the GPU are neither pinned nor admitted;
-    2. a selected, selectable unit on the GPU is a hit (``hits += 1``, once per distinct
-       ordinal); it marks no slot as hit;
-    3./4. unchanged: the GPU hits take no victim and are no slot class, so the recency of the
-       slots only sees the units not on the GPU;
-    5. its entry is ``gpu_entry`` (num_leases*S + page*E + u % E), never a cell.
-    A row without GPU pages gives exactly what ``resolve`` gives. Counters stay
-    [hits, misses, invalid]."""
-    num_leases = state.num_leases
-    S = state.slots
-    E = P // U
-    index_table = []
-    misses = []
-    deltas = [0, 0, 0]
-    for r, sel_row in enumerate(selected):
-        K = len(sel_row)
-        ell = lease[r]
-        if not (0 <= ell < num_leases):
-            index_table.append([BAD] * K)  # a hole, a suspended row or bad data (RES-4)
-            continue
-        rng = RowRange(history[r], capacity[r], U, P, I, window, sinks)
-        resident = state.resident[ell]
-        recency = state.recency[ell]
-        gpu_row = _gpu_row(gpu_pages, r)
-
-        def on_gpu(u, gpu_row=gpu_row):
-            return gpu_page_of(gpu_row, u, E, gpu_slots)
-
-        # step 0: drop units no longer selectable, and units whose page is on the GPU
-        for s in range(S):
-            u = resident[s]
-            if u != BAD and (not rng.selectable(u) or on_gpu(u) != BAD):
-                resident[s] = BAD
-        slot_of = {}
-        for s, u in enumerate(resident):
-            if u != BAD:
-                slot_of.setdefault(u, s)
-
-        # step 1: in-flight units on the GPU stay there; the others are pinned or admitted
-        pinned_slots = set()
-        admissions = []
-        for u in rng.inflight_units():
-            if on_gpu(u) != BAD:
-                continue
-            if u in slot_of:
-                pinned_slots.add(slot_of[u])
-            else:
-                admissions.append(u)
-        admission_set = set(admissions)
-
-        # step 2: classify distinct selected ordinals in first-occurrence order
-        hit_slots = set()
-        selected_set = set()  # distinct selectable ordinals selected this step, not on the GPU
-        row_misses = []
-        seen = set()
-        for u in sel_row:
-            if u in seen:
-                continue
-            seen.add(u)
-            if u < 0:
-                continue
-            if not rng.selectable(u):
-                deltas[2] += 1
-                continue
-            if on_gpu(u) != BAD:
-                deltas[0] += 1  # read from its GPU page: no slot, no recency, no miss
-                continue
-            selected_set.add(u)
-            if u in slot_of:
-                deltas[0] += 1
-                hit_slots.add(slot_of[u])
-            elif u in admission_set:
-                deltas[0] += 1
-            else:
-                row_misses.append(u)
-
-        # step 3: victims, as in resolve
-        victims = [s for s in recency if resident[s] == BAD]
-        victims += [s for s in recency
-                    if resident[s] != BAD and s not in hit_slots and s not in pinned_slots]
-        victims.reverse()
-        miss_slots = set()
-        admitted_slots = set()
-        for u in admissions:
-            if not victims:
-                deltas[2] += 1
-                continue
-            s = victims.pop()
-            old = resident[s]
-            if old != BAD:
-                slot_of.pop(old, None)
-            resident[s] = u
-            slot_of[u] = s
-            admitted_slots.add(s)
-            if u * U < rng.h:
-                misses.append((ell, s, r, u))
-        for u in row_misses:
-            if not victims:
-                deltas[2] += 1
-                continue
-            s = victims.pop()
-            old = resident[s]
-            if old != BAD:
-                slot_of.pop(old, None)
-            resident[s] = u
-            slot_of[u] = s
-            miss_slots.add(s)
-            deltas[1] += 1
-            misses.append((ell, s, r, u))
-
-        # step 4: recency of the slots, as in resolve
-        served = {slot_of[u] for u in selected_set if u in slot_of}
-
-        def slot_class(s):
-            if s in miss_slots:
-                return 1
-            if s in served:
-                return 3
-            if s in pinned_slots or s in admitted_slots:
-                return 2
-            return 0
-        classes = {s: slot_class(s) for s in recency}
-        state.recency[ell] = [s for k in range(4) for s in recency if classes[s] == k]
-
-        # step 5: the index table, one index space for cells and GPU pages
-        line = []
-        for u in sel_row:
-            if u < 0 or not rng.selectable(u):
-                line.append(BAD)
-                continue
-            page = on_gpu(u)
-            if page != BAD:
-                line.append(gpu_entry(num_leases, S, page, E, u))
-            elif u in slot_of:
-                line.append(ell * S + slot_of[u])
-            else:
-                line.append(BAD)
-        index_table.append(line)
-
-    for k in range(3):
-        state.counters[k] += deltas[k]
-    return index_table, misses, deltas
+    ``resolve`` with the units on the GPU (`gpu_page_of`) outside the lease's cells: they are
+    dropped from its slots, in flight neither pinned nor admitted, selected a hit
+    (``hits += 1``, once per distinct ordinal) that marks no slot, and their entry is
+    ``gpu_entry`` (num_leases*S + page*E + u % E), never a cell; the recency of the slots only
+    sees the units not on the GPU. A row without GPU pages gives exactly what ``resolve``
+    gives. Counters stay [hits, misses, invalid]."""
+    return resolve(state, selected, history, capacity, lease, U, P, I, window, sinks,
+                   _outside(state, P // U, gpu_pages, gpu_slots))
 
 
 def resolve_resident_multi(state: ResidencyState, selected, history, capacity, lease, U, P, I,
                            gpu_pages, gpu_slots, window=0, sinks=0):
     """MTP-3 with GPU-resident history: the union of a row's T' selections is resolved once by
     ``resolve_resident``; each query token's column takes the union's entry for its ordinal."""
-    unions = [selection_union(rows) for rows in selected]
-    union_table, misses, deltas = resolve_resident(state, unions, history, capacity, lease, U, P,
-                                                   I, gpu_pages, gpu_slots, window, sinks)
-    index_table = []
-    for rows, union, line in zip(selected, unions, union_table):
-        entry_of = dict(zip(union, line))
-        index_table.append([[entry_of.get(u, BAD) if u >= 0 else BAD for u in token]
-                            for token in rows])
-    return index_table, misses, deltas
+    return resolve_multi(state, selected, history, capacity, lease, U, P, I, window, sinks,
+                         _outside(state, P // U, gpu_pages, gpu_slots))
+
+
+def _outside(state: ResidencyState, E: int, gpu_pages, gpu_slots: int):
+    """``resolve``'s ``outside``: the GPU entry of row r's unit u when its page is on the GPU."""
+    def outside(r, u):
+        page = gpu_page_of(_gpu_row(gpu_pages, r), u, E, gpu_slots)
+        return BAD if page == BAD else gpu_entry(state.num_leases, state.slots, page, E, u)
+    return outside
 
 
 def check_res_resident(state: ResidencyState, history, capacity, lease, U, P, I, gpu_pages,
