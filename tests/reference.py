@@ -482,12 +482,14 @@ def locate_inflight(resident, history, capacity, lease, U, I):
     return out
 
 
-def write_indices(resident, inflight_slots, history, capacity, lease, U, I, width):
+def write_indices(resident, inflight_slots, history, capacity, lease, U, I, width, outside=None):
     """OP-WRITE. Returns ``(out, inflight_start)``: ``out`` R rows of ``width`` ints, column j
     the cell token index ``(l*S + slot)*U + t % U`` of token ``t = s0 + j`` when ``t < c`` and
     the recorded slot of its unit (column ``t//U - floor(s0/U)`` of ``inflight_slots``) is in
     range and holds that unit; BAD otherwise. ``inflight_start[r]`` = s0 (with the bad-length
-    clamp), BAD for unseated rows (whose ``out`` rows are all BAD)."""
+    clamp), BAD for unseated rows (whose ``out`` rows are all BAD). ``outside`` as ``resolve``
+    takes it: a unit that lives outside the cells has its tokens at ``entry*U + t % U``,
+    whatever ``inflight_slots`` records for it."""
     out, start = [], []
     for r, ell in enumerate(lease):
         if not (0 <= ell < len(resident)):
@@ -505,6 +507,10 @@ def write_indices(resident, inflight_slots, history, capacity, lease, U, I, widt
             if t >= c:
                 line.append(BAD)
                 continue
+            entry = outside(r, t // U) if outside else BAD
+            if entry != BAD:
+                line.append(_as_int32_or_bad(entry * U + t % U))
+                continue
             k = t // U - first
             slot = inflight_slots[r][k] if k < len(inflight_slots[r]) else BAD
             if not _confirmed_slot(resident[ell], slot, t // U):
@@ -516,7 +522,7 @@ def write_indices(resident, inflight_slots, history, capacity, lease, U, I, widt
 
 
 def flush(host_pages, cells, resident, inflight_slots, page_table, new_history, history, capacity,
-          lease, unit_params):
+          lease, unit_params, outside=None):
     """OP-FLUSH for one sparse pool group, on plain data. Per buffer ``b``:
 
     * ``host_pages[b]``: a CellList of host pages indexed by host slot id (each a list of
@@ -533,6 +539,8 @@ def flush(host_pages, cells, resident, inflight_slots, page_table, new_history, 
     number of host slots has exactly its tokens ``[max(lo, uU), min(hi, (u+1)U))`` copied, chunk
     by chunk, from cell entry ``l*S + slot`` to the host page (token row ``t % P``). Nothing else
     is written. Returns the list of ``(b, r, u, host_slot, first_token, end_token)`` copies made.
+    ``outside[b]``, when given, is ``resolve``'s hook for buffer b: a unit that lives outside the
+    cells is copied from that entry of ``cells[b]`` (the buffer's whole index space) instead.
     """
     copies = []
     for b in range(len(host_pages)):
@@ -555,14 +563,16 @@ def flush(host_pages, cells, resident, inflight_slots, page_table, new_history, 
             first = lo // U
             u = first
             while u * U < hi:
-                k = u - first
-                slot = inflight_slots[b][r][k] if k < len(inflight_slots[b][r]) else BAD
+                entry = outside[b](r, u) if outside else BAD
+                if entry == BAD:
+                    k = u - first
+                    slot = inflight_slots[b][r][k] if k < len(inflight_slots[b][r]) else BAD
+                    if _confirmed_slot(resident[b][ell], slot, u):
+                        entry = ell * S + slot
                 page = u // E
                 table_row = page_table[r]
-                if (_confirmed_slot(resident[b][ell], slot, u) and page < len(table_row)
-                        and 0 <= table_row[page] < len(pages)):
+                if entry != BAD and page < len(table_row) and 0 <= table_row[page] < len(pages):
                     host = table_row[page]
-                    entry = ell * S + slot
                     cell_idx, piece = divmod(entry, E)
                     if cell_idx < len(cell_list):
                         t0, t1 = max(lo, u * U), min(hi, (u + 1) * U)

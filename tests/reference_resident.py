@@ -3,8 +3,8 @@ write indices, flush and demotion over one index space per sparse buffer (cells,
 pages), in plain Python over the base model of tests/reference.py (residency, rows, flush)."""
 from __future__ import annotations
 
-from reference import (BAD, ResidencyState, RowRange, _as_int32_or_bad, _confirmed_slot,
-                       _row_range, check_res1, resolve, resolve_multi)
+from reference import (BAD, ResidencyState, RowRange, check_res1, flush, resolve, resolve_multi,
+                       write_indices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def resolve_resident(state: ResidencyState, selected, history, capacity, lease, 
     sees the units not on the GPU. A row without GPU pages gives exactly what ``resolve``
     gives. Counters stay [hits, misses, invalid]."""
     return resolve(state, selected, history, capacity, lease, U, P, I, window, sinks,
-                   _outside(state, P // U, gpu_pages, gpu_slots))
+                   _outside(state.num_leases, state.slots, P // U, gpu_pages, gpu_slots))
 
 
 def resolve_resident_multi(state: ResidencyState, selected, history, capacity, lease, U, P, I,
@@ -99,14 +99,15 @@ def resolve_resident_multi(state: ResidencyState, selected, history, capacity, l
     """MTP-3 with GPU-resident history: the union of a row's T' selections is resolved once by
     ``resolve_resident``; each query token's column takes the union's entry for its ordinal."""
     return resolve_multi(state, selected, history, capacity, lease, U, P, I, window, sinks,
-                         _outside(state, P // U, gpu_pages, gpu_slots))
+                         _outside(state.num_leases, state.slots, P // U, gpu_pages, gpu_slots))
 
 
-def _outside(state: ResidencyState, E: int, gpu_pages, gpu_slots: int):
-    """``resolve``'s ``outside``: the GPU entry of row r's unit u when its page is on the GPU."""
+def _outside(num_leases: int, S: int, E: int, gpu_pages, gpu_slots: int):
+    """``resolve``'s (and ``write_indices``', ``flush``'s) ``outside``: the GPU entry of row r's
+    unit u when its page is on the GPU, else BAD."""
     def outside(r, u):
         page = gpu_page_of(_gpu_row(gpu_pages, r), u, E, gpu_slots)
-        return BAD if page == BAD else gpu_entry(state.num_leases, state.slots, page, E, u)
+        return BAD if page == BAD else gpu_entry(num_leases, S, page, E, u)
     return outside
 
 
@@ -170,39 +171,9 @@ def write_indices_resident(resident, inflight_slots, history, capacity, lease, U
     (``t < c``) of a unit on the GPU goes to ``(gpu_entry(num_leases, S, page, E, t // U))*U +
     t % U``, with ``num_leases = len(resident)``, whatever ``inflight_slots`` records for it.
     Returns ``(out, inflight_start)``."""
-    E = P // U
-    num_leases = len(resident)
-    out, start = [], []
-    for r, ell in enumerate(lease):
-        if not (0 <= ell < num_leases):
-            out.append([BAD] * width)
-            start.append(BAD)
-            continue
-        rng = _row_range(history[r], capacity[r], U, I)
-        S = len(resident[ell])
-        s0, c = rng.s0, rng.c
-        start.append(s0)
-        first = s0 // U
-        gpu_row = _gpu_row(gpu_pages, r)
-        line = []
-        for j in range(width):
-            t = s0 + j
-            if t >= c:
-                line.append(BAD)
-                continue
-            page = gpu_page_of(gpu_row, t // U, E, gpu_slots)
-            if page != BAD:
-                line.append(_as_int32_or_bad(gpu_entry(num_leases, S, page, E, t // U) * U
-                                             + t % U))
-                continue
-            k = t // U - first
-            slot = inflight_slots[r][k] if k < len(inflight_slots[r]) else BAD
-            if not _confirmed_slot(resident[ell], slot, t // U):
-                line.append(BAD)
-                continue
-            line.append(_as_int32_or_bad((ell * S + slot) * U + t % U))
-        out.append(line)
-    return out, start
+    S = len(resident[0]) if resident else 0
+    return write_indices(resident, inflight_slots, history, capacity, lease, U, I, width,
+                         _outside(len(resident), S, P // U, gpu_pages, gpu_slots))
 
 
 def _copy_token_rows(src_page, src_row, dst_page, dst_row, count, bpc):
@@ -225,54 +196,11 @@ def flush_resident(host_pages, spaces, resident, inflight_slots, page_table, new
     exists and is in range). A unit on the GPU is copied from its GPU page (page
     ``num_leases*S/E + gpu page``, token row ``t % P``); any other unit as ``flush`` does, from its
     confirmed cell. Returns the ``(b, r, u, host_slot, first_token, end_token)`` copies made."""
-    copies = []
-    for b in range(len(host_pages)):
-        S, U, I = unit_params[3 * b:3 * b + 3]
-        pages, space = host_pages[b], spaces[b]
-        P = space.tokens_per_page
-        E = P // U
-        chunks = len(space[0]) if space else 0
-        chunk_bytes = len(space[0][0]) if chunks else 0
-        if chunk_bytes == 0:
-            continue
-        bpc = chunk_bytes // P
-        num_leases = len(resident[b])
-        for r, ell in enumerate(lease):
-            if not (0 <= ell < num_leases):
-                continue
-            rng = _row_range(history[r], capacity[r], U, I)
-            lo, hi = rng.s0, min(new_history[r], rng.c)
-            if lo >= hi:
-                continue
-            first = lo // U
-            gpu_row = _gpu_row(gpu_pages[b], r)
-            table_row = page_table[r]
-            u = first
-            while u * U < hi:
-                page = u // E
-                if page < len(table_row) and 0 <= table_row[page] < len(pages):
-                    host = table_row[page]
-                    t0, t1 = max(lo, u * U), min(hi, (u + 1) * U)
-                    gpu = gpu_page_of(gpu_row, u, E, gpu_slots[b])
-                    src = None
-                    if gpu != BAD:
-                        entry = gpu_entry(num_leases, S, gpu, E, u)
-                    else:
-                        k = u - first
-                        slot = inflight_slots[b][r][k] if k < len(inflight_slots[b][r]) else BAD
-                        entry = ell * S + slot if _confirmed_slot(resident[b][ell], slot, u) \
-                            else None
-                    if entry is not None:
-                        cell_idx, piece = divmod(entry, E)
-                        if cell_idx < len(space):
-                            src = space[cell_idx]
-                    if src is not None:
-                        # the unit's tokens are contiguous rows of its piece and of its host page
-                        _copy_token_rows(src, piece * U + (t0 - u * U), pages[host], t0 % P,
-                                         t1 - t0, bpc)
-                        copies.append((b, r, u, host, t0, t1))
-                u += 1
-    return copies
+    outside = [_outside(len(resident[b]), unit_params[3 * b], space.tokens_per_page //
+                        unit_params[3 * b + 1], gpu_pages[b], gpu_slots[b])
+               for b, space in enumerate(spaces)]
+    return flush(host_pages, spaces, resident, inflight_slots, page_table, new_history, history,
+                 capacity, lease, unit_params, outside)
 
 
 def demote(state: ResidencyState, spaces, gpu_pages, gpu_slots, row, history, capacity, lease,
