@@ -111,7 +111,7 @@ from torch_kvcm2.memory import (batch_memory_bytes, batch_reserve_bytes,  # noqa
 from harness import Result, pick_device, write_json  # noqa: E402
 from locality import Reuse  # noqa: E402
 from serve_mla import MLA, mla_param_bytes  # noqa: E402
-from serve_model import WORD, DecodeStep, latent_words, pattern, token_rows, write_tokens  # noqa: E402
+from serve_model import DecodeStep, key_words, latent_words, token_rows, write_tokens  # noqa: E402
 from serve_report import (measure_ceilings, plot, print_slots, print_table,  # noqa: E402,F401
                           step_bound, summarize)
 
@@ -177,7 +177,7 @@ QUICK = Shape(layers=2, model_layers=3, latent_bytes=64, key_bytes=16, top_k=32,
               heads=2, q_lora=32, nope=16, v_dim=16, index_heads=4)
 MLA_DENSE_WEIGHT_MB = 44.0  # the shared expert (FP8) when the attention's weights are the modules'
 # --quick --attention mla: the kernel's 656-byte FP8 rows, budgets grown to hold them
-QUICK_MLA = replace(QUICK, latent_bytes=656, gpu_kv_gb=0.004, host_gb=0.012)
+QUICK_MLA = replace(QUICK, latent_bytes=656, key_bytes=132, gpu_kv_gb=0.005, host_gb=0.012)
 
 
 def plan_rows(shape: Shape, side: str, device: str, context: int) -> tuple:
@@ -345,14 +345,14 @@ class Side:
         pos = torch.arange(self.context, device=self.device)
         r = torch.tensor(rid, device=self.device)
         for li, name in enumerate(self.names):
-            for role, nbytes in (("kv", self.shape.latent_bytes), ("ik", self.shape.key_bytes)):
+            for role in ("kv", "ik"):
                 view = self.manager.buffer_view(name, role)
                 pages = torch.as_tensor(cache.host_pages(name, role), device=self.device)
                 for start in range(0, self.context, 1 << 16):  # bounded temporaries
                     p = pos[start:start + (1 << 16)]
                     page, tok = token_rows(view, pages, p)
                     words = (latent_words(self.shape, r, p, li) if role == "kv"
-                             else pattern(r, p, li, 1, nbytes // WORD))
+                             else key_words(self.shape, r, p, li))
                     write_tokens(view, page, tok, words)
 
     # ---- one concurrency level ----
@@ -385,7 +385,8 @@ class Side:
         level = Level(self.side, self.context, rows, sh.layers, overlap=overlap)
         if self.mla:
             level.attention_bytes = self.mla.param_bytes
-            level.attention_flops = self.mla.flops(rows, sh.top_k)
+            span = -(-(self.context + sh.output) // sh.page) * sh.page  # the keys scored
+            level.attention_flops = self.mla.flops(rows, sh.top_k, span)
         # rows whose history moved onto GPU pages at that publish: no miss from them (RSD-1)
         level.gpu_rows = batch.row_counts()["gpu_history"]
         cuda = self.device == "cuda"

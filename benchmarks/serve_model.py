@@ -10,13 +10,15 @@ import torch
 import torch_kvcm2 as kv
 
 from locality import lru_misses
-from serve_mla import fp8_rows
+from serve_mla import fp8_keys, fp8_rows
+from torch_kvcm2.models.indexer_logits import indexer_logits, indexer_logits_reference
 from torch_kvcm2.models.sparse_mla import sparse_mla_decode_reference, tolerance
 from topk import topk_indices
 
 WORD = 4  # bytes per int32 word of the stand-in model's KV
 SCORE_MASK = (1 << 20) - 1  # a key's score: the low 20 bits of its words' int32 sum
 BIAS = 1 << 21  # the query's preference, above any key score
+BOOST = torch.finfo(torch.float32).max  # the same over the real indexer's logits (--attention mla)
 
 
 def pattern(rid: torch.Tensor, pos: torch.Tensor, layer: int, salt: int, words: int) -> torch.Tensor:
@@ -53,6 +55,14 @@ def latent_words(shape, rid: torch.Tensor, pos: torch.Tensor, layer: int) -> tor
     made valid FP8 rows when the attention is DeepSeek-V3.2's (``serve_mla.fp8_rows``)."""
     words = pattern(rid, pos, layer, 0, shape.latent_bytes // WORD)
     return fp8_rows(words) if shape.attention == "mla" else words
+
+
+def key_words(shape, rid: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.Tensor:
+    """The stand-in's indexer key of tokens ``pos`` of requests ``rid`` in one layer:
+    ``pattern``, made valid FP8 keys when the indexer is DeepSeek-V3.2's
+    (``serve_mla.fp8_keys``)."""
+    words = pattern(rid, pos, layer, 1, shape.key_bytes // WORD)
+    return fp8_keys(words) if shape.attention == "mla" else words
 
 
 class DecodeStep:
@@ -102,6 +112,10 @@ class DecodeStep:
         # the kernel reads a buffer's tokens as rows of one [N, latent_bytes] view: one chunk
         assert not self.mla or all(self.views[name, "kv"].shape[1] == 1 for name in side.names)
         self.hidden = self.mla.hidden(rows, dev) if self.mla else None
+        if self.mla:  # the indexer's logits, and the query LoRA's output per layer
+            assert all(self.views[name, "ik"].shape[1] == 1 for name in side.names)
+            self.logits = torch.empty(rows, self.npages * P, dtype=torch.float32, device=dev)
+            self.resid = {}
         # layer -> of the last step (checked layers): int32[R, K, words] gathered, or with the
         # modules (the absorbed query, the kernel's output latents)
         self.gathered = {}
@@ -122,9 +136,10 @@ class DecodeStep:
         history = batch.history[:self.rows]
         pos = history.long()  # the new token's position, per row
         chosen = self.sets.index_select(0, self.counter.remainder(len(self.sets)).view(1))[0].long()
-        bias = torch.zeros(self.rows, self.npages * sh.page, dtype=torch.int32, device=pos.device)
-        bias.scatter_(1, chosen, BIAS)
-        dead = self.positions[None, :] >= pos[:, None]  # not history
+        if not self.mla:  # the stand-in's scores: the selection as a bias, the rest masked
+            bias = torch.zeros(self.rows, self.npages * sh.page, dtype=torch.int32, device=pos.device)
+            bias.scatter_(1, chosen, BIAS)
+            dead = self.positions[None, :] >= pos[:, None]  # not history
         selected = {}
 
         def index(li):
@@ -132,10 +147,15 @@ class DecodeStep:
             with the fetch of its misses, at the group's first layer."""
             name = names[li]
             mark("indexer")
-            # every key of the slots in use read once (this level's requests own them all)
-            scores = self.keys[name].view(torch.int32).sum(dim=(1, 3), dtype=torch.int32) & SCORE_MASK
-            rows_scores = scores[self.key_slots[name]].flatten(1)  # [R, npages*P], a new tensor
-            rows_scores.add_(bias).masked_fill_(dead, -1)
+            if self.mla:  # DeepSeek-V3.2's indexer over every key of the rows' pages
+                rows_scores = self.logits
+                self.resid[name] = self.mla.index(li, self.hidden, self.views[name, "ik"][:, 0],
+                                                  self.pages[name, "ik"], history, rows_scores)
+                rows_scores.scatter_(1, chosen, BOOST)
+            else:  # every key of the slots in use read once (this level's requests own them all)
+                scores = self.keys[name].view(torch.int32).sum(dim=(1, 3), dtype=torch.int32) & SCORE_MASK
+                rows_scores = scores[self.key_slots[name]].flatten(1)  # [R, npages*P], a new tensor
+                rows_scores.add_(bias).masked_fill_(dead, -1)
             if sh.topk == "radix":  # the same on both sides (benchmarks/topk.py)
                 selected[name] = topk_indices(rows_scores, sh.top_k)
             else:
@@ -143,7 +163,7 @@ class DecodeStep:
             mark("cache")
             page, tok = token_rows(self.views[name, "ik"], self.pages[name, "ik"], pos[:, None])
             write_tokens(self.views[name, "ik"], page[:, 0], tok[:, 0],
-                         pattern(self.rid, pos, li, 1, sh.key_bytes // WORD))
+                         key_words(sh, self.rid, pos, li))
             group = self.side.config.group_of(name) if self.kvcm2 else None
             if group is not None and group.layers[0] == name:
                 g = group.index
@@ -173,8 +193,8 @@ class DecodeStep:
                 write_tokens(cells, entry // sh.page, entry % sh.page, new_kv)
                 mark("attention")
                 if self.mla:  # the kernel reads the cells through the index table
-                    got = self.mla.attend(li, self.hidden, cells.view(-1, sh.latent_bytes),
-                                          self.index[g])[:2]
+                    got = self.mla.attend(li, self.hidden, self.resid[name],
+                                          cells.view(-1, sh.latent_bytes), self.index[g])[:2]
                 else:
                     e = self.index[g].long()
                     got = read_tokens(cells, e // sh.page, e % sh.page)  # [R, K, words]
@@ -185,7 +205,8 @@ class DecodeStep:
                 mark("attention")
                 page, tok = token_rows(view, self.pages[name, "kv"], selected[name])
                 if self.mla:  # the kernel reads the pool through the page table
-                    got = self.mla.attend(li, self.hidden, view.view(-1, sh.latent_bytes),
+                    got = self.mla.attend(li, self.hidden, self.resid[name],
+                                          view.view(-1, sh.latent_bytes),
                                           (page * sh.page + tok).to(torch.int32))[:2]
                 else:
                     got = read_tokens(view, page, tok)
@@ -252,6 +273,16 @@ class DecodeStep:
             else:
                 assert torch.equal(self.gathered[name], want), f"{name}: attention read wrong bytes"
             checked += sel.numel()
+        if self.mla:  # the indexer's kernel over the pool, now, against the definition
+            li, name = 0, side.names[0]
+            q, weights, _ = self.mla.indexer_inputs(li, self.hidden)
+            args = (self.views[name, "ik"][:, 0], self.pages[name, "ik"], self.batch.history[:self.rows])
+            got = indexer_logits(q, weights, *args)
+            some = torch.tensor([0, self.rows - 1], device=q.device).unique()
+            want = indexer_logits_reference(q[some], weights[some], args[0], args[1][some], args[2][some])
+            scale = float(want[want.isfinite()].abs().max())
+            assert torch.equal(got[some].isinf(), want.isinf()) and torch.allclose(
+                got[some], want, rtol=1e-5, atol=1e-5 * scale), f"{name}: the indexer's logits differ from the definition"
         # every decoded token reached its pages (host pages on torch_kvcm2's side), bit for bit
         start = side.context  # every token decoded so far, this level's and earlier levels'
         for r, cache in enumerate(side.caches[:self.rows]):

@@ -1,12 +1,14 @@
 """A radix-select top-k for the serving benchmark's indexer: the K largest of each row's int32
-scores, one Triton program per row, in the time of a few reads of the row.
+or float32 scores, one Triton program per row, in the time of a few reads of the row.
 
     indices = topk_indices(scores, K)   # int64[R, K]: the K largest of each row of scores
 
 ``torch.topk`` over every position of the context was 39% of the stand-in's step at 116
 requests and 32K tokens (72% at 128K; docs/DESIGN.md, "The serving benchmark"), where engines
 run a fused radix select. This is one: each row's keys (the scores plus 2^31, so they are
-non-negative 32-bit values in the scores' order) are histogrammed 11 bits at a time (bits 22-32, 11-21, 0-10), each pass
+non-negative 32-bit values in the scores' order; a float32 score's bits are first made an int32
+in the floats' order, ``bits ^ ((bits >> 31) & 0x7FFFFFFF)`` after -0.0 is made +0.0, so
+``-inf`` is the lowest key and NaN is not allowed) are histogrammed 11 bits at a time (bits 22-32, 11-21, 0-10), each pass
 over the elements whose higher bits equal the prefix found so far, which narrows the K-th
 largest key to one value T; a last pass writes the positions of the keys above T in position
 order, then the lowest positions holding T until there are K. Ties at T therefore go to the
@@ -45,7 +47,17 @@ def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _topk_kernel(scores, out, n, k, S_STRIDE, O_STRIDE, BLOCK: tl.constexpr):
+    def _keys(scores, offs, n, FLOAT: tl.constexpr):
+        """The order-preserving keys in [0, 2^32) (int64) of the scores at positions ``offs``."""
+        s = tl.load(scores + offs, mask=offs < n, other=0)
+        if FLOAT:
+            bits = tl.where(s == 0, 0.0, s).to(tl.int32, bitcast=True)  # -0.0 is +0.0
+            s = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return s.to(tl.int64) + 2147483648
+
+    @triton.jit
+    def _topk_kernel(scores, out, n, k, S_STRIDE, O_STRIDE, BLOCK: tl.constexpr,
+                     FLOAT: tl.constexpr):
         row = tl.program_id(0)
         keys = scores + row * S_STRIDE
         bins = tl.arange(0, 4096)  # 2048 digit bins, then bin 2048 for keys off the prefix
@@ -56,8 +68,7 @@ if triton is not None:
             hist = tl.zeros((4096,), dtype=tl.int32)
             for start in range(0, n, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                s = tl.load(keys + offs, mask=offs < n, other=0)
-                key = s.to(tl.int64) + 2147483648  # order-preserving, in [0, 2^32)
+                key = _keys(keys, offs, n, FLOAT)
                 match = offs < n
                 if p > 0:
                     match = match & ((key >> (shift + 11)) == prefix)
@@ -77,8 +88,7 @@ if triton is not None:
         dst = out + row * O_STRIDE
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            s = tl.load(keys + offs, mask=offs < n, other=0)
-            key = s.to(tl.int64) + 2147483648
+            key = _keys(keys, offs, n, FLOAT)
             gt = (offs < n) & (key > prefix)
             eq = (offs < n) & (key == prefix)
             gt_rank = gt_at + tl.cumsum(gt.to(tl.int32), 0) - 1
@@ -90,11 +100,11 @@ if triton is not None:
 
 
 def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int64[R, K]: the positions of the K largest of each row of ``scores`` (int32[R, N],
-    rows contiguous, 1 <= K <= N), as the module docstring says; ``out`` (int64[R, K]) is
-    written when given (fixed outputs for a captured graph)."""
-    if scores.dtype != torch.int32 or scores.dim() != 2 or scores.stride(1) != 1:
-        raise ValueError(f"topk_indices: scores must be int32[R, N] with contiguous rows, got "
+    """int64[R, K]: the positions of the K largest of each row of ``scores`` (int32 or
+    float32 [R, N] without NaN, rows contiguous, 1 <= K <= N), as the module docstring says;
+    ``out`` (int64[R, K]) is written when given (fixed outputs for a captured graph)."""
+    if scores.dtype not in (torch.int32, torch.float32) or scores.dim() != 2 or scores.stride(1) != 1:
+        raise ValueError(f"topk_indices: scores must be int32 or float32 [R, N] with contiguous rows, got "
                          f"{scores.dtype}{list(scores.shape)}")
     R, n = scores.shape
     if not 1 <= k <= n:
@@ -106,7 +116,7 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) 
         return out
     if R:
         _topk_kernel[(R,)](scores, out, n, k, scores.stride(0), out.stride(0), BLOCK=_BLOCK,
-                           num_warps=16)
+                           FLOAT=scores.dtype == torch.float32, num_warps=16)
     return out
 
 

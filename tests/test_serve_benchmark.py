@@ -88,9 +88,10 @@ def test_quick_serve_with_gpu_resident_history(serve, tmp_path):
 
 def test_quick_serve_with_deepseek_attention_modules(serve, tmp_path):
     """--attention mla: every layer's attention is transformers' DeepseekV32Attention (random
-    weights) absorbed over the selected FP8 rows with the sparse MLA kernel, on both sides; every
-    level checks the kernel's output against the reference over the rows written, and the bound
-    counts the modules' weights and FLOPs."""
+    weights): its indexer's logits over the FP8 keys of the pool, the top-K, then absorbed MLA
+    over the selected FP8 rows with the sparse MLA kernel, on both sides; every level checks
+    the attention kernel's output against the reference over the rows written and the indexer's
+    logits against their definition, and the bound counts the modules' weights and FLOPs."""
     pytest.importorskip("transformers")
     out = tmp_path / "serve.json"
     assert serve.main(["--quick", "--attention", "mla", "--json", str(out)]) == 0
@@ -113,15 +114,31 @@ def test_attention_over_other_rows_fails_the_level(serve, monkeypatch):
     mla = importlib.import_module("serve_mla")
     real = mla.MLA.attend
 
-    def wrong(self, layer, x, rows, index):
+    def wrong(self, layer, x, resid, rows, index):
         index = index.clone()
         index[:, 0] = index[:, 1]
-        return real(self, layer, x, rows, index)
+        return real(self, layer, x, resid, rows, index)
 
     monkeypatch.setattr(mla.MLA, "attend", wrong)
     side = serve.Side(serve.replace(serve.QUICK_MLA, attention="mla"), "kvcm2", "cpu", 256)
     try:
         with pytest.raises(AssertionError, match="differs from the reference"):
+            side.run_level(2)
+    finally:
+        side.close(check=False)
+
+
+def test_indexer_reading_other_pages_fails_the_level(serve, monkeypatch):
+    """A planted fault: the indexer kernel handed each row's page table shifted by one page:
+    the level's check of its logits against the definition over the pool fails."""
+    pytest.importorskip("transformers")
+    model = importlib.import_module("serve_model")
+    real = model.indexer_logits
+    monkeypatch.setattr(model, "indexer_logits",
+                        lambda q, w, keys, pages, lengths: real(q, w, keys, pages.roll(1, 1), lengths))
+    side = serve.Side(serve.replace(serve.QUICK_MLA, attention="mla"), "kvcm2", "cpu", 256)
+    try:
+        with pytest.raises(AssertionError, match="indexer's logits differ"):
             side.run_level(2)
     finally:
         side.close(check=False)

@@ -27,6 +27,22 @@ def scores_of(R, n, lo, hi, device, seed=0):
     return torch.randint(lo, hi, (R, n), generator=g, dtype=torch.int64).to(torch.int32).to(device)
 
 
+def float_scores(R, n, device, seed=0):
+    """fp32 scores as the indexer's logits come: ties, both zeros, -inf (positions past a
+    request's length) and the largest finite value (the locality model's boost)."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(R, n, generator=g)
+    s[:, 1::5] = 0.5
+    s[:, 3::11] = -0.0
+    s[:, 4::13] = 0.0
+    s[:, ::7] = float("-inf")
+    s[0, :10] = torch.finfo(torch.float32).max
+    return s.to(device)
+
+
+FLOAT_CASES = [(3, 1000, 64), (2, 5000, 700), (1, 100, 100), (2, 4097, 1)]
+
+
 @pytest.mark.parametrize("R,n,k,lo,hi", CASES)
 def test_the_rule_takes_the_k_largest_ties_to_the_lowest_positions(R, n, k, lo, hi):
     s = scores_of(R, n, lo, hi, "cpu")
@@ -42,9 +58,16 @@ def test_the_rule_takes_the_k_largest_ties_to_the_lowest_positions(R, n, k, lo, 
         assert got[row].tolist() == above.tolist() + ties.tolist()  # the order documented
 
 
+@pytest.mark.parametrize("R,n,k", FLOAT_CASES)
+def test_the_rule_on_float_scores(R, n, k):
+    s = float_scores(R, n, "cpu")
+    got = topk.reference(s, k)
+    assert torch.equal(s.gather(1, got).sort(1).values, s.topk(k, 1).values.sort(1).values)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="int32"):
-        topk.topk_indices(torch.zeros(2, 8), 2)
+        topk.topk_indices(torch.zeros(2, 8, dtype=torch.float64), 2)
     with pytest.raises(ValueError, match=r"K = 9 must be in \[1, 8\]"):
         topk.topk_indices(torch.zeros(2, 8, dtype=torch.int32), 9)
 
@@ -58,6 +81,14 @@ def test_the_kernel_is_the_rule_position_for_position(R, n, k, lo, hi):
     out = torch.full((R, k), -7, dtype=torch.int64, device="cuda")
     assert topk.topk_indices(s, k, out=out) is out
     assert torch.equal(out, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("R,n,k", FLOAT_CASES)
+def test_the_kernel_on_float_scores_is_the_rule(R, n, k):
+    pytest.importorskip("triton")
+    s = float_scores(R, n, "cuda")
+    assert torch.equal(topk.topk_indices(s, k), topk.reference(s, k))
 
 
 @pytest.mark.cuda

@@ -1,0 +1,210 @@
+"""The DSA indexer's decode logits over a paged pool of FP8 keys (P-SERVE's indexer).
+
+DeepSeek-V3.2's lightning indexer scores every token of a request's history for one query
+token, and the top-K of those scores is what sparse attention reads::
+
+    logits[r, t] = sum_h weights[r, h] * relu(q[r, h, :] . k_t)      for t < lengths[r]
+                 = -inf                                              otherwise
+
+* ``q`` bf16 ``[R, H, 128]``: the indexer's query (``wq_b`` of the query LoRA's output; H = 64
+  heads in the real model);
+* ``weights`` fp32 ``[R, H]``: the per-head weights (``weights_proj(x) * H^-0.5``) times the
+  softmax scale ``128^-0.5``, folded by the caller (transformers applies the scale to the dot
+  product; relu commutes with a positive factor, so the logits are the same);
+* ``k_t`` the key of token ``t``, read from ``keys`` ``uint8[pages, P, 132]`` (any stride between
+  pages, rows of 132 contiguous bytes) at page ``page_table[r, t // P]``, row ``t % P``;
+* ``lengths`` ``[R]``: each request's history length; columns from it on are ``-inf`` and read
+  nothing (their page-table entries may be anything).
+
+The result is fp32 ``[R, npages * P]`` with ``npages = page_table.shape[1]``.
+
+FP8 keys (the format DeepSeek-V3.2's engines keep the indexer's cache in, 132 bytes a token):
+128 float8_e4m3fn values, then one float32 scale. ``k_t = fp8 * scale``; the kernel computes
+``relu(scale * (q . fp8))`` with the FP8 values converted exactly to bf16 and the products
+accumulated in fp32. ``quantize_index_keys`` writes the format (scale ``amax / 448``).
+
+Dispatch: ``indexer_logits`` runs the Triton kernel on CUDA tensors when ``triton`` imports
+(and on CPU tensors under ``TRITON_INTERPRET=1``, as the tests do), else ``indexer_logits_torch``
+(vectorised over rows, no host synchronisation). ``indexer_logits_reference`` is the definition,
+one request at a time, in fp32. Triton is imported on first use.
+
+The Triton kernel: one program per (block of pages, request); it loads the request's query
+``[H, 128]`` once, then for each page of its block gathers the page's 64 keys ``[64, 128]`` (the
+FP8 bytes bitcast and converted to bf16 in registers), scores them with one ``tl.dot``
+(``[H, 128] x [128, 64]``, fp32 accumulate), applies the keys' scales and relu, and reduces
+over heads with the weights. Pages past the request's length load nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+INDEX_DIM = 128  # the indexer's head dim
+KEY_BYTES = INDEX_DIM + 4  # 128 float8_e4m3fn + one float32 scale
+_FP8_MAX = 448.0
+
+__all__ = ["INDEX_DIM", "KEY_BYTES", "dequantize_index_keys", "indexer_logits",
+           "indexer_logits_reference", "indexer_logits_torch", "quantize_index_keys"]
+
+
+def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
+    """bf16 or fp32 keys ``[N, 128]`` -> FP8 keys uint8 ``[N, 132]``: the scale ``amax / 448``
+    (1 for an all-zero key), the values divided by it and rounded to float8_e4m3fn."""
+    if keys.dim() != 2 or keys.shape[1] != INDEX_DIM:
+        raise ValueError(f"quantize_index_keys: expected [N, {INDEX_DIM}], got {tuple(keys.shape)}")
+    k = keys.float()
+    amax = k.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
+    out = torch.empty(k.shape[0], KEY_BYTES, dtype=torch.uint8, device=k.device)
+    out[:, :INDEX_DIM] = (k / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    out[:, INDEX_DIM:] = scale.contiguous().view(torch.uint8)
+    return out
+
+
+def dequantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
+    """FP8 keys uint8 ``[..., 132]`` -> fp32 ``[..., 128]``: ``fp8 * scale``."""
+    if keys.dtype != torch.uint8 or keys.shape[-1] != KEY_BYTES:
+        raise ValueError(f"dequantize_index_keys: expected uint8 [..., {KEY_BYTES}], got "
+                         f"{keys.dtype} {tuple(keys.shape)}")
+    values = keys[..., :INDEX_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    return values * keys[..., INDEX_DIM:].contiguous().view(torch.float32)
+
+
+def _check(q, weights, keys, page_table, lengths, out) -> tuple:
+    """Shapes, dtypes and devices every implementation accepts; returns (R, H, P, npages)."""
+    if q.dim() != 3 or q.shape[2] != INDEX_DIM or q.dtype != torch.bfloat16:
+        raise ValueError(f"indexer_logits: q must be bf16 [R, H, {INDEX_DIM}], got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    R, H = q.shape[:2]
+    if weights.shape != (R, H) or weights.dtype != torch.float32:
+        raise ValueError(f"indexer_logits: weights must be fp32 [{R}, {H}], got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if keys.dtype != torch.uint8 or keys.dim() != 3 or keys.shape[2] != KEY_BYTES:
+        raise ValueError(f"indexer_logits: keys must be uint8 [pages, P, {KEY_BYTES}], got "
+                         f"{keys.dtype} {tuple(keys.shape)}")
+    if keys.stride(2) != 1 or keys.stride(1) != KEY_BYTES:
+        raise ValueError("indexer_logits: a page's keys must be contiguous rows of "
+                         f"{KEY_BYTES} bytes")
+    if page_table.dim() != 2 or page_table.shape[0] != R or page_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indexer_logits: page_table must be int32/int64 [{R}, npages], got "
+                         f"{page_table.dtype} {tuple(page_table.shape)}")
+    if lengths.shape != (R,) or lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indexer_logits: lengths must be int32/int64 [{R}], got "
+                         f"{lengths.dtype} {tuple(lengths.shape)}")
+    if len({t.device for t in (q, weights, keys, page_table, lengths)}) != 1:
+        raise ValueError("indexer_logits: every tensor must be on one device")
+    P, npages = keys.shape[1], page_table.shape[1]
+    if out is not None and (out.shape != (R, npages * P) or out.dtype != torch.float32
+                            or out.device != q.device or out.stride(1) != 1):
+        raise ValueError(f"indexer_logits: out must be fp32 [{R}, {npages * P}] on {q.device} "
+                         f"with contiguous rows, got {out.dtype} {tuple(out.shape)}")
+    return R, H, P, npages
+
+
+def indexer_logits_reference(q, weights, keys, page_table, lengths, out=None) -> torch.Tensor:
+    """The definition (module docstring), one request at a time in fp32; slow, for tests."""
+    R, H, P, npages = _check(q, weights, keys, page_table, lengths, out)
+    result = torch.full((R, npages * P), float("-inf"), dtype=torch.float32, device=q.device)
+    for r in range(R):
+        n = int(lengths[r])
+        t = torch.arange(n, device=q.device)
+        k = dequantize_index_keys(keys[page_table[r, t // P].long(), t % P])  # [n, 128]
+        scores = torch.relu(q[r].float() @ k.t())  # [H, n]
+        result[r, :n] = weights[r] @ scores
+    return result if out is None else out.copy_(result)
+
+
+def indexer_logits_torch(q, weights, keys, page_table, lengths, out=None) -> torch.Tensor:
+    """The definition over all rows at once (every page gathered, the dead columns masked); it
+    materialises ``R * npages * P * 128`` fp32 keys, so it is for CPU shapes and GPUs without
+    triton."""
+    R, H, P, npages = _check(q, weights, keys, page_table, lengths, out)
+    t = torch.arange(npages * P, device=q.device)
+    live = t[None, :] < lengths[:, None]
+    pages = torch.where(live, page_table.long().repeat_interleave(P, dim=1), 0)
+    k = dequantize_index_keys(keys[pages, (t % P)[None, :]])  # [R, T, 128]
+    scores = torch.relu(torch.matmul(q.float(), k.transpose(1, 2)))  # [R, H, T]
+    result = torch.einsum("rh,rht->rt", weights, scores).masked_fill(~live, float("-inf"))
+    return result if out is None else out.copy_(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: imported and compiled on first use (as torch_kvcm2.models.sparse_mla)
+# ---------------------------------------------------------------------------------------------
+
+triton = None
+tl = None
+_KERNEL = None
+
+
+def _logits_kernel(q, w, keys, page_table, lengths, out, npages, Q_R, Q_H, W_R, K_PAGE, PT_R,
+                   O_R, H: tl.constexpr, H_PAD: tl.constexpr, P: tl.constexpr,
+                   D: tl.constexpr, PAGES: tl.constexpr):
+    block, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    length = tl.load(lengths + r)
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D)
+    tok = tl.arange(0, P)
+    qv = tl.load(q + r * Q_R + h[:, None] * Q_H + d[None, :], mask=h[:, None] < H, other=0.0)
+    wv = tl.load(w + r * W_R + h, mask=h < H, other=0.0)
+    for i in range(PAGES):
+        pg = block * PAGES + i
+        pos = pg * P + tok
+        live = (pos < length) & (pg < npages)
+        page = tl.load(page_table + r * PT_R + pg, mask=(pg < npages) & (pg * P < length), other=0)
+        row = keys + page.to(tl.int64) * K_PAGE + tok * (D + 4)
+        raw = tl.load(row[:, None] + d[None, :], mask=live[:, None], other=0)
+        k = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)  # exact
+        scale = tl.load((row + D).to(tl.pointer_type(tl.float32), bitcast=True), mask=live,
+                        other=0.0)
+        s = tl.dot(qv, tl.trans(k))  # [H_PAD, P] fp32
+        s = tl.maximum(s * scale[None, :], 0.0)
+        logits = tl.sum(s * wv[:, None], 0)
+        tl.store(out + r * O_R + pos, tl.where(live, logits, float("-inf")), mask=pg < npages)
+
+
+def _triton_kernel():
+    global triton, tl, _KERNEL
+    if _KERNEL is None:
+        import triton as _triton
+        import triton.language as _tl
+        triton, tl = _triton, _tl
+        globals()["_logits_kernel"] = _KERNEL = triton.jit(_logits_kernel)
+    return _KERNEL
+
+
+def _use_triton(q: torch.Tensor, P: int) -> bool:
+    import os
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if P < 16 or P & (P - 1):  # tl.dot needs a power-of-two tile of at least 16
+        return False
+    try:
+        _triton_kernel()
+    except ImportError:
+        return False
+    return True
+
+
+PAGES_PER_PROGRAM = 4
+
+
+def indexer_logits(q, weights, keys, page_table, lengths, out: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:
+    """The indexer's logits (module docstring): the Triton kernel where it can run, else
+    ``indexer_logits_torch``. ``out`` is written when given (a captured graph's fixed output)."""
+    R, H, P, npages = _check(q, weights, keys, page_table, lengths, out)
+    if not _use_triton(q, P):
+        return indexer_logits_torch(q, weights, keys, page_table, lengths, out)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(R, npages * P, dtype=torch.float32, device=q.device)
+    if R and npages:
+        grid = (-(-npages // PAGES_PER_PROGRAM), R)
+        _logits_kernel[grid](q, weights, keys, page_table, lengths, out, npages, q.stride(0),
+                             q.stride(1), weights.stride(0), keys.stride(0), page_table.stride(0),
+                             out.stride(0), H=H, H_PAD=max(16, 1 << (H - 1).bit_length()), P=P,
+                             D=INDEX_DIM, PAGES=PAGES_PER_PROGRAM, num_warps=4, num_stages=2)
+    return out
