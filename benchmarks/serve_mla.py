@@ -83,7 +83,7 @@ class MLA:
         torch.manual_seed(seed)
         with torch.device(device):
             self.modules = [DeepseekV32Attention(self.config, i).to(torch.bfloat16).eval()
-                            for i in range(layers)]
+                            .requires_grad_(False) for i in range(layers)]  # decode: no autograd
         first = self.modules[0]
         self.H, self.nope, self.v = first.num_heads, first.qk_nope_head_dim, first.v_head_dim
         self.param_bytes = sum(p.numel() * p.element_size() for p in first.parameters())
