@@ -64,7 +64,7 @@ if triton is not None:
         above = 0  # keys above the prefix found so far
         prefix = tl.zeros((), dtype=tl.int64)
         for p in tl.static_range(3):  # 11-bit digits at bits 22, 11, 0 (33 bits cover 32)
-            shift: tl.constexpr = 22 - 11 * p
+            shift = 22 - 11 * p  # p is a constexpr: so is shift
             hist = tl.zeros((4096,), dtype=tl.int32)
             for start in range(0, n, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
