@@ -5,7 +5,7 @@
 #   (docs/DEVELOPMENT.md), rebuild with TORCH_KVCM2_DEV and run those. Logs go to $OUT (the device
 #   tool brings them back). Every call starts with the production build again.
 # Usage: [TESTS=0] [TEST_RUNS=N] [STALE=0] [EXAMPLES=0] [LONG=0] [BENCH=0] [BENCH_ONLY=IDS] [SCALING=1] [SWEEP=1]
-#        [SERVE=1] [SERVE_ARGS=...]
+#        [ATTN=1] [INDEXER=1] [SERVE=1] [SERVE_ARGS=...]
 #        [PDL_AB=1] [PROFILE=1] [NCU=1] [AB_THREADS=N] [KVCM2_SAFETY_STEPS=N]
 #        bash scripts/gpu_check.sh [pytest args]
 # Production build:
@@ -22,6 +22,8 @@
 #   SERVE_ARGS="--gpu-history-gb 10" gives torch_kvcm2's side GPU-resident history (RSD-1).
 #   BENCH_ONLY=P-DEMOTE runs the demotion benchmark (RSD-2) alone.
 #   ATTN=1 runs benchmarks/bench_attn.py (P-ATTN: attn.txt, attn.json; ATTN_ARGS its flags).
+#   INDEXER=1 runs benchmarks/bench_indexer.py --sweep (P-SERVE's DSA indexer logits and top-k
+#   alone, every launch config: indexer.txt, indexer.json).
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only); without it the
 #   benchmarks end with benchmarks/eager_parts.py (the eager step's host time per call).
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
@@ -119,6 +121,10 @@ if [ "${ATTN:-0}" = 1 ]; then
   # P-ATTN: the sparse MLA decode kernel over cells against the same kernel over a dense cache
   python3 benchmarks/bench_attn.py --json "$OUT/attn.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn.txt"
   echo "attn rc: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
+fi
+if [ "${INDEXER:-0}" = 1 ]; then
+  python3 benchmarks/bench_indexer.py --sweep --json "$OUT/indexer.json" 2>&1 | tee "$OUT/indexer.txt"
+  echo "indexer rc: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
 fi
 if [ "${SERVE:-0}" = 1 ]; then
   # P-SERVE: both sides, both contexts, table + JSON + plot (matplotlib when installed)

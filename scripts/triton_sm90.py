@@ -30,11 +30,11 @@ def kernels():
            "K_PAGE": "i64", "PT_R": "i32", "O_R": "i32", "H": "constexpr", "H_PAD": "constexpr",
            "P": "constexpr", "D": "constexpr", "PAGES": "constexpr"}
     yield ("indexer_logits (64 heads, pages of 64: P-SERVE)", logits, sig,
-           {"H": 64, "H_PAD": 64, "P": 64, "D": il.INDEX_DIM, "PAGES": il.PAGES_PER_PROGRAM},
-           {"num_warps": 4, "num_stages": 2})
+           {"H": 64, "H_PAD": 64, "P": 64, "D": il.INDEX_DIM, "PAGES": il.DEFAULT_CONFIG["pages"]},
+           {k: il.DEFAULT_CONFIG[k] for k in ("num_warps", "num_stages")})
     yield ("indexer_logits (4 heads padded to 16, pages of 16: --quick)", logits, sig,
-           {"H": 4, "H_PAD": 16, "P": 16, "D": il.INDEX_DIM, "PAGES": il.PAGES_PER_PROGRAM},
-           {"num_warps": 4, "num_stages": 2})
+           {"H": 4, "H_PAD": 16, "P": 16, "D": il.INDEX_DIM, "PAGES": il.DEFAULT_CONFIG["pages"]},
+           {k: il.DEFAULT_CONFIG[k] for k in ("num_warps", "num_stages")})
     from torch_kvcm2.models import sparse_mla as mla
     split, combine = mla._triton_kernels()
     cfg = mla.CANDIDATE_CONFIGS["h128-n32-dv2-w8-s3"]  # the default at 128 heads

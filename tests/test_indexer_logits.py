@@ -4,6 +4,10 @@ alike), the torch implementation against the definition on CPU, and the Triton k
 on CUDA at P-SERVE's shape (64 heads, pages of 64) and inside a CUDA graph. (On the development
 machine the kernel also ran under ``TRITON_INTERPRET=1``, its dot product in fp32 because the
 interpreter's bf16 dot is wrong there, within 2e-5 of the definition.)"""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -148,3 +152,32 @@ def test_kernel_at_the_benchmarks_shape_inside_a_graph():
     want = il.indexer_logits_reference(q[rows], w[rows], keys, table[rows], lens[rows])
     scale = want[want.isfinite()].abs().max()
     torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=1e-5 * float(scale))
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def test_benchmark_checks_catch_a_planted_fault():
+    """benchmarks/bench_indexer.py's check passes the logits and top-k of a set computed right
+    and fails logits computed over a page table shifted by one page (built on the CPU here: the
+    benchmark itself measures only on a GPU)."""
+    sys.path.insert(0, BENCH)
+    import bench_indexer as bench
+    work = bench.build(256, 3, device="cpu")
+    rows = slice(0, 3)
+    args = (work["q"], work["w"], work["keys"], work["table"], work["lengths"])
+    out = il.indexer_logits(*args)
+    bench.check(work, rows, out, bench.topk.reference(out, bench.K), "right")
+    shifted = il.indexer_logits(*args[:3], work["table"].roll(1, 1), args[4])
+    with pytest.raises(AssertionError, match="logits differ"):
+        bench.check(work, rows, shifted, bench.topk.reference(shifted, bench.K), "shifted")
+    with pytest.raises(AssertionError, match="top-k differs"):
+        bench.check(work, rows, out, bench.topk.reference(out, bench.K).flip(1), "reordered")
+
+
+def test_benchmark_refuses_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benchmark would measure")
+    result = subprocess.run([sys.executable, os.path.join(BENCH, "bench_indexer.py"), "--quick"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "nothing was measured" in result.stderr

@@ -28,7 +28,7 @@ Dispatch: ``indexer_logits`` runs the Triton kernel on CUDA tensors when ``trito
 (vectorised over rows, no host synchronisation). ``indexer_logits_reference`` is the definition,
 one request at a time, in fp32. Triton is imported on first use.
 
-The Triton kernel: one program per (block of pages, request); it loads the request's query
+The Triton kernel (``DEFAULT_CONFIG``): one program per (block of pages, request); it loads the request's query
 ``[H, 128]`` once, then for each page of its block gathers the page's 64 keys ``[64, 128]`` (the
 FP8 bytes bitcast and converted to bf16 in registers), scores them with one ``tl.dot``
 (``[H, 128] x [128, 64]``, fp32 accumulate), applies the keys' scales and relu, and reduces
@@ -86,6 +86,8 @@ def _check(q, weights, keys, page_table, lengths, out) -> tuple:
     if keys.stride(2) != 1 or keys.stride(1) != KEY_BYTES:
         raise ValueError("indexer_logits: a page's keys must be contiguous rows of "
                          f"{KEY_BYTES} bytes")
+    if weights.stride(1) != 1:
+        raise ValueError("indexer_logits: weights must have unit stride along a row")
     if page_table.dim() != 2 or page_table.shape[0] != R or page_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"indexer_logits: page_table must be int32/int64 [{R}, npages], got "
                          f"{page_table.dtype} {tuple(page_table.shape)}")
@@ -187,24 +189,29 @@ def _use_triton(q: torch.Tensor, P: int) -> bool:
     return True
 
 
-PAGES_PER_PROGRAM = 4
+#: the launch: pages a program scores, its warps, Triton's pipeline stages (chosen before any
+#: GPU run; ``benchmarks/bench_indexer.py --sweep`` times the alternatives)
+DEFAULT_CONFIG = {"pages": 4, "num_warps": 4, "num_stages": 2}
 
 
-def indexer_logits(q, weights, keys, page_table, lengths, out: Optional[torch.Tensor] = None
-                   ) -> torch.Tensor:
+def indexer_logits(q, weights, keys, page_table, lengths, out: Optional[torch.Tensor] = None,
+                   config: Optional[dict] = None) -> torch.Tensor:
     """The indexer's logits (module docstring): the Triton kernel where it can run, else
-    ``indexer_logits_torch``. ``out`` is written when given (a captured graph's fixed output)."""
+    ``indexer_logits_torch``. ``out`` is written when given (a captured graph's fixed output);
+    ``config`` overrides entries of ``DEFAULT_CONFIG``."""
     R, H, P, npages = _check(q, weights, keys, page_table, lengths, out)
     if not _use_triton(q, P):
         return indexer_logits_torch(q, weights, keys, page_table, lengths, out)
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
     if q.stride(2) != 1:
         q = q.contiguous()
     if out is None:
         out = torch.empty(R, npages * P, dtype=torch.float32, device=q.device)
     if R and npages:
-        grid = (-(-npages // PAGES_PER_PROGRAM), R)
+        grid = (-(-npages // cfg["pages"]), R)
         _logits_kernel[grid](q, weights, keys, page_table, lengths, out, npages, q.stride(0),
                              q.stride(1), weights.stride(0), keys.stride(0), page_table.stride(0),
                              out.stride(0), H=H, H_PAD=max(16, 1 << (H - 1).bit_length()), P=P,
-                             D=INDEX_DIM, PAGES=PAGES_PER_PROGRAM, num_warps=4, num_stages=2)
+                             D=INDEX_DIM, PAGES=cfg["pages"], num_warps=cfg["num_warps"],
+                             num_stages=cfg["num_stages"])
     return out
