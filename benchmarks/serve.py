@@ -26,7 +26,10 @@ The stand-in model, per layer and decode step (each part a flag, defaults below)
   ``--reuse-age`` steps before, the rest new; the defaults fit the published LRU miss rates at
   top-k 2048: 30% / 13.4% / 6.7% with 2048 / 4096 / 8192 slots): its selection is added to the
   scores as a bias, so the top-K the step uses is the top-K the indexer computed, and it equals
-  the locality model's selection (checked);
+  the locality model's selection (checked); with ``--attention mla`` the indexer is
+  DeepSeek-V3.2's own (64 heads of 128 over 132-byte FP8 keys, ``torch_kvcm2.models.
+  indexer_logits``; the selection overwrites its positions of the logits, and each level checks
+  the kernel's logits over the pool against their definition);
 * attention: the K selected ``--latent-bytes`` rows per layer, gathered as int32 words through
   the index table from the cells (torch_kvcm2) or through the page table from the dense pool
   (baseline), summed; with ``--attention mla``, DeepSeek-V3.2's own attention modules instead
@@ -65,8 +68,10 @@ rows) at the device-copy rate, its FLOPs (the weights' product) at a bf16 GEMM's
 misses over PCIe at the slower of the copy engine and the GPU's own gather from pinned memory,
 all measured at the start of the same run (``measure_ceilings``; the gather's rate differs from
 host to host). The table gives the bound, the term that sets it and the step's fraction of it
-("of bound": 1.0 is the GPU's limit); the summary gives each side's at its best throughput. The
-bound is the stand-in's: its attention is a word gather with none of MLA's arithmetic.
+("of bound": 1.0 is the GPU's limit); the summary gives each side's at its best throughput. With
+``--attention mla`` the bound adds the modules' weights to the bytes and their products, the
+indexer's 2 * 64 * 128 FLOPs per key and the attention kernel's to the FLOPs; without it the
+bound is the stand-in's (a word gather with none of MLA's arithmetic).
 
 Budgets, the same for both sides: the KV GPU budget one H200 of an 8xH200 node has left after
 DeepSeek-V3.2's weights (FP8, ~690 GB over 8 GPUs = 86 GB; 10 GB of activations and workspace:

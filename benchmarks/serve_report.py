@@ -43,7 +43,8 @@ def step_bound(shape: Shape, level: "Level", ceiling: dict) -> tuple:
     of its HBM bytes at the copy rate (the layers' weights, the attention modules' with
     ``--attention mla``, every indexer key of the rows' pages, the K selected rows read per
     layer), its FLOPs at the GEMM rate (the weights' product; with the modules their
-    projections' and the sparse MLA kernel's 2 H K (576 + 512) per row) and its misses over
+    projections', the indexer's 2 * 64 * 128 per key scored and the sparse MLA kernel's
+    2 H K (576 + 512) per row) and its misses over
     PCIe at the slower of the copy engine and the GPU's gather. Returns (ms, the term, every
     term's ms)."""
     wrows = shape.weight_bytes(level.rows) // 2 // shape.hidden
