@@ -105,6 +105,12 @@ def test_quick_serve_with_deepseek_attention_modules(serve, tmp_path):
     assert all(abs(lv["hit_rate"] - lv["model_hit_rate"]) < 0.03 for lv in ours)
     for summary in data["summary"].values():
         assert summary["max_concurrency"]["kvcm2"] > summary["max_concurrency"]["dense"]
+    sh = data["shape"]
+    for lv in levels:  # the FLOPs by hand: projections, the indexer over every key, the kernel
+        span = -(-(lv["context"] + sh["output"]) // sh["page"]) * sh["page"]
+        want = 2 * lv["rows"] * (lv["attention_bytes"] / 2 + sh["index_heads"] * 128 * span
+                                 + sh["heads"] * sh["top_k"] * (576 + 512))
+        assert lv["attention_flops"] == pytest.approx(want)
 
 
 def test_attention_over_other_rows_fails_the_level(serve, monkeypatch):
