@@ -8,7 +8,8 @@ against the bytes and FLOPs ceilings measured in the same run.
     python benchmarks/bench_indexer.py --json out.json
 
 DeepSeek-V3.2's indexer: 64 heads of 128, 132-byte FP8 keys (128 float8_e4m3fn values and an
-fp32 scale) in pages of 64 tokens, top-k 2048. Per context (32,768 or 131,072 prompt tokens
+fp32 scale) in pages of 64 tokens in the engines' page layout (a page's values, then its
+scales; P-SERVE's), top-k 2048. Per context (32,768 or 131,072 prompt tokens
 plus P-SERVE's 2,048 of output: 34,816 or 133,120 positions scored) a pool of requests (116 at
 32K and 30 at 128K: about P-SERVE's most rows on an H200) has its pages scattered over one key
 pool, each request's length a little below the span. For B rows the pool is cut into sets of
@@ -22,7 +23,8 @@ Columns: the logits' µs, the keys' GB/s and that as a fraction of the HBM bound
 at the device copy's rate, read + write, measured in the run: how P-SERVE's bound counts
 them), their TFLOP/s (2 * 64 * 128 per key) against a bf16 GEMM's; the top-k's µs. No target
 of its own: it shows how near P-SERVE's indexer term is to its part of the bound, and
-``--sweep`` which launch to make the default (``DEFAULT_CONFIG``). Exit status 2 when there is
+``--sweep`` which launch to make the default (``DEFAULT_CONFIG``), in both layouts (the
+token-by-token one gathers 132-byte rows with 4-byte loads). Exit status 2 when there is
 no CUDA GPU or no triton (nothing is measured on the CPU).
 """
 from __future__ import annotations
@@ -43,11 +45,12 @@ HEADS, K, PAGE, OUTPUT = 64, 2048, 64, 2048
 POOLS = {32768: 116, 131072: 30}  # context -> requests in the pool
 SWEEP = [{"pages": p, "num_warps": w, "num_stages": s}
          for p, w, s in itertools.product((1, 2, 4, 8), (4, 8), (1, 2, 3))]
+LAYOUT = "page"  # P-SERVE's
 
 
 def build(context: int, pool: int, seed: int = 0, device: str = "cuda") -> dict:
-    """The pool's inputs: queries, weights, keys (valid FP8 values, scale 1/64), each request's
-    pages scattered over the key pool, lengths within the last 2048 positions."""
+    """The pool's inputs: queries, weights, keys (valid FP8 values, scale 1/64, in both layouts),
+    each request's pages scattered over the key pool, lengths within the last 2048 positions."""
     g = torch.Generator(device=device).manual_seed(seed)
     npages = -(-(context + OUTPUT) // PAGE)
     keys = torch.randint(0, 256, (pool * npages, PAGE, il.KEY_BYTES), dtype=torch.uint8,
@@ -59,15 +62,17 @@ def build(context: int, pool: int, seed: int = 0, device: str = "cuda") -> dict:
     lengths = (span - torch.randint(1, OUTPUT, (pool,), device=device, generator=g)).to(torch.int32)
     q = torch.randn(pool, HEADS, il.INDEX_DIM, device=device, generator=g).to(torch.bfloat16)
     w = torch.randn(pool, HEADS, device=device, generator=g) * HEADS ** -0.5 * il.INDEX_DIM ** -0.5
-    return {"q": q, "w": w, "keys": keys, "table": table, "lengths": lengths, "span": span}
+    return {"q": q, "w": w, "keys": {"token": keys, "page": il.to_page_layout(keys)},
+            "table": table, "lengths": lengths, "span": span}
 
 
-def check(work: dict, rows: slice, out: torch.Tensor, picked: torch.Tensor, what: str) -> None:
+def check(work: dict, rows: slice, out: torch.Tensor, picked: torch.Tensor, what: str,
+          layout: str = LAYOUT) -> None:
     """Three rows of a set's logits against the definition, every row's top-k against its rule."""
     sample = sorted({0, (out.shape[0] - 1) // 2, out.shape[0] - 1})
     idx = torch.arange(rows.start, rows.stop, device=out.device)[sample]
-    want = il.indexer_logits_reference(work["q"][idx], work["w"][idx], work["keys"],
-                                       work["table"][idx], work["lengths"][idx])
+    want = il.indexer_logits_reference(work["q"][idx], work["w"][idx], work["keys"][layout],
+                                       work["table"][idx], work["lengths"][idx], layout=layout)
     scale = float(want[want.isfinite()].abs().max())
     got = out[sample]
     if not (torch.equal(got.isinf(), want.isinf())
@@ -77,7 +82,8 @@ def check(work: dict, rows: slice, out: torch.Tensor, picked: torch.Tensor, what
         raise AssertionError(f"{what}: the top-k differs from its rule")
 
 
-def measure(work: dict, batch: int, repeats: int, config: dict | None, with_topk: bool) -> dict:
+def measure(work: dict, batch: int, repeats: int, config: dict | None, with_topk: bool,
+            layout: str = LAYOUT) -> dict:
     pool = work["q"].shape[0]
     sets = [slice(i, i + batch) for i in range(0, pool - batch + 1, batch)]
     outs = [torch.empty(batch, work["span"], device="cuda") for _ in sets]
@@ -85,8 +91,8 @@ def measure(work: dict, batch: int, repeats: int, config: dict | None, with_topk
 
     def logits(j):
         s = sets[j]
-        il.indexer_logits(work["q"][s], work["w"][s], work["keys"], work["table"][s],
-                          work["lengths"][s], out=outs[j], config=config)
+        il.indexer_logits(work["q"][s], work["w"][s], work["keys"][layout], work["table"][s],
+                          work["lengths"][s], out=outs[j], config=config, layout=layout)
 
     def select(j):
         topk.topk_indices(outs[j], K, out=picks[j])
@@ -94,7 +100,7 @@ def measure(work: dict, batch: int, repeats: int, config: dict | None, with_topk
     for j in range(len(sets)):  # compile and check outside the capture
         logits(j)
         select(j)
-        check(work, sets[j], outs[j], picks[j], f"{batch} rows, set {j}")
+        check(work, sets[j], outs[j], picks[j], f"{batch} rows, set {j}", layout)
     timer = Timer("cuda", repeats)
     us, replay = timer.graph(lambda: [logits(j) for j in range(len(sets))], 1, keep=True)
     for o in outs:
@@ -102,7 +108,7 @@ def measure(work: dict, batch: int, repeats: int, config: dict | None, with_topk
     replay()
     for j in range(len(sets)):
         select(j)
-        check(work, sets[j], outs[j], picks[j], f"{batch} rows, set {j}, after the replays")
+        check(work, sets[j], outs[j], picks[j], f"{batch} rows, set {j}, after the replays", layout)
     result = {"logits_us": us / len(sets)}
     if with_topk:
         result["topk_us"] = timer.graph(lambda: [select(j) for j in range(len(sets))], 1) / len(sets)
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
     title = machine_title("cuda")
     print(f"# the DSA indexer's logits and top-k — {title}")
     print(f"# ceilings: HBM copy {ceiling['hbm']:.0f} GB/s (read + write), bf16 GEMM "
-          f"{ceiling['gemm']:.0f} TFLOP/s; config {il.DEFAULT_CONFIG}")
+          f"{ceiling['gemm']:.0f} TFLOP/s; config {il.DEFAULT_CONFIG}, {LAYOUT} layout")
     print("| context | rows | logits us | keys GB/s | of HBM bound | TFLOP/s | of GEMM | top-k us |")
     print("|---------|------|-----------|-----------|--------------|---------|---------|----------|")
     rows_out, sweep_out = [], []
@@ -155,21 +161,22 @@ def main(argv=None) -> int:
                   f"{row['of_hbm_bound']:12.2f} | {row['tflops']:7.1f} | {row['of_gemm']:7.2f} | "
                   f"{r['topk_us']:8.1f} |")
         if args.sweep:
-            for cfg in SWEEP:
+            for layout, cfg in itertools.product(il.LAYOUTS, SWEEP):
                 try:
-                    r = measure(work, pool, repeats, cfg, False)
+                    r = measure(work, pool, repeats, cfg, False, layout)
                 except Exception as error:  # noqa: BLE001 - a launch that cannot build is reported
-                    print(f"#   sweep {context} {cfg}: failed ({type(error).__name__})")
+                    print(f"#   sweep {context} {layout} {cfg}: failed ({type(error).__name__})")
                     continue
                 gbs = r["key_bytes"] / r["logits_us"] / 1e3
-                sweep_out.append({"context": context, "rows": pool, **cfg, **r, "key_gb_s": gbs,
-                                  "of_hbm_bound": gbs / ceiling["hbm"]})
-                print(f"#   sweep {context} x {pool}: {cfg}: {r['logits_us']:.1f} us, "
+                sweep_out.append({"context": context, "rows": pool, "layout": layout, **cfg, **r,
+                                  "key_gb_s": gbs, "of_hbm_bound": gbs / ceiling["hbm"]})
+                print(f"#   sweep {context} x {pool}, {layout} layout: {cfg}: {r['logits_us']:.1f} us, "
                       f"{gbs / ceiling['hbm']:.2f} of the HBM bound")
         del work
         torch.cuda.empty_cache()
     if args.json:
-        write_json(args.json, {"ceilings": ceiling, "config": il.DEFAULT_CONFIG, "rows": rows_out,
+        write_json(args.json, {"ceilings": ceiling, "config": il.DEFAULT_CONFIG, "layout": LAYOUT,
+                               "rows": rows_out,
                                "sweep": sweep_out})
     return 0
 

@@ -93,8 +93,8 @@ warm-up. Checks, every level: what attention gathered in the last step equals th
 stand-in model wrote for those tokens (sampled rows, first and last layer); the indexer's top-K
 equals the locality model's selection; the misses counted by ``manager.metrics()`` are within
 5% of the locality model's under a plain LRU of S slots (``lru_misses``: the resolve breaks ties
-between units touched in one step its own way); every decoded token reached its pages (host
-pages, read back) bit for bit;
+between units touched in one step its own way); every decoded token's latent reached its pages
+(host pages, read back) and its indexer key its pool page (in the pool's layout) bit for bit;
 after the level every pool slot and batch byte is back (``stats()``).
 """
 from __future__ import annotations
@@ -116,7 +116,8 @@ from torch_kvcm2.memory import (batch_memory_bytes, batch_reserve_bytes,  # noqa
 from harness import Result, pick_device, write_json  # noqa: E402
 from locality import Reuse  # noqa: E402
 from serve_mla import MLA, mla_param_bytes  # noqa: E402
-from serve_model import DecodeStep, key_words, latent_words, token_rows, write_tokens  # noqa: E402
+from serve_model import (DecodeStep, key_words, latent_words, token_rows, write_keys,  # noqa: E402
+                         write_tokens)
 from serve_report import (measure_ceilings, plot, print_slots, print_table,  # noqa: E402,F401
                           step_bound, summarize)
 
@@ -356,9 +357,10 @@ class Side:
                 for start in range(0, self.context, 1 << 16):  # bounded temporaries
                     p = pos[start:start + (1 << 16)]
                     page, tok = token_rows(view, pages, p)
-                    words = (latent_words(self.shape, r, p, li) if role == "kv"
-                             else key_words(self.shape, r, p, li))
-                    write_tokens(view, page, tok, words)
+                    if role == "kv":
+                        write_tokens(view, page, tok, latent_words(self.shape, r, p, li))
+                    else:
+                        write_keys(self.shape, view, page, tok, key_words(self.shape, r, p, li))
 
     # ---- one concurrency level ----
     def run_level(self, rows: int, overlap: bool = False) -> Level | None:

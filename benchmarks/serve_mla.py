@@ -107,15 +107,15 @@ class MLA:
         return q, weights, resid
 
     def index(self, layer: int, x: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor,
-              lengths: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+              lengths: torch.Tensor, out: torch.Tensor, layout: str) -> torch.Tensor:
         """Layer ``layer``'s indexer: its logits over every key of the rows' pages written to
-        ``out`` (``indexer_logits``: keys uint8[pages, P, 132], the rows' page table, their
-        history lengths), the new token's key projected; returns ``norm(q_a(x))`` for
-        ``attend``."""
+        ``out`` (``indexer_logits``: keys uint8[pages, P, 132] in ``layout``, the rows' page
+        table, their history lengths), the new token's key projected; returns
+        ``norm(q_a(x))`` for ``attend``."""
         q, weights, resid = self.indexer_inputs(layer, x)
         ix = self.modules[layer].indexer
         ix.k_norm(ix.wk(x))  # the new token's key (its bytes: the pattern)
-        indexer_logits(q, weights, keys, pages, lengths, out=out)
+        indexer_logits(q, weights, keys, pages, lengths, out=out, layout=layout)
         return resid
 
     def query(self, layer: int, resid: torch.Tensor) -> torch.Tensor:

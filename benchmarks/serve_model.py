@@ -65,6 +65,44 @@ def key_words(shape, rid: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.
     return fp8_keys(words) if shape.attention == "mla" else words
 
 
+def key_layout(shape) -> str:
+    """How a page of the indexer's pool holds its keys: with DeepSeek-V3.2's indexer the
+    engines' page layout (the page's 128-byte FP8 values, then its scales:
+    ``torch_kvcm2.models.indexer_logits``), else token by token."""
+    return "page" if shape.attention == "mla" else "token"
+
+
+def _key_words_at(view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor) -> tuple:
+    """The page layout's places of the keys of tokens (page, tok) in the paged view
+    ``uint8[n, 1, P, b]`` seen as a page's int32 words: (the words, their values' index, their
+    scale's index)."""
+    P, b = view.shape[2], view.shape[3]
+    words = view[:, 0].flatten(1).view(torch.int32)  # a page's P * b / 4 words
+    values = b // WORD - 1
+    cols = tok[..., None] * values + torch.arange(values, device=view.device)
+    return words, (page[..., None], cols), (page, P * values + tok)
+
+
+def write_keys(shape, view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor,
+               words: torch.Tensor) -> None:
+    """Write indexer keys ``words`` (int32[..., b/4]: the values' words, then the scale's) of the
+    tokens at (page, tok) of the paged view ``uint8[n, 1, P, b]``, in ``key_layout(shape)``."""
+    if key_layout(shape) == "token":
+        write_tokens(view, page, tok, words)
+        return
+    flat, values, scale = _key_words_at(view, page, tok)
+    flat[values] = words[..., :-1]
+    flat[scale] = words[..., -1]
+
+
+def read_keys(shape, view: torch.Tensor, page: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """The indexer keys ``write_keys`` wrote at (page, tok): int32[..., b/4]."""
+    if key_layout(shape) == "token":
+        return read_tokens(view, page, tok)
+    flat, values, scale = _key_words_at(view, page, tok)
+    return torch.cat([flat[values], flat[scale][..., None]], dim=-1)
+
+
 class DecodeStep:
     """The device part of one decode step (fixed shapes, capturable): per layer the weights'
     GEMM, the indexer, the cache's resolve + fetch (torch_kvcm2), the new token's KV written,
@@ -150,7 +188,8 @@ class DecodeStep:
             if self.mla:  # DeepSeek-V3.2's indexer over every key of the rows' pages
                 rows_scores = self.logits
                 self.resid[name] = self.mla.index(li, self.hidden, self.views[name, "ik"][:, 0],
-                                                  self.pages[name, "ik"], history, rows_scores)
+                                                  self.pages[name, "ik"], history, rows_scores,
+                                                  key_layout(sh))
                 rows_scores.scatter_(1, chosen, BOOST)
             else:  # every key of the slots in use read once (this level's requests own them all)
                 scores = self.keys[name].view(torch.int32).sum(dim=(1, 3), dtype=torch.int32) & SCORE_MASK
@@ -162,8 +201,8 @@ class DecodeStep:
                 selected[name] = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices
             mark("cache")
             page, tok = token_rows(self.views[name, "ik"], self.pages[name, "ik"], pos[:, None])
-            write_tokens(self.views[name, "ik"], page[:, 0], tok[:, 0],
-                         key_words(sh, self.rid, pos, li))
+            write_keys(sh, self.views[name, "ik"], page[:, 0], tok[:, 0],
+                       key_words(sh, self.rid, pos, li))
             group = self.side.config.group_of(name) if self.kvcm2 else None
             if group is not None and group.layers[0] == name:
                 g = group.index
@@ -277,9 +316,10 @@ class DecodeStep:
             li, name = 0, side.names[0]
             q, weights, _ = self.mla.indexer_inputs(li, self.hidden)
             args = (self.views[name, "ik"][:, 0], self.pages[name, "ik"], self.batch.history[:self.rows])
-            got = indexer_logits(q, weights, *args)
+            got = indexer_logits(q, weights, *args, layout=key_layout(sh))
             some = torch.tensor([0, self.rows - 1], device=q.device).unique()
-            want = indexer_logits_reference(q[some], weights[some], args[0], args[1][some], args[2][some])
+            want = indexer_logits_reference(q[some], weights[some], args[0], args[1][some],
+                                            args[2][some], layout=key_layout(sh))
             scale = float(want[want.isfinite()].abs().max())
             assert torch.equal(got[some].isinf(), want.isinf()) and torch.allclose(
                 got[some], want, rtol=1e-5, atol=1e-5 * scale), f"{name}: the indexer's logits differ from the definition"
@@ -298,5 +338,10 @@ class DecodeStep:
                 got = read_tokens(view, page, tok)
                 assert torch.equal(got, latent_words(sh, torch.tensor(r), pos, li)), \
                     f"row {r} {name}: a decoded token's latent on its pages differs"
+                view = side.manager.buffer_view(name, "ik")  # and its key, in the pool's layout
+                pages = torch.as_tensor(cache.host_pages(name, "ik"), device=side.device)
+                page, tok = token_rows(view, pages, pos)
+                assert torch.equal(read_keys(sh, view, page, tok), key_words(sh, torch.tensor(r), pos, li)), \
+                    f"row {r} {name}: a decoded token's indexer key on its pages differs"
                 checked += len(pos)
         return checked

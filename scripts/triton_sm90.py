@@ -6,13 +6,17 @@ Triton's interpreter (TRITON_INTERPRET=1) runs a kernel's logic on the CPU but s
 compiler's rules (a reassigned constexpr, an unsupported conversion, a layout that cannot
 lower), so a kernel that passes there can still fail to build on the device. This compiles each
 kernel ahead of time for the H100's target, at the shapes the benchmarks launch, through PTX to
-a cubin with the wheel's ptxas, and prints its registers, spills and shared memory: compile
-errors cost no device time. It does not run anything: numbers and results still need the GPU.
+a cubin with the wheel's ptxas, and prints its shared memory, whether its products use wgmma
+and the widths of its global loads (16 B is the widest; a gather narrower than that is the
+first thing to look at in a bandwidth-bound kernel): compile errors cost no device time. As
+the JIT does at run time, pointers and the integer arguments that are multiples of 16 at those
+shapes are compiled as 16-divisible. It does not run anything: numbers and results still need the GPU.
 Exit status 1 when a kernel fails to compile.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,20 +25,24 @@ sys.path.insert(0, ROOT)
 
 
 def kernels():
-    """(name, jit function, signature, constexpr values, options) for each kernel and shape."""
+    """(name, jit function, signature, constexpr values, options, the integer arguments that
+    are multiples of 16 at that shape) for each kernel and shape."""
     import topk
     from torch_kvcm2.models import indexer_logits as il
     logits = il._triton_kernel()
     sig = {"q": "*bf16", "w": "*fp32", "keys": "*u8", "page_table": "*i64", "lengths": "*i32",
            "out": "*fp32", "npages": "i32", "Q_R": "i32", "Q_H": "i32", "W_R": "i32",
            "K_PAGE": "i64", "PT_R": "i32", "O_R": "i32", "H": "constexpr", "H_PAD": "constexpr",
-           "P": "constexpr", "D": "constexpr", "PAGES": "constexpr"}
-    yield ("indexer_logits (64 heads, pages of 64: P-SERVE)", logits, sig,
-           {"H": 64, "H_PAD": 64, "P": 64, "D": il.INDEX_DIM, "PAGES": il.DEFAULT_CONFIG["pages"]},
-           {k: il.DEFAULT_CONFIG[k] for k in ("num_warps", "num_stages")})
+           "P": "constexpr", "D": "constexpr", "PAGES": "constexpr", "PAGE_LAYOUT": "constexpr"}
+    launch = {k: il.DEFAULT_CONFIG[k] for k in ("num_warps", "num_stages")}
+    for layout in il.LAYOUTS:
+        yield (f"indexer_logits ({layout} layout, 64 heads, pages of 64: P-SERVE)", logits, sig,
+               {"H": 64, "H_PAD": 64, "P": 64, "D": il.INDEX_DIM,
+                "PAGES": il.DEFAULT_CONFIG["pages"], "PAGE_LAYOUT": layout == "page"}, launch,
+               ("Q_R", "Q_H", "W_R", "K_PAGE", "O_R"))
     yield ("indexer_logits (4 heads padded to 16, pages of 16: --quick)", logits, sig,
-           {"H": 4, "H_PAD": 16, "P": 16, "D": il.INDEX_DIM, "PAGES": il.DEFAULT_CONFIG["pages"]},
-           {k: il.DEFAULT_CONFIG[k] for k in ("num_warps", "num_stages")})
+           {"H": 4, "H_PAD": 16, "P": 16, "D": il.INDEX_DIM, "PAGES": il.DEFAULT_CONFIG["pages"],
+            "PAGE_LAYOUT": True}, launch, ("Q_R", "Q_H", "W_R", "K_PAGE", "O_R"))
     from torch_kvcm2.models import sparse_mla as mla
     split, combine = mla._triton_kernels()
     cfg = mla.CANDIDATE_CONFIGS["h128-n32-dv2-w8-s3"]  # the default at 128 heads
@@ -51,7 +59,9 @@ def kernels():
                {"D_V": mla.LATENT, "D_R": mla.ROPE, "BLOCK_H": cfg["block_h"],
                 "BLOCK_N": cfg["block_n"], "DV_SPLIT": cfg["dv_split"], "PREFETCH": False,
                 "DIRECT": direct, "FP8": True, "IEEE": False},
-               {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+               {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+               ("K", "stride_qb", "stride_qh", "stride_row", "stride_ib", "stride_ob",
+                "stride_oh", "stride_pb", "stride_ps", "stride_ph"))
     yield ("sparse MLA decode: the splits' combine", combine,
            {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32",
             "num_splits": "i32", **{n: "i32" for n in ("stride_pb", "stride_ps", "stride_ph",
@@ -59,13 +69,28 @@ def kernels():
             "D_V": "constexpr", "BLOCK_H": "constexpr", "BLOCK_D": "constexpr",
             "SPLITS": "constexpr"},
            {"D_V": mla.LATENT, "BLOCK_H": 4, "BLOCK_D": 128, "SPLITS": 32},
-           {"num_warps": 4, "num_stages": 1})
+           {"num_warps": 4, "num_stages": 1},
+           ("H", "stride_pb", "stride_ps", "stride_ph", "stride_ob", "stride_oh"))
     if topk.triton is not None:
         for name, dtype, flt in (("int32", "*i32", False), ("float32", "*fp32", True)):
             yield (f"radix top-k ({name} scores)", topk._topk_kernel,
                    {"scores": dtype, "out": "*i64", "n": "i32", "k": "i32", "S_STRIDE": "i32",
                     "O_STRIDE": "i32", "BLOCK": "constexpr", "FLOAT": "constexpr"},
-                   {"BLOCK": topk._BLOCK, "FLOAT": flt}, {"num_warps": 16})
+                   {"BLOCK": topk._BLOCK, "FLOAT": flt}, {"num_warps": 16},
+                   ("n", "S_STRIDE", "O_STRIDE"))
+
+
+def load_widths(ptx: str) -> str:
+    """The global loads of a kernel's PTX by width: ``ld.global`` and ``cp.async`` (to shared
+    memory) instructions, e.g. ``16 B x 8, 4 B x 19``."""
+    widths: dict = {}
+    for vec, bits in re.findall(r"ld\.global(?:\.[a-z]+[0-9:]*)*?(?:\.v(\d))?\.[bsuf](\d+)", ptx):
+        size = int(vec or 1) * int(bits) // 8
+        widths[size] = widths.get(size, 0) + 1
+    for size in re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*,[^,]*, (0x[0-9a-f]+|\d+)", ptx):
+        size = int(size, 0)
+        widths[size] = widths.get(size, 0) + 1
+    return ", ".join(f"{w} B x {n}" for w, n in sorted(widths.items(), reverse=True)) or "none"
 
 
 def main() -> int:
@@ -78,10 +103,12 @@ def main() -> int:
         return 2
     target = GPUTarget("cuda", 90, 32)
     failed = 0
-    for name, fn, signature, constants, options in kernels():
+    for name, fn, signature, constants, options, multiples in kernels():
         names = list(signature)
+        aligned = [n for n, t in signature.items() if t.startswith("*")] + list(multiples)
         source = ASTSource(fn=fn, signature=signature,
-                           constexprs={(names.index(k),): v for k, v in constants.items()})
+                           constexprs={(names.index(k),): v for k, v in constants.items()},
+                           attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
         try:
             compiled = triton.compile(source, target=target, options=options)
         except Exception as error:  # noqa: BLE001 - every compile error is reported, then the next
@@ -92,7 +119,7 @@ def main() -> int:
         ptx = compiled.asm["ptx"]
         print(f"ok     {name}: cubin {len(compiled.asm['cubin'])} B, shared {meta.shared} B, "
               f"{'wgmma' if 'wgmma' in ptx else 'mma.sync' if 'mma.sync' in ptx else 'no tensor-core'}"
-              f" products (triton {triton.__version__}, sm_90)")
+              f" products, global loads {load_widths(ptx)} (triton {triton.__version__}, sm_90)")
     return 1 if failed else 0
 
 

@@ -15,9 +15,10 @@ from conftest import DEVICE_PARAMS
 from torch_kvcm2.models import indexer_logits as il
 
 
-def make(R, H, P, npages, pool_pages, lengths, device, seed=0, power_of_two_scales=False):
-    """Random query, weights and FP8 keys in a pool of ``pool_pages`` pages, each request's
-    pages a random permutation's (no two requests share a page)."""
+def make(R, H, P, npages, pool_pages, lengths, device, seed=0, power_of_two_scales=False,
+         layout="token"):
+    """Random query, weights and FP8 keys in a pool of ``pool_pages`` pages (in ``layout``),
+    each request's pages a random permutation's (no two requests share a page)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(R, H, il.INDEX_DIM, generator=g).to(torch.bfloat16)
     w = torch.randn(R, H, generator=g)
@@ -25,6 +26,8 @@ def make(R, H, P, npages, pool_pages, lengths, device, seed=0, power_of_two_scal
     if power_of_two_scales:  # dequantised keys exact in bf16
         keys[:, il.INDEX_DIM:] = torch.full((keys.shape[0], 1), 2.0 ** -4).view(torch.uint8)
     keys = keys.view(pool_pages, P, il.KEY_BYTES)
+    if layout == "page":
+        keys = il.to_page_layout(keys)
     table = torch.randperm(pool_pages, generator=g)[:R * npages].view(R, npages).to(torch.int32)
     lengths = torch.tensor(lengths, dtype=torch.int32)
     return [t.to(device) for t in (q, w, keys, table, lengths)]
@@ -92,30 +95,47 @@ def test_definition_orders_tokens_as_transformers_indexer():
         assert not (wrong[order][1:] <= wrong[order][:-1] + slack).all()
 
 
+def test_page_layout_holds_the_same_keys():
+    """``to_page_layout``: a page's values then its scales; the definition over either layout
+    of one pool gives the same logits, and reading a page-layout pool as token-layout does not
+    (a test of the layout's use)."""
+    q, w, keys, table, lens = make(3, 8, 16, 4, 12, [64, 20, 33], "cpu")
+    paged = il.to_page_layout(keys)
+    assert torch.equal(paged[5].flatten()[:16 * 128], keys[5, :, :128].flatten())
+    assert torch.equal(paged[5].flatten()[16 * 128 + 4 * 3:16 * 128 + 4 * 4], keys[5, 3, 128:])
+    want = il.indexer_logits_reference(q, w, keys, table, lens)
+    assert torch.equal(il.indexer_logits_reference(q, w, paged, table, lens, layout="page"), want)
+    assert not torch.equal(il.indexer_logits_reference(q, w, paged, table, lens), want)
+
+
+@pytest.mark.parametrize("layout", il.LAYOUTS)
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_dispatch_matches_definition(device):
+def test_dispatch_matches_definition(device, layout):
     """``indexer_logits`` (CPU: torch; CUDA: Triton) against the definition: 64 heads and pages
     of 64 (P-SERVE's shape), a request with no history, lengths off page boundaries, page-table
     entries past the length left garbage, ``out`` written in place."""
     P, npages = 64, 9
-    q, w, keys, table, lens = make(4, 64, P, npages, 40, [0, 1, 300, npages * P], device)
+    q, w, keys, table, lens = make(4, 64, P, npages, 40, [0, 1, 300, npages * P], device,
+                                   layout=layout)
     table[2, 5:] = 10 ** 6  # past its length: never read
-    want = il.indexer_logits_reference(q, w, keys, table, lens)
+    want = il.indexer_logits_reference(q, w, keys, table, lens, layout=layout)
     out = torch.full((4, npages * P), 7.0, device=device)
-    got = il.indexer_logits(q, w, keys, table, lens, out=out)
+    got = il.indexer_logits(q, w, keys, table, lens, out=out, layout=layout)
     assert got is out
     assert torch.equal(got.isinf(), want.isinf()) and torch.isinf(got[0]).all()
     scale = want[want.isfinite()].abs().max()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(scale))
 
 
+@pytest.mark.parametrize("layout", il.LAYOUTS)
 @pytest.mark.parametrize("H,P", [(4, 16), (64, 64)])
-def test_torch_implementation_matches_definition(H, P):
-    q, w, keys, table, lens = make(3, H, P, 4, 20, [P * 4, 5, 2 * P + 3], "cpu", seed=3)
-    want = il.indexer_logits_reference(q, w, keys, table, lens)
+def test_torch_implementation_matches_definition(H, P, layout):
+    q, w, keys, table, lens = make(3, H, P, 4, 20, [P * 4, 5, 2 * P + 3], "cpu", seed=3,
+                                   layout=layout)
+    want = il.indexer_logits_reference(q, w, keys, table, lens, layout=layout)
     scale = float(want[want.isfinite()].abs().max())  # fp32 sums in another order
-    torch.testing.assert_close(il.indexer_logits_torch(q, w, keys, table, lens), want,
-                               rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(il.indexer_logits_torch(q, w, keys, table, lens, layout=layout),
+                               want, rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_bad_arguments_are_refused():
@@ -130,26 +150,28 @@ def test_bad_arguments_are_refused():
         il.indexer_logits(q, w, keys, table, lens.float())
     with pytest.raises(ValueError, match="out must be fp32"):
         il.indexer_logits(q, w, keys, table, lens, out=torch.empty(2, 31))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        il.indexer_logits(q, w, keys, table, lens, layout="paged")
 
 
 @pytest.mark.cuda
 def test_kernel_at_the_benchmarks_shape_inside_a_graph():
-    """64 heads, 116 requests of 34,816 positions in pages of 64 (P-SERVE at 32K tokens),
-    captured once and replayed after the query and the lengths changed."""
+    """64 heads, 116 requests of 34,816 positions in pages of 64 in the page layout (P-SERVE at
+    32K tokens), captured once and replayed after the query and the lengths changed."""
     pytest.importorskip("triton")
     P, npages = 64, 544
     q, w, keys, table, lens = make(116, 64, P, npages, 116 * npages, [30000 + 7 * r for r in range(116)],
-                                   "cuda")
+                                   "cuda", layout="page")
     out = torch.empty(116, npages * P, device="cuda")
-    il.indexer_logits(q, w, keys, table, lens, out=out)  # compiles outside the capture
+    il.indexer_logits(q, w, keys, table, lens, out=out, layout="page")  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        il.indexer_logits(q, w, keys, table, lens, out=out)
+        il.indexer_logits(q, w, keys, table, lens, out=out, layout="page")
     q.copy_(torch.randn_like(q, dtype=torch.float32).bfloat16())
     lens.add_(100)
     graph.replay()
     rows = [0, 57, 115]
-    want = il.indexer_logits_reference(q[rows], w[rows], keys, table[rows], lens[rows])
+    want = il.indexer_logits_reference(q[rows], w[rows], keys, table[rows], lens[rows], layout="page")
     scale = want[want.isfinite()].abs().max()
     torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=1e-5 * float(scale))
 
@@ -165,14 +187,16 @@ def test_benchmark_checks_catch_a_planted_fault():
     import bench_indexer as bench
     work = bench.build(256, 3, device="cpu")
     rows = slice(0, 3)
-    args = (work["q"], work["w"], work["keys"], work["table"], work["lengths"])
+    args = (work["q"], work["w"], work["keys"]["token"], work["table"], work["lengths"])
     out = il.indexer_logits(*args)
-    bench.check(work, rows, out, bench.topk.reference(out, bench.K), "right")
+    bench.check(work, rows, out, bench.topk.reference(out, bench.K), "right", "token")
+    paged = il.indexer_logits(*args[:2], work["keys"]["page"], *args[3:], layout="page")
+    bench.check(work, rows, paged, bench.topk.reference(paged, bench.K), "page layout")
     shifted = il.indexer_logits(*args[:3], work["table"].roll(1, 1), args[4])
     with pytest.raises(AssertionError, match="logits differ"):
-        bench.check(work, rows, shifted, bench.topk.reference(shifted, bench.K), "shifted")
+        bench.check(work, rows, shifted, bench.topk.reference(shifted, bench.K), "shifted", "token")
     with pytest.raises(AssertionError, match="top-k differs"):
-        bench.check(work, rows, out, bench.topk.reference(out, bench.K).flip(1), "reordered")
+        bench.check(work, rows, out, bench.topk.reference(out, bench.K).flip(1), "reordered", "token")
 
 
 def test_benchmark_refuses_without_a_gpu():

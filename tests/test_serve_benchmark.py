@@ -141,10 +141,27 @@ def test_indexer_reading_other_pages_fails_the_level(serve, monkeypatch):
     model = importlib.import_module("serve_model")
     real = model.indexer_logits
     monkeypatch.setattr(model, "indexer_logits",
-                        lambda q, w, keys, pages, lengths: real(q, w, keys, pages.roll(1, 1), lengths))
+                        lambda q, w, keys, pages, lengths, **kw: real(q, w, keys, pages.roll(1, 1),
+                                                                      lengths, **kw))
     side = serve.Side(serve.replace(serve.QUICK_MLA, attention="mla"), "kvcm2", "cpu", 256)
     try:
         with pytest.raises(AssertionError, match="indexer's logits differ"):
+            side.run_level(2)
+    finally:
+        side.close(check=False)
+
+
+def test_keys_written_token_by_token_fail_the_level(serve, monkeypatch):
+    """A planted fault: the step writes each decoded token's indexer key token by token into a
+    pool the indexer reads in the engines' page layout: the level's check of the keys on their
+    pages fails."""
+    pytest.importorskip("transformers")
+    model = importlib.import_module("serve_model")
+    monkeypatch.setattr(model, "write_keys",
+                        lambda shape, view, page, tok, words: model.write_tokens(view, page, tok, words))
+    side = serve.Side(serve.replace(serve.QUICK_MLA, attention="mla"), "kvcm2", "cpu", 256)
+    try:
+        with pytest.raises(AssertionError, match="indexer key on its pages differs"):
             side.run_level(2)
     finally:
         side.close(check=False)
