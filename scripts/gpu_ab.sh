@@ -20,6 +20,12 @@ inplace() {  # inplace DIR NAME: build DIR's extension next to its sources
 }
 inplace "$BASE" base
 ls torch_kvcm2/_C*.so >/dev/null 2>&1 || inplace . head
+for side in base head; do  # each side must import its own tree
+  dir=$([ "$side" = base ] && echo "$BASE" || echo .)
+  (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+    "import torch_kvcm2 as k; print('$side imports', k.__file__, 'cuda kernels', k.has_cuda_kernels())") \
+    | tee -a "$OUT/ab_summary.txt"
+done
 for round in $(seq 1 "$ROUNDS"); do
   for side in base head; do
     dir=$([ "$side" = base ] && echo "$BASE" || echo .)
