@@ -113,6 +113,17 @@ def test_quick_serve_with_deepseek_attention_modules(serve, tmp_path):
         assert lv["attention_flops"] == pytest.approx(want)
 
 
+def level_fails(serve, shape, match):
+    """torch_kvcm2's side of ``shape`` runs a level of 2 requests at 256 tokens: its checks must
+    fail with ``match`` (the test's planted fault in place)."""
+    side = serve.Side(shape, "kvcm2", "cpu", 256)
+    try:
+        with pytest.raises(AssertionError, match=match):
+            side.run_level(2)
+    finally:
+        side.close(check=False)
+
+
 def test_attention_over_other_rows_fails_the_level(serve, monkeypatch):
     """A planted fault: the kernel handed each row's second selected entry in place of its first
     (a row missing from the set): the check against the reference over the rows written fails."""
@@ -126,12 +137,7 @@ def test_attention_over_other_rows_fails_the_level(serve, monkeypatch):
         return real(self, layer, x, resid, rows, index)
 
     monkeypatch.setattr(mla.MLA, "attend", wrong)
-    side = serve.Side(serve.replace(serve.QUICK_MLA, attention="mla"), "kvcm2", "cpu", 256)
-    try:
-        with pytest.raises(AssertionError, match="differs from the reference"):
-            side.run_level(2)
-    finally:
-        side.close(check=False)
+    level_fails(serve, serve.replace(serve.QUICK_MLA, attention="mla"), "differs from the reference")
 
 
 def test_indexer_reading_other_pages_fails_the_level(serve, monkeypatch):
@@ -143,12 +149,7 @@ def test_indexer_reading_other_pages_fails_the_level(serve, monkeypatch):
     monkeypatch.setattr(model, "indexer_logits",
                         lambda q, w, keys, pages, lengths, **kw: real(q, w, keys, pages.roll(1, 1),
                                                                       lengths, **kw))
-    side = serve.Side(serve.replace(serve.QUICK_MLA, attention="mla"), "kvcm2", "cpu", 256)
-    try:
-        with pytest.raises(AssertionError, match="indexer's logits differ"):
-            side.run_level(2)
-    finally:
-        side.close(check=False)
+    level_fails(serve, serve.replace(serve.QUICK_MLA, attention="mla"), "indexer's logits differ")
 
 
 def test_keys_written_token_by_token_fail_the_level(serve, monkeypatch):
@@ -159,12 +160,7 @@ def test_keys_written_token_by_token_fail_the_level(serve, monkeypatch):
     model = importlib.import_module("serve_model")
     monkeypatch.setattr(model, "write_keys",
                         lambda shape, view, page, tok, words: model.write_tokens(view, page, tok, words))
-    side = serve.Side(serve.replace(serve.QUICK_MLA, attention="mla"), "kvcm2", "cpu", 256)
-    try:
-        with pytest.raises(AssertionError, match="indexer key on its pages differs"):
-            side.run_level(2)
-    finally:
-        side.close(check=False)
+    level_fails(serve, serve.replace(serve.QUICK_MLA, attention="mla"), "indexer key on its pages differs")
 
 
 def test_misses_unlike_the_locality_models_fail_the_level(serve, monkeypatch):
@@ -173,12 +169,7 @@ def test_misses_unlike_the_locality_models_fail_the_level(serve, monkeypatch):
     model = importlib.import_module("serve_model")  # the stand-in's step, beside serve.py
     real = model.lru_misses
     monkeypatch.setattr(model, "lru_misses", lambda *a, **k: real(*a, **k) * 6 // 5)
-    side = serve.Side(serve.QUICK, "kvcm2", "cpu", 256)
-    try:
-        with pytest.raises(AssertionError, match="misses counted by metrics"):
-            side.run_level(2)
-    finally:
-        side.close(check=False)
+    level_fails(serve, serve.QUICK, "misses counted by metrics")
 
 
 def test_the_locality_model_meets_the_published_miss_rates():

@@ -47,6 +47,7 @@ over heads with the weights. Pages past the request's length load nothing.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -222,7 +223,6 @@ def _triton_kernel():
 
 
 def _use_triton(q: torch.Tensor, P: int) -> bool:
-    import os
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     if P < 16 or P & (P - 1):  # tl.dot needs a power-of-two tile of at least 16
