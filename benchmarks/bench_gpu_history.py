@@ -7,7 +7,7 @@ cleared lease seeded from them, device to device.
 The row's numbers (targets in brackets):
 
 * the host time of the publish that demotes it, against the median of the other publishes
-  (<= 1 ms);
+  (<= 1 ms), and how much of it the seed and its fetch calls took;
 * bytes over PCIe in that publish and its seeding: the flushed, fetched and promoted bytes
   ``metrics()`` counts across it (0);
 * the step right after it (the seeding's copies run first on the stream), timed with CUDA
@@ -21,12 +21,14 @@ tiny shapes with wall-clock times (no claims).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
 import torch
 
 import torch_kvcm2 as kv
+from torch_kvcm2 import gpu_history
 from bench_preempt import INDEXER_KEY, dsa_layers, imported
 from harness import MLA_ROW, PAGE, Result, fill_random
 from torch_kvcm2.memory import batch_reserve_bytes
@@ -144,7 +146,8 @@ def bench_demote(device, quick) -> list:
     victim.set_reserve(PAGE)
     assert victim.resize()
     before = moved_bytes(manager)
-    demote_us = publish()
+    with timed_calls() as parts:
+        demote_us = publish()
     moved = moved_bytes(manager) - before
     assert batch.row_counts()["gpu_history"] == 0, "the victim was not demoted"
     assert manager.metrics()["gpu_history"]["demotions"] == 1
@@ -160,11 +163,37 @@ def bench_demote(device, quick) -> list:
         target="host <= 1 ms, 0 B over PCIe, step <= 1.1x",
         passed=None if not cuda else (demote_us <= 1000 and moved == 0 and ratio <= 1.1),
         extra={"demote_publish_us": demote_us, "publish_median_us": base_publish,
+               "seed_us": parts["seed"], "seed_fetch_us": parts["fetch"],
                "bytes_moved": moved, "step_median_us": base_step, "step_after_us": after_us,
                "step_ratio": ratio,
                "note": f"the demoting publish {demote_us:.0f} us on the host (others "
-                       f"{base_publish:.0f}), {moved} B over PCIe, the step after it "
+                       f"{base_publish:.0f}; the seed {parts['seed']:.0f} of it, its fetch calls "
+                       f"{parts['fetch']:.0f}), {moved} B over PCIe, the step after it "
                        f"{after_us:.0f} us = {ratio:.2f}x the median of {len(steps)}"})]
+
+
+@contextlib.contextmanager
+def timed_calls():
+    """The host µs of the calls inside the block to ``GpuHistory.seed`` and, within it, to the
+    fetch op (where a slow demoting publish spends its time)."""
+    parts = {"seed": 0.0, "fetch": 0.0}
+    seed, fetch = gpu_history.GpuHistory.seed, gpu_history.ops.fetch
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts[name] += (time.perf_counter() - begin) * 1e6
+        return call
+
+    gpu_history.GpuHistory.seed = timed("seed", seed)
+    gpu_history.ops.fetch = timed("fetch", fetch)
+    try:
+        yield parts
+    finally:
+        gpu_history.GpuHistory.seed, gpu_history.ops.fetch = seed, fetch
 
 
 def check_seeds(manager, batch, victim) -> None:

@@ -3,7 +3,7 @@ keys (``torch_kvcm2.models.indexer_logits``) and the radix top-k of them (benchm
 against the bytes and FLOPs ceilings measured in the same run.
 
     python benchmarks/bench_indexer.py               # 32K and 128K contexts, 1 .. max rows (GPU)
-    python benchmarks/bench_indexer.py --sweep       # also every launch config at the most rows
+    python benchmarks/bench_indexer.py --sweep       # also every launch config (--sweep topk: the top-k's)
     python benchmarks/bench_indexer.py --quick       # fewer rows and repeats
     python benchmarks/bench_indexer.py --json out.json
 
@@ -24,7 +24,8 @@ at the device copy's rate, read + write, measured in the run: how P-SERVE's boun
 them), their TFLOP/s (2 * 64 * 128 per key) against a bf16 GEMM's; the top-k's µs. No target
 of its own: it shows how near P-SERVE's indexer term is to its part of the bound, and
 ``--sweep`` which launch to make the default (``DEFAULT_CONFIG``), in both layouts (the
-token-by-token one gathers 132-byte rows with 4-byte loads). Exit status 2 when there is
+token-by-token one gathers 132-byte rows with 4-byte loads), and which digit width, block and
+warps for the top-k's (``topk.DEFAULT_CONFIG``, at 1 row and at the most rows). Exit status 2 when there is
 no CUDA GPU or no triton (nothing is measured on the CPU).
 """
 from __future__ import annotations
@@ -46,6 +47,8 @@ POOLS = {32768: 116, 131072: 30}  # context -> requests in the pool
 SWEEP = [{"pages": p, "num_warps": w, "num_stages": s}
          for p, w, s in itertools.product((1, 2, 4, 8), (4, 8), (1, 2, 3))]
 LAYOUT = "page"  # P-SERVE's
+TOPK_SWEEP = [{"bits": b, "block": blk, "num_warps": w}
+              for b, blk, w in itertools.product((5, 6, 7, 8), (2048, 4096), (8, 16))]
 
 
 def build(context: int, pool: int, seed: int = 0, device: str = "cuda") -> dict:
@@ -118,6 +121,20 @@ def measure(work: dict, batch: int, repeats: int, config: dict | None, with_topk
     return result
 
 
+def measure_topk(scores: torch.Tensor, batch: int, repeats: int, config: dict) -> float:
+    """The top-k's µs per call of ``batch`` rows of ``scores`` (up to 8 sets of them, one graph),
+    with ``config``; every set's output checked against the rule first."""
+    sets = [slice(i, i + batch) for i in range(0, scores.shape[0] - batch + 1, batch)][:8]
+    picks = [torch.empty(batch, K, dtype=torch.int64, device="cuda") for _ in sets]
+    for s, pick in zip(sets, picks):
+        topk.topk_indices(scores[s], K, out=pick, config=config)
+        if not torch.equal(pick, topk.reference(scores[s], K)):
+            raise AssertionError(f"top-k {config}, {batch} rows: not the rule's selection")
+    return Timer("cuda", repeats).graph(
+        lambda: [topk.topk_indices(scores[s], K, out=p, config=config)
+                 for s, p in zip(sets, picks)], 1) / len(sets)
+
+
 def gemm_tflops(repeats: int) -> float:
     a = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
     c = torch.empty_like(a)
@@ -128,7 +145,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rows and repeats")
-    parser.add_argument("--sweep", action="store_true", help="every launch config at the most rows")
+    parser.add_argument("--sweep", nargs="?", const="both", choices=("both", "logits", "topk"),
+                        help="every launch config of the logits (at the most rows), the top-k's "
+                             "(at 1 and the most rows), or both (the default)")
     parser.add_argument("--json", help="write the rows (and the sweep) to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or topk.triton is None:
@@ -142,10 +161,11 @@ def main(argv=None) -> int:
     title = machine_title("cuda")
     print(f"# the DSA indexer's logits and top-k — {title}")
     print(f"# ceilings: HBM copy {ceiling['hbm']:.0f} GB/s (read + write), bf16 GEMM "
-          f"{ceiling['gemm']:.0f} TFLOP/s; config {il.DEFAULT_CONFIG}, {LAYOUT} layout")
+          f"{ceiling['gemm']:.0f} TFLOP/s; logits {il.DEFAULT_CONFIG}, {LAYOUT} layout; "
+          f"top-k {topk.DEFAULT_CONFIG}")
     print("| context | rows | logits us | keys GB/s | of HBM bound | TFLOP/s | of GEMM | top-k us |")
     print("|---------|------|-----------|-----------|--------------|---------|---------|----------|")
-    rows_out, sweep_out = [], []
+    rows_out, sweep_out, topk_out = [], [], []
     for context, pool in POOLS.items():
         work = build(context, pool)
         batches = [b for b in ((1, 8, pool) if args.quick else (1, 2, 8, 32, pool)) if b <= pool]
@@ -160,7 +180,7 @@ def main(argv=None) -> int:
             print(f"| {context:7d} | {b:4d} | {r['logits_us']:9.1f} | {gbs:9.0f} | "
                   f"{row['of_hbm_bound']:12.2f} | {row['tflops']:7.1f} | {row['of_gemm']:7.2f} | "
                   f"{r['topk_us']:8.1f} |")
-        if args.sweep:
+        if args.sweep in ("both", "logits"):
             for layout, cfg in itertools.product(il.LAYOUTS, SWEEP):
                 try:
                     r = measure(work, pool, repeats, cfg, False, layout)
@@ -172,12 +192,24 @@ def main(argv=None) -> int:
                                   "key_gb_s": gbs, "of_hbm_bound": gbs / ceiling["hbm"]})
                 print(f"#   sweep {context} x {pool}, {layout} layout: {cfg}: {r['logits_us']:.1f} us, "
                       f"{gbs / ceiling['hbm']:.2f} of the HBM bound")
+        if args.sweep in ("both", "topk"):
+            scores = torch.empty(pool, work["span"], device="cuda")
+            il.indexer_logits(work["q"], work["w"], work["keys"][LAYOUT], work["table"],
+                              work["lengths"], out=scores, layout=LAYOUT)
+            for cfg, b in itertools.product(TOPK_SWEEP, (1, pool)):
+                try:
+                    us = measure_topk(scores, b, repeats, cfg)
+                except Exception as error:  # noqa: BLE001 - a launch that cannot build is reported
+                    print(f"#   top-k sweep {context} x {b} {cfg}: failed ({type(error).__name__}: {error})")
+                    continue
+                topk_out.append({"context": context, "rows": b, **cfg, "topk_us": us})
+                print(f"#   top-k sweep {context} x {b} rows: {cfg}: {us:.1f} us")
         del work
         torch.cuda.empty_cache()
     if args.json:
         write_json(args.json, {"ceilings": ceiling, "config": il.DEFAULT_CONFIG, "layout": LAYOUT,
-                               "rows": rows_out,
-                               "sweep": sweep_out})
+                               "topk_config": topk.DEFAULT_CONFIG, "rows": rows_out,
+                               "sweep": sweep_out, "topk_sweep": topk_out})
     return 0
 
 

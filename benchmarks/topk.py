@@ -5,16 +5,25 @@ or float32 scores, one Triton program per row, in the time of a few reads of the
 
 ``torch.topk`` over every position of the context was 39% of the stand-in's step at 116
 requests and 32K tokens (72% at 128K; docs/DESIGN.md, "The serving benchmark"), where engines
-run a fused radix select. This is one: each row's keys (the scores plus 2^31, so they are
-non-negative 32-bit values in the scores' order; a float32 score's bits are first made an int32
-in the floats' order, ``bits ^ ((bits >> 31) & 0x7FFFFFFF)`` after -0.0 is made +0.0, so
-``-inf`` is the lowest key and NaN is not allowed) are histogrammed 11 bits at a time (bits 22-32, 11-21, 0-10), each pass
-over the elements whose higher bits equal the prefix found so far, which narrows the K-th
-largest key to one value T; a last pass writes the positions of the keys above T in position
-order, then the lowest positions holding T until there are K. Ties at T therefore go to the
-lowest positions, deterministically (``torch.topk`` leaves them unspecified; ``reference``
-is the same rule in torch). The output is the set, in that order: callers that need the
-selection sorted by score sort it themselves (attention does not).
+run a fused radix select. This is one:
+each row's keys (the scores plus 2^31, so they are non-negative 32-bit values in the scores'
+order; a float32 score's bits are first made an int32 in the floats' order,
+``bits ^ ((bits >> 31) & 0x7FFFFFFF)`` after -0.0 is made +0.0, so ``-inf`` is the lowest key and
+NaN is not allowed) are histogrammed ``bits`` at a time from the top (6 by default: bits 26-31,
+20-25, ..., 0-1), each pass over the elements whose higher bits equal the prefix found so far,
+which narrows the K-th largest key to one value T; a last pass writes the positions of the keys
+above T in position order, then the lowest positions holding T until there are K. Ties at T
+therefore go to the lowest positions, deterministically (``torch.topk`` leaves them unspecified;
+``reference`` is the same rule in torch). The output is the set, in that order: callers that need
+the selection sorted by score sort it themselves (attention does not).
+
+Why narrow digits: Triton's ``tl.histogram`` counts with one warp ballot per bit of the bin
+index and then, in every lane, a popcount for each of its ``bins / 32`` bins, so its cost per
+element grows with the bins, not their logarithm. 2,048 bins (11-bit digits, 3 passes) cost
+about 1.5 ms per 32K-position row on an H100 (2026-12-07, bench_indexer.py); 64 bins cost
+two popcounts per element, and the three extra passes re-read a row that sits in L2.
+``DEFAULT_CONFIG`` is the digit width, the block and the warps; ``bench_indexer.py --sweep``
+measures the others.
 
 Triton runs it on CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``, as the tests do);
 ``topk_indices`` falls back to ``reference`` where there is no triton (the CPU runs of the
@@ -30,7 +39,7 @@ try:
 except ImportError:  # the CPU runs without the [bench] extra
     triton = None
 
-_BLOCK = 4096
+DEFAULT_CONFIG = {"bits": 6, "block": 4096, "num_warps": 16}
 
 
 def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -56,30 +65,32 @@ if triton is not None:
         return s.to(tl.int64) + 2147483648
 
     @triton.jit
-    def _topk_kernel(scores, out, n, k, S_STRIDE, O_STRIDE, BLOCK: tl.constexpr,
-                     FLOAT: tl.constexpr):
+    def _topk_kernel(scores, out, n, k, S_STRIDE, O_STRIDE, BITS: tl.constexpr,
+                     BLOCK: tl.constexpr, FLOAT: tl.constexpr):
         row = tl.program_id(0)
         keys = scores + row * S_STRIDE
-        bins = tl.arange(0, 4096)  # 2048 digit bins, then bin 2048 for keys off the prefix
+        BINS: tl.constexpr = 1 << BITS
+        bins = tl.arange(0, BINS)
         above = 0  # keys above the prefix found so far
         prefix = tl.zeros((), dtype=tl.int64)
-        for p in tl.static_range(3):  # 11-bit digits at bits 22, 11, 0 (33 bits cover 32)
-            shift = 22 - 11 * p  # p is a constexpr: so is shift
-            hist = tl.zeros((4096,), dtype=tl.int32)
+        for p in tl.static_range((32 + BITS - 1) // BITS):  # the digits from the top
+            # p is a constexpr, so are the digit's shift and width (the last one may be narrower)
+            shift = max(32 - BITS * (p + 1), 0)
+            width = 32 - BITS * p - shift
+            hist = tl.zeros((BINS,), dtype=tl.int32)
             for start in range(0, n, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 key = _keys(keys, offs, n, FLOAT)
                 match = offs < n
                 if p > 0:
-                    match = match & ((key >> (shift + 11)) == prefix)
-                digit = ((key >> shift) & 2047).to(tl.int32)
-                hist += tl.histogram(tl.where(match, digit, 2048), 4096)
+                    match = match & ((key >> (shift + width)) == prefix)
+                digit = ((key >> shift) & ((1 << width) - 1)).to(tl.int32)
+                hist += tl.histogram(digit, BINS, mask=match)
             # the digit of the K-th largest key: the largest d with above + #(digit >= d) >= k
-            hist = tl.where(bins < 2048, hist, 0)
             at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-            d = tl.sum(((bins < 2048) & (above + at_least >= k)).to(tl.int32), 0) - 1
+            d = tl.sum((above + at_least >= k).to(tl.int32), 0) - 1
             above += tl.sum(tl.where(bins == d, at_least - hist, 0), 0)
-            prefix = (prefix << 11) | d.to(tl.int64)
+            prefix = (prefix << width) | d.to(tl.int64)
         # prefix is the K-th largest key T; take every key above it, then the lowest
         # positions holding it until there are k
         need = k - above
@@ -99,10 +110,13 @@ if triton is not None:
             eq_at += tl.sum(eq.to(tl.int32), 0)
 
 
-def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
     """int64[R, K]: the positions of the K largest of each row of ``scores`` (int32 or
     float32 [R, N] without NaN, rows contiguous, 1 <= K <= N), as the module docstring says;
-    ``out`` (int64[R, K]) is written when given (fixed outputs for a captured graph)."""
+    ``out`` (int64[R, K]) is written when given (fixed outputs for a captured graph);
+    ``config`` overrides ``DEFAULT_CONFIG`` (bits: 5 to 11 per digit, block: a power of two,
+    num_warps) and changes only the speed."""
     if scores.dtype not in (torch.int32, torch.float32) or scores.dim() != 2 or scores.stride(1) != 1:
         raise ValueError(f"topk_indices: scores must be int32 or float32 [R, N] with contiguous rows, got "
                          f"{scores.dtype}{list(scores.shape)}")
@@ -114,9 +128,13 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) 
     if triton is None or (scores.device.type != "cuda" and not _interpreting()):
         out.copy_(reference(scores, k))
         return out
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    if not 5 <= cfg["bits"] <= 11:  # at least one bin per lane (a warp has 32), at most 2,048
+        raise ValueError(f"topk_indices: bits = {cfg['bits']} must be in [5, 11]")
     if R:
-        _topk_kernel[(R,)](scores, out, n, k, scores.stride(0), out.stride(0), BLOCK=_BLOCK,
-                           FLOAT=scores.dtype == torch.float32, num_warps=16)
+        _topk_kernel[(R,)](scores, out, n, k, scores.stride(0), out.stride(0), BITS=cfg["bits"],
+                           BLOCK=cfg["block"], FLOAT=scores.dtype == torch.float32,
+                           num_warps=cfg["num_warps"])
     return out
 
 

@@ -22,8 +22,8 @@
 #   SERVE_ARGS="--gpu-history-gb 10" gives torch_kvcm2's side GPU-resident history (RSD-1).
 #   BENCH_ONLY=P-DEMOTE runs the demotion benchmark (RSD-2) alone.
 #   ATTN=1 runs benchmarks/bench_attn.py (P-ATTN: attn.txt, attn.json; ATTN_ARGS its flags).
-#   INDEXER=1 runs benchmarks/bench_indexer.py --sweep (P-SERVE's DSA indexer logits and top-k
-#   alone, every launch config: indexer.txt, indexer.json).
+#   INDEXER=1 runs benchmarks/bench_indexer.py --sweep $INDEXER_SWEEP (both, logits or topk):
+#   P-SERVE's DSA indexer logits and top-k alone, every launch config (indexer.txt, indexer.json).
 #   BENCH_ONLY=P-RES,P-STEP runs only those benchmark ids (run.py --only); without it the
 #   benchmarks end with benchmarks/eager_parts.py (the eager step's host time per call).
 #   NCU=1 profiles one steady-state launch of P-RES's resolve kernel with Nsight Compute (full
@@ -123,7 +123,7 @@ if [ "${ATTN:-0}" = 1 ]; then
   echo "attn rc: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
 fi
 if [ "${INDEXER:-0}" = 1 ]; then
-  python3 benchmarks/bench_indexer.py --sweep --json "$OUT/indexer.json" 2>&1 | tee "$OUT/indexer.txt"
+  python3 benchmarks/bench_indexer.py --sweep ${INDEXER_SWEEP:-both} --json "$OUT/indexer.json" 2>&1 | tee "$OUT/indexer.txt"
   echo "indexer rc: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
 fi
 if [ "${SERVE:-0}" = 1 ]; then

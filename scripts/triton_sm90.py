@@ -75,8 +75,10 @@ def kernels():
         for name, dtype, flt in (("int32", "*i32", False), ("float32", "*fp32", True)):
             yield (f"radix top-k ({name} scores)", topk._topk_kernel,
                    {"scores": dtype, "out": "*i64", "n": "i32", "k": "i32", "S_STRIDE": "i32",
-                    "O_STRIDE": "i32", "BLOCK": "constexpr", "FLOAT": "constexpr"},
-                   {"BLOCK": topk._BLOCK, "FLOAT": flt}, {"num_warps": 16},
+                    "O_STRIDE": "i32", "BITS": "constexpr", "BLOCK": "constexpr",
+                    "FLOAT": "constexpr"},
+                   {"BITS": topk.DEFAULT_CONFIG["bits"], "BLOCK": topk.DEFAULT_CONFIG["block"],
+                    "FLOAT": flt}, {"num_warps": topk.DEFAULT_CONFIG["num_warps"]},
                    ("n", "S_STRIDE", "O_STRIDE"))
 
 
