@@ -86,6 +86,30 @@ def test_batches_draw_from_the_reserve_and_return_it_on_close(manager):
         kv.Batch(manager, max_rows=5)
 
 
+def test_a_closed_batch_is_freed_before_the_next_one_allocates(manager):
+    """A batch and its parts refer to each other, so dropping a closed batch frees its tensors
+    only when Python's cycle collector runs; the next Batch() collects first, so the two never
+    hold their memory at once (with GPU history pages that is gigabytes). The collector is off
+    here: only Batch() can free the first one."""
+    import gc
+    import weakref
+
+    first = kv.Batch(manager)
+    cells = weakref.ref(first.groups[0].resident)  # one of its device tensors
+    first.close()
+    del first
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        assert cells() is not None  # still held by the cycle
+        second = kv.Batch(manager)
+        assert cells() is None, "the closed batch's tensors outlived the next Batch()"
+        second.close()
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_a_batch_whose_construction_fails_gives_its_reserve_back(manager, monkeypatch):
     """A Batch() that raises part-way (e.g. out of memory for its tables) holds nothing of the
     batch reserve afterwards: the next Batch() of the same size still fits."""

@@ -61,6 +61,7 @@ class Batch:
         self.manager, self.config, self.max_rows = manager, config, max_rows
         # RSD-1: the GPU history pages, when no other open batch holds them
         reserve = manager.reserve
+        reserve.collect()  # the closed batches' tensors first: their memory is this one's
         self.gpu_history_slots = config.gpu_history_slots if reserve.history_free else 0
         self._memory = batch_memory_bytes(config, len(manager.storage.groups), max_rows,
                                           self.gpu_history_slots)
@@ -75,6 +76,7 @@ class Batch:
 
     def _give_back(self) -> None:
         self.manager.reserve.give_back(self._memory)
+        self.manager.reserve.returned.add(self)
         if self.gpu_history_slots:
             self.manager.reserve.history_free = True
 

@@ -82,11 +82,11 @@ class GpuHistory:
         count = torch.zeros(4, dtype=torch.int32, device=device)
         misses = torch.zeros(1, 4, dtype=torch.int32, device=device)
         table = torch.full((1, 1), BAD, dtype=torch.int32, device=device)
-        for (U, _, S, *_), (states, cells, pools) in self._seed_shapes().items():
+        for (U, _, S, *_), (rows, cells, pools) in self._seed_shapes().items():
             if cells:
                 ops.fetch(cells, pools, [0] * len(cells), [table] * len(cells), misses, count, S, U)
-            scratch = [torch.zeros(2, dtype=torch.int32, device=device) for _ in states]
-            torch._foreach_copy_(scratch, [count[:2]] * len(states))
+            scratch = [torch.zeros(2, dtype=torch.int32, device=device) for _ in rows]
+            torch._foreach_copy_(scratch, [count[:2]] * len(rows))
 
     @property
     def enabled(self) -> bool:
@@ -203,19 +203,23 @@ class GpuHistory:
                 continue
             lease = int(table.leases[row])
             dst, src = [], []
-            for (U, I, S, window, sinks, cell_pages, E), (states, cells, pools) in \
+            for (U, I, S, window, sinks, cell_pages, E), (rows, cells, pools) in \
                     self._seed_shapes().items():
                 units, recency = seed_plan(h, c, U, self.P, I, S, window, sinks, len(pages) * E)
-                n = len(units)
-                misses = np.stack([np.full(n, lease), np.arange(n), np.zeros(n, np.int64), units],
-                                  axis=1)
-                packed = _to_device(np.concatenate(  # one copy to the device
-                    [[n, 0, 0, 0], misses.ravel(), cell_pages + pages, units, recency]
-                ).astype(np.int32), device)
-                at = 4 + 4 * n + len(pages)
-                for state in states:
-                    dst += [state.recency[lease], state.resident[lease, :n]]
-                    src += [packed[at + n:], packed[at:at + n]]
+                n, at = len(units), 4 + 4 * len(units) + len(pages)
+                # one int32 array, one copy to the device: the miss count, the misses (lease,
+                # slot k, row 0, unit), the page table, the lease's residency and recency rows
+                packed = np.empty(at + 2 * S, dtype=np.int32)
+                packed[:4] = (n, 0, 0, 0)
+                misses = packed[4:4 + 4 * n].reshape(n, 4)
+                misses[:, 0], misses[:, 1], misses[:, 2], misses[:, 3] = lease, np.arange(n), 0, units
+                packed[4 + 4 * n:at] = cell_pages + pages
+                packed[at:at + n], packed[at + n:at + S] = units, BAD
+                packed[at + S:] = recency
+                packed = _to_device(packed, device)
+                for recency_rows, resident_rows in rows:  # whole rows: views made at warm
+                    dst += [recency_rows[lease], resident_rows[lease]]
+                src += [packed[at + S:], packed[at:at + S]] * len(rows)
                 if n and cells:
                     ops.fetch(cells, pools, [0] * len(cells),
                               [packed[4 + 4 * n:at].view(1, -1)] * len(cells),
@@ -224,16 +228,18 @@ class GpuHistory:
 
     def _seed_shapes(self) -> dict:
         """Per seed shape (U, I, S, window, sinks, cell pages, E), shared by the groups that
-        seed the same units into the same slots: their states, their layers' sparse cells and
-        those cells viewed as pages (what ``seed``'s fetch reads), built at the first demotion."""
+        seed the same units into the same slots: per group its recency and residency as lists
+        of row views (a demotion picks its lease's: making views costs µs a call on the host,
+        two per group), their layers' sparse cells and those cells viewed as pages (what
+        ``seed``'s fetch reads); built by ``warm``."""
         if self.seed_shapes is None:
             step, shapes = self.step, {}
             for group, state in zip(self.config.selection_groups, step.groups):
                 sp = group.sparse
                 key = (sp.tokens_per_unit, sp.max_inflight_tokens, sp.slots, group.window or 0,
                        group.sinks, step.cell_pages[group.index], group.units_per_page)
-                states, cells, pools = shapes.setdefault(key, ([], [], []))
-                states.append(state)
+                rows, cells, pools = shapes.setdefault(key, ([], [], []))
+                rows.append((state.recency.unbind(0), state.resident.unbind(0)))
                 for layer in group.layers:
                     cells += step.fetch_args[layer][0]
                     pools += [cell.view(cell.shape[0], 1, -1) for cell in step.fetch_args[layer][0]]

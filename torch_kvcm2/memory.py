@@ -7,7 +7,9 @@ config and the op constants, so the manager, the batch and the caches can all us
 """
 from __future__ import annotations
 
+import gc
 import mmap
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +208,18 @@ class BatchReserve:
         self.reserve = dict(reserve)
         self.in_use = {medium: 0 for medium in reserve}
         self.history_free = True  # no open batch holds the GPU history pages (RSD-1)
+        # batches that gave their memory back and are not yet collected: a batch and its parts
+        # refer to each other, so its tensors are freed by Python's cycle collector, not when
+        # the last reference goes
+        self.returned = weakref.WeakSet()
+
+    def collect(self) -> None:
+        """Frees the tensors of the batches that gave their memory back and nobody holds, before
+        a new batch allocates the same memory again (else both exist until the cycle collector
+        runs: a second batch's GPU history pages on top of the first's ran an H100 out of
+        memory, 2026-12-07)."""
+        if self.returned:
+            gc.collect()
 
     def take(self, memory: dict) -> None:
         """Charge ``memory``; raises RuntimeError, charging nothing, when it does not fit."""
