@@ -168,9 +168,15 @@ def plot(levels: list, path: str, title: str) -> bool:
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.2), squeeze=False)
     for ax, context in zip(axes[0], contexts):
         for side, label in (("dense", "dense KV in HBM"), ("kvcm2", "torch_kvcm2")):
-            pts = sorted((lv.rows, lv.tokens_per_s) for lv in levels
-                         if lv.context == context and lv.side == side and not lv.overlap)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            mine = sorted((lv for lv in levels
+                           if lv.context == context and lv.side == side and not lv.overlap),
+                          key=lambda lv: lv.rows)
+            line, = ax.plot([lv.rows for lv in mine], [lv.tokens_per_s for lv in mine],
+                            marker="o", label=label)
+            bound = [(lv.rows, lv.rows * 1e3 / lv.bound_ms) for lv in mine if lv.bound_ms]
+            if bound:  # the physical bound of each level's step, in the side's colour
+                ax.plot([b[0] for b in bound], [b[1] for b in bound], linestyle="--",
+                        color=line.get_color(), alpha=0.6, label=f"{label}: bound")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("decode tokens/s")
