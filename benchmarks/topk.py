@@ -1,5 +1,5 @@
 """A radix-select top-k for the serving benchmark's indexer: the K largest of each row's int32
-or float32 scores, one Triton program per row (on an H100 about ten times an engine's: below).
+or float32 scores, one Triton program per row (142 µs per 34,816-position row on an H100: below).
 
     indices = topk_indices(scores, K)   # int64[R, K]: the K largest of each row of scores
 
