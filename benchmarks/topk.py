@@ -22,8 +22,17 @@ index and then, in every lane, a popcount for each of its ``bins / 32`` bins, so
 element grows with the bins, not their logarithm. On an H100 (2026-12-07, bench_indexer.py):
 2,048 bins (11-bit digits, 3 passes) took 1,499 µs per 34,816-position row, 64 bins (6-bit, 6
 passes, re-reading a row that sits in L2) 142 µs; 5 to 7 bits are within 5% of each other.
-``DEFAULT_CONFIG`` is the digit width, the block and the warps; ``bench_indexer.py --sweep
-topk`` measures the others.
+``DEFAULT_CONFIG`` is the digit width, the block, the warps and ``split``; ``bench_indexer.py
+--sweep topk`` measures the others.
+
+One program per row leaves most SMs idle at a few rows (142 µs for one 32K row where the logits
+of its keys take 18). ``split`` = C cuts each row into C chunks: a program per chunk takes the
+chunk's top-K in position order (all of it when shorter than K) into a candidate list, then a
+program per row takes the top-K of the C × K candidates, reading their scores through the
+list. The row's top-K is the candidates' (each chunk's own top-K holds every position of the
+row's that falls in it, as the rule orders by value, then position), and the candidates being
+in position order keeps the output the one-program kernel's, position for position. It pays
+where rows are few: C times the programs, plus a pass over C × K candidates.
 
 Triton runs it on CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``, as the tests do);
 ``topk_indices`` falls back to ``reference`` where there is no triton (the CPU runs of the
@@ -39,7 +48,7 @@ try:
 except ImportError:  # the CPU runs without the [bench] extra
     triton = None
 
-DEFAULT_CONFIG = {"bits": 6, "block": 4096, "num_warps": 16}
+DEFAULT_CONFIG = {"bits": 6, "block": 4096, "num_warps": 16, "split": 1}
 
 
 def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -56,19 +65,26 @@ def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _keys(scores, offs, n, FLOAT: tl.constexpr):
-        """The order-preserving keys in [0, 2^32) (int64) of the scores at positions ``offs``."""
-        s = tl.load(scores + offs, mask=offs < n, other=0)
+    def _elements(scores, cand, offs, n, FLOAT: tl.constexpr, INDIRECT: tl.constexpr):
+        """Elements ``offs`` of a row of ``n``: (their positions in the row, which exist, their
+        order-preserving keys in [0, 2^32) as int64). The elements are the row's positions, or
+        with INDIRECT the positions listed in ``cand`` (-1: none)."""
+        if INDIRECT:
+            pos = tl.load(cand + offs, mask=offs < n, other=-1)
+            valid = pos >= 0
+        else:
+            pos = offs
+            valid = offs < n
+        s = tl.load(scores + pos, mask=valid, other=0)
         if FLOAT:
             bits = tl.where(s == 0, 0.0, s).to(tl.int32, bitcast=True)  # -0.0 is +0.0
             s = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        return s.to(tl.int64) + 2147483648
+        return pos, valid, s.to(tl.int64) + 2147483648
 
     @triton.jit
-    def _topk_kernel(scores, out, n, k, S_STRIDE, O_STRIDE, BITS: tl.constexpr,
-                     BLOCK: tl.constexpr, FLOAT: tl.constexpr):
-        row = tl.program_id(0)
-        keys = scores + row * S_STRIDE
+    def _threshold(scores, cand, n, k, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                   FLOAT: tl.constexpr, INDIRECT: tl.constexpr):
+        """(T, above): the k-th largest key of the n elements, and how many keys exceed it."""
         BINS: tl.constexpr = 1 << BITS
         bins = tl.arange(0, BINS)
         above = 0  # keys above the prefix found so far
@@ -79,35 +95,83 @@ if triton is not None:
             width = 32 - BITS * p - shift
             hist = tl.zeros((BINS,), dtype=tl.int32)
             for start in range(0, n, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                key = _keys(keys, offs, n, FLOAT)
-                match = offs < n
+                _, match, key = _elements(scores, cand, start + tl.arange(0, BLOCK), n, FLOAT,
+                                          INDIRECT)
                 if p > 0:
                     match = match & ((key >> (shift + width)) == prefix)
                 digit = ((key >> shift) & ((1 << width) - 1)).to(tl.int32)
                 hist += tl.histogram(digit, BINS, mask=match)
-            # the digit of the K-th largest key: the largest d with above + #(digit >= d) >= k
+            # the digit of the k-th largest key: the largest d with above + #(digit >= d) >= k
             at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
             d = tl.sum((above + at_least >= k).to(tl.int32), 0) - 1
             above += tl.sum(tl.where(bins == d, at_least - hist, 0), 0)
             prefix = (prefix << width) | d.to(tl.int64)
-        # prefix is the K-th largest key T; take every key above it, then the lowest
-        # positions holding it until there are k
+        return prefix, above
+
+    @triton.jit
+    def _write(scores, cand, n, k, T, above, dst, base, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
+               INDIRECT: tl.constexpr, ORDERED: tl.constexpr):
+        """Writes the k selected elements' positions (plus ``base``) to ``dst``: the keys above T,
+        then the first elements holding T until there are k. ORDERED: the keys above T first,
+        each part in element order (the output's order); otherwise all in element order."""
         need = k - above
         gt_at = 0
         eq_at = 0
-        dst = out + row * O_STRIDE
         for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            key = _keys(keys, offs, n, FLOAT)
-            gt = (offs < n) & (key > prefix)
-            eq = (offs < n) & (key == prefix)
-            gt_rank = gt_at + tl.cumsum(gt.to(tl.int32), 0) - 1
+            pos, valid, key = _elements(scores, cand, start + tl.arange(0, BLOCK), n, FLOAT,
+                                        INDIRECT)
+            gt = valid & (key > T)
+            eq = valid & (key == T)
             eq_rank = eq_at + tl.cumsum(eq.to(tl.int32), 0) - 1
-            tl.store(dst + gt_rank, offs.to(tl.int64), mask=gt)
-            tl.store(dst + above + eq_rank, offs.to(tl.int64), mask=eq & (eq_rank < need))
-            gt_at += tl.sum(gt.to(tl.int32), 0)
+            taken = eq & (eq_rank < need)
+            if ORDERED:
+                gt_rank = gt_at + tl.cumsum(gt.to(tl.int32), 0) - 1
+                tl.store(dst + gt_rank, pos.to(tl.int64) + base, mask=gt)
+                tl.store(dst + above + eq_rank, pos.to(tl.int64) + base, mask=taken)
+                gt_at += tl.sum(gt.to(tl.int32), 0)
+            else:
+                rank = gt_at + tl.cumsum((gt | taken).to(tl.int32), 0) - 1
+                tl.store(dst + rank, pos.to(tl.int64) + base, mask=gt | taken)
+                gt_at += tl.sum((gt | taken).to(tl.int32), 0)
             eq_at += tl.sum(eq.to(tl.int32), 0)
+
+    @triton.jit
+    def _topk_kernel(scores, out, n, k, S_STRIDE, O_STRIDE, BITS: tl.constexpr,
+                     BLOCK: tl.constexpr, FLOAT: tl.constexpr):
+        """One program per row: the row's top-k."""
+        row = tl.program_id(0)
+        keys = scores + row * S_STRIDE
+        T, above = _threshold(keys, keys, n, k, BITS, BLOCK, FLOAT, False)
+        _write(keys, keys, n, k, T, above, out + row * O_STRIDE, 0, BLOCK, FLOAT, False, True)
+
+    @triton.jit
+    def _topk_chunks_kernel(scores, cand, n, k, L, S_STRIDE, C_STRIDE, BITS: tl.constexpr,
+                            BLOCK: tl.constexpr, FLOAT: tl.constexpr):
+        """Program (row, c): the top-min(k, m) of the row's chunk c (positions [c L, c L + m)),
+        in position order, into the row's k candidate entries of chunk c; the rest -1."""
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        base = c * L
+        m = tl.minimum(L, n - base)
+        kc = tl.minimum(k, m)
+        keys = scores + row * S_STRIDE + base
+        dst = cand + row * C_STRIDE + c * k
+        T, above = _threshold(keys, keys, m, kc, BITS, BLOCK, FLOAT, False)
+        _write(keys, keys, m, kc, T, above, dst, base, BLOCK, FLOAT, False, False)
+        for start in range(kc, k, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(dst + offs, tl.full((BLOCK,), -1, tl.int64), mask=offs < k)
+
+    @triton.jit
+    def _topk_merge_kernel(scores, cand, out, m, k, S_STRIDE, C_STRIDE, O_STRIDE,
+                           BITS: tl.constexpr, BLOCK: tl.constexpr, FLOAT: tl.constexpr):
+        """One program per row: the top-k of the row's m candidates (positions in position
+        order, -1: none), written as ``_topk_kernel`` writes."""
+        row = tl.program_id(0)
+        keys = scores + row * S_STRIDE
+        mine = cand + row * C_STRIDE
+        T, above = _threshold(keys, mine, m, k, BITS, BLOCK, FLOAT, True)
+        _write(keys, mine, m, k, T, above, out + row * O_STRIDE, 0, BLOCK, FLOAT, True, True)
 
 
 def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
@@ -116,7 +180,7 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     float32 [R, N] without NaN, rows contiguous, 1 <= K <= N), as the module docstring says;
     ``out`` (int64[R, K]) is written when given (fixed outputs for a captured graph);
     ``config`` overrides ``DEFAULT_CONFIG`` (bits: 5 to 11 per digit, block: a power of two,
-    num_warps) and changes only the speed."""
+    num_warps, split: programs per row) and changes only the speed."""
     if scores.dtype not in (torch.int32, torch.float32) or scores.dim() != 2 or scores.stride(1) != 1:
         raise ValueError(f"topk_indices: scores must be int32 or float32 [R, N] with contiguous rows, got "
                          f"{scores.dtype}{list(scores.shape)}")
@@ -131,10 +195,24 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     if not 5 <= cfg["bits"] <= 11:  # at least one bin per lane (a warp has 32), at most 2,048
         raise ValueError(f"topk_indices: bits = {cfg['bits']} must be in [5, 11]")
-    if R:
-        _topk_kernel[(R,)](scores, out, n, k, scores.stride(0), out.stride(0), BITS=cfg["bits"],
-                           BLOCK=cfg["block"], FLOAT=scores.dtype == torch.float32,
-                           num_warps=cfg["num_warps"])
+    if cfg["split"] < 1:
+        raise ValueError(f"topk_indices: split = {cfg['split']} must be at least 1")
+    launch = dict(BITS=cfg["bits"], BLOCK=cfg["block"], FLOAT=scores.dtype == torch.float32,
+                  num_warps=cfg["num_warps"])
+    L = -(-n // cfg["split"])  # positions per chunk
+    chunks = -(-n // L)
+    if not R:
+        return out
+    if chunks == 1:
+        _topk_kernel[(R,)](scores, out, n, k, scores.stride(0), out.stride(0), **launch)
+        return out
+    # each chunk's own top-K (in position order) holds every position of the row's top-K that
+    # falls in it, so the top-K of the candidates is the row's, ties included
+    cand = torch.empty(R, chunks * k, dtype=torch.int64, device=scores.device)
+    _topk_chunks_kernel[(R, chunks)](scores, cand, n, k, L, scores.stride(0), cand.stride(0),
+                                     **launch)
+    _topk_merge_kernel[(R,)](scores, cand, out, chunks * k, k, scores.stride(0), cand.stride(0),
+                             out.stride(0), **launch)
     return out
 
 

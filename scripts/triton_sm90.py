@@ -80,6 +80,18 @@ def kernels():
                    {"BITS": topk.DEFAULT_CONFIG["bits"], "BLOCK": topk.DEFAULT_CONFIG["block"],
                     "FLOAT": flt}, {"num_warps": topk.DEFAULT_CONFIG["num_warps"]},
                    ("n", "S_STRIDE", "O_STRIDE"))
+        launch = {"BITS": topk.DEFAULT_CONFIG["bits"], "BLOCK": topk.DEFAULT_CONFIG["block"],
+                  "FLOAT": True}
+        warps = {"num_warps": topk.DEFAULT_CONFIG["num_warps"]}
+        yield ("radix top-k split: each chunk's top-K (float32 scores)", topk._topk_chunks_kernel,
+               {"scores": "*fp32", "cand": "*i64", "n": "i32", "k": "i32", "L": "i32",
+                "S_STRIDE": "i32", "C_STRIDE": "i32", "BITS": "constexpr", "BLOCK": "constexpr",
+                "FLOAT": "constexpr"}, launch, warps, ("n", "L", "S_STRIDE", "C_STRIDE"))
+        yield ("radix top-k split: the candidates' top-K (float32 scores)", topk._topk_merge_kernel,
+               {"scores": "*fp32", "cand": "*i64", "out": "*i64", "m": "i32", "k": "i32",
+                "S_STRIDE": "i32", "C_STRIDE": "i32", "O_STRIDE": "i32", "BITS": "constexpr",
+                "BLOCK": "constexpr", "FLOAT": "constexpr"}, launch, warps,
+               ("m", "S_STRIDE", "C_STRIDE", "O_STRIDE"))
 
 
 def load_widths(ptx: str) -> str:

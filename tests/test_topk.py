@@ -1,8 +1,9 @@
 """The serving benchmark's radix-select top-k (benchmarks/topk.py): on CPU its torch rule
 (``reference``) against ``torch.topk``; on CUDA the Triton kernel against that rule, position for
 position, on scores with many ties (where ``torch.topk``'s own positions differ), the whole
-int32 range, K = 1 and K = N, rows not a multiple of the kernel's block. (On the development
-machine the kernel also ran under ``TRITON_INTERPRET=1`` against the rule, every case equal.)"""
+int32 range, K = 1 and K = N, rows not a multiple of the kernel's block, and rows split over
+several programs. (On the development machine the kernel also ran under ``TRITON_INTERPRET=1``
+against the rule, every case equal, split or not.)"""
 import importlib
 import os
 import sys
@@ -89,6 +90,28 @@ def test_the_kernel_on_float_scores_is_the_rule(R, n, k):
     pytest.importorskip("triton")
     s = float_scores(R, n, "cuda")
     assert torch.equal(topk.topk_indices(s, k), topk.reference(s, k))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [{"split": 4}, {"split": 64, "block": 256, "bits": 5}],
+                         ids=["split4", "split64"])
+def test_rows_split_over_programs_give_the_same_positions(config):
+    """``split``: each chunk's top-K, then the top-K of the candidates, position for position
+    the one-program rule, on every case above and on ascending scores, where a chunk shorter
+    than K lies wholly above the row's K-th value (its candidates must stay in position order:
+    the merge writes the keys above the K-th value in candidate order)."""
+    pytest.importorskip("triton")
+    rows = [scores_of(R, n, lo, hi, "cuda") for R, n, _, lo, hi in CASES]
+    ks = [k for *_, k, _, _ in CASES]
+    rows += [float_scores(R, n, "cuda") for R, n, _ in FLOAT_CASES]
+    ks += [k for *_, k in FLOAT_CASES]
+    ascending = torch.arange(300, dtype=torch.int32, device="cuda").repeat(2, 1)
+    ascending[1] = ascending[1].flip(0)
+    rows.append(ascending.contiguous())
+    ks.append(40)
+    for s, k in zip(rows, ks):
+        assert torch.equal(topk.topk_indices(s, k, config=config), topk.reference(s, k)), \
+            (config, list(s.shape), k)
 
 
 @pytest.mark.cuda
