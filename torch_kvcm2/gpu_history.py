@@ -61,8 +61,7 @@ class GpuHistory:
         self.pages = np.full((self.R, self.MP), BAD, dtype=np.int32)  # per row, as planned
         self.held = np.zeros(self.R, dtype=np.int64)  # page ordinals [0, held) hold a slot
         self.on_gpu = np.zeros(self.R, dtype=bool)
-        self.shapes = [(g.sparse.tokens_per_unit, g.sparse.max_inflight_tokens)
-                       for g in config.selection_groups]
+        self.shapes = rules.shapes_of(config)  # each distinct one once: plan's s0
         self.seed_shapes = None  # built by _seed_shapes (by warm, when enabled)
         self.flag_base = mirror.flag_offset
         self.lease_base = mirror.resolve_lease_offset
@@ -148,9 +147,11 @@ class GpuHistory:
                 self._resize(row, int(need[i]), index, value)
                 promoted.append((row, self.pages[row, :-(-int(h[i]) // self.P)].copy()))
                 self.manager.counts.promotions += 1
-        index.append(self.lease_base + at)  # every published row's lease, as resolve reads it
-        value.append(np.where(self.on_gpu[at], BAD, lease).astype(np.int32))
-        index, value = np.concatenate(index), np.concatenate(value)
+        # every published row's lease, as resolve reads it
+        leases = (self.lease_base + at, np.where(self.on_gpu[at], BAD, lease).astype(np.int32))
+        if not index:  # a steady step: the leases alone, one entry per row already
+            return leases[0], leases[1], demoted, promoted
+        index, value = np.concatenate(index + [leases[0]]), np.concatenate(value + [leases[1]])
         # one entry per store index, the last planned (a row released and promoted again in
         # one publish plans its flag and pages twice): a scatter of duplicates is undefined on
         # CUDA, and a delta holds at most one entry per table slot
