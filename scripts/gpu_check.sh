@@ -17,7 +17,7 @@
 #   SUITE=0 skips the CUDA suite but not the examples (a second call on a warm machine);
 #   EXAMPLES=0 skips only the examples (sparse_decode.py eager, --compile, --compile
 #   reduce-overhead, --graph; shared_prefix.py; serve.py eager and --graph --delays; generate.py
-#   --check: both models, bf16, the absorbed kernel, --compile and --graph).
+#   --check: both models, bf16, the absorbed kernel, --compile and --graph of both).
 #   SERVE=1 runs benchmarks/serve.py (P-SERVE: serve.txt, serve.json, serve.png);
 #   SERVE_ARGS="--gpu-history-gb 10" gives torch_kvcm2's side GPU-resident history (RSD-1).
 #   BENCH_ONLY=P-DEMOTE runs the demotion benchmark (RSD-2) alone.
@@ -104,7 +104,7 @@ if [ "${TESTS:-1}" = 1 ]; then
       "generate.py --check" "generate.py --check --arch glm" "generate.py --check --dtype bfloat16" \
       "generate.py --check --mode absorbed --kernel sparse_mla" \
       "generate.py --check --compile" "generate.py --check --graph" \
-      "generate.py --check --arch glm --graph"; do
+      "generate.py --check --arch glm --compile" "generate.py --check --arch glm --graph"; do
     echo "== examples/$run" | tee -a "$OUT/examples.log"
     python3 examples/$run 2>&1 | tail -7 | tee -a "$OUT/examples.log"
     echo "example $run rc: ${PIPESTATUS[0]}" | tee -a "$OUT/examples.log" "$OUT/gpu.txt"
