@@ -216,8 +216,9 @@ class BatchReserve:
     def collect(self) -> None:
         """Frees the tensors of the batches that gave their memory back and nobody holds, before
         a new batch allocates the same memory again (else both exist until the cycle collector
-        runs: a second batch's GPU history pages on top of the first's ran an H100 out of
-        memory, 2026-12-07)."""
+        runs: most likely what ran an H100 out of memory when a 61-layer P-SERVE level built its
+        batch, with 12 GB of GPU history pages, right after the previous level closed its own;
+        docs/DESIGN.md, "batch reserve")."""
         if self.returned:
             gc.collect()
 
