@@ -142,7 +142,11 @@ class DecodeStep:
                                        first_new=side.context)  # [steps, patterns]
         self.counter = torch.zeros((), dtype=torch.int64, device=dev)  # steps run, on the device
         self.ones = torch.ones(rows, dtype=torch.int32, device=dev)
-        self.x = torch.ones(sh.hidden, rows, dtype=torch.bfloat16, device=dev)
+        # the weights' GEMM over the batch padded to a multiple of 8 columns, as engines pad the
+        # batch sizes they capture: an output whose rows are not 16-byte aligned (17 or 66
+        # requests) falls off cuBLAS's tensor-core kernels (P-SERVE, H100, 2026-12-07: the
+        # weights took 5.6 ms at 17 requests and 2.2 at 16); the bytes read are the rows' own
+        self.x = torch.ones(sh.hidden, -(-rows // 8) * 8, dtype=torch.bfloat16, device=dev)
         wrows = sh.weight_bytes(rows) // 2 // sh.hidden
         self.wviews = [w[:wrows] for w in side.weights]
         self.out = torch.zeros(sh.layers, rows, dtype=torch.int32, device=dev)
