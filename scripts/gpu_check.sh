@@ -46,8 +46,19 @@
 #   PROFILE=1 finally rebuilds with the resolve kernel's phase timer (TORCH_KVCM2_DEV=profile)
 #   and prints the phase cycles of CTA 0 over P-RES's launches (the load and hash phases also in
 #   parts), without PDL and with it.
+#   PACK=0 leaves the logs as they are; by default, when the script ends (also when a timeout
+#   stops it with SIGTERM), every file under $OUT but gpu.txt goes into $OUT/logs.tgz: the device
+#   tool brings back at most 8 files, and a run writes a dozen.
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
+pack() {
+  [ "${PACK:-1}" = 1 ] || return 0
+  (cd "$OUT" && tar czf /tmp/gpu_logs.tgz --exclude=./logs.tgz --exclude=./gpu.txt . 2>/dev/null \
+    && mv /tmp/gpu_logs.tgz logs.tgz \
+    && find . -mindepth 1 -maxdepth 1 ! -name logs.tgz ! -name gpu.txt -exec rm -rf {} +)
+}
+trap pack EXIT
+trap 'exit 143' TERM
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" TORCH_KVCM2_CUDA=1
 export MAX_JOBS="${MAX_JOBS:-16}"
 # The image's default g++ (/opt/gcc/bin/g++) is a wrapper that links its own libstdc++ into the
