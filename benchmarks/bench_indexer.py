@@ -21,7 +21,8 @@ timed replays (outputs poisoned, one more replay); the top-k's output against it
 
 Columns: the logits' µs, the keys' GB/s and that as a fraction of the HBM bound (the bytes read
 at the device copy's rate, read + write, measured in the run: how P-SERVE's bound counts
-them), their TFLOP/s (2 * 64 * 128 per key) against a bf16 GEMM's; the top-k's µs. No target
+them), their TFLOP/s (2 * 64 * 128 per key) against a bf16 GEMM's; the top-k's µs, and
+``torch.topk``'s on the same rows. No target
 of its own: it shows how near P-SERVE's indexer term is to its part of the bound, and
 ``--sweep`` which launch to make the default (``DEFAULT_CONFIG``), in both layouts (the
 token-by-token one gathers 132-byte rows with 4-byte loads), and which digit width, block and
@@ -118,6 +119,9 @@ def measure(work: dict, batch: int, repeats: int, config: dict | None, with_topk
     result = {"logits_us": us / len(sets)}
     if with_topk:
         result["topk_us"] = timer.graph(lambda: [select(j) for j in range(len(sets))], 1) / len(sets)
+        # torch.topk on the same rows, for comparison (its positions differ only within ties)
+        result["torch_topk_us"] = timer.graph(
+            lambda: [outs[j].topk(K, dim=1, sorted=False) for j in range(len(sets))], 1) / len(sets)
     lengths = work["lengths"][:batch * len(sets)].double().sum() / len(sets)
     result["key_bytes"] = float(lengths) * il.KEY_BYTES
     result["flops"] = float(lengths) * 2 * HEADS * il.INDEX_DIM
@@ -166,8 +170,8 @@ def main(argv=None) -> int:
     print(f"# ceilings: HBM copy {ceiling['hbm']:.0f} GB/s (read + write), bf16 GEMM "
           f"{ceiling['gemm']:.0f} TFLOP/s; logits {il.DEFAULT_CONFIG}, {LAYOUT} layout; "
           f"top-k {topk.DEFAULT_CONFIG}")
-    print("| context | rows | logits us | keys GB/s | of HBM bound | TFLOP/s | of GEMM | top-k us |")
-    print("|---------|------|-----------|-----------|--------------|---------|---------|----------|")
+    print("| context | rows | logits us | keys GB/s | of HBM bound | TFLOP/s | of GEMM | top-k us | torch.topk us |")
+    print("|---------|------|-----------|-----------|--------------|---------|---------|----------|---------------|")
     rows_out, sweep_out, topk_out = [], [], []
     for context, pool in POOLS.items():
         work = build(context, pool)
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
             rows_out.append(row)
             print(f"| {context:7d} | {b:4d} | {r['logits_us']:9.1f} | {gbs:9.0f} | "
                   f"{row['of_hbm_bound']:12.2f} | {row['tflops']:7.1f} | {row['of_gemm']:7.2f} | "
-                  f"{r['topk_us']:8.1f} |")
+                  f"{r['topk_us']:8.1f} | {r['torch_topk_us']:13.1f} |")
         if args.sweep in ("both", "logits"):
             for layout, cfg in itertools.product(il.LAYOUTS, SWEEP):
                 try:
