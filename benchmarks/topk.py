@@ -34,6 +34,13 @@ row's that falls in it, as the rule orders by value, then position), and the can
 in position order keeps the output the one-program kernel's, position for position. It pays
 where rows are few: C times the programs, plus a pass over C × K candidates.
 
+``compact`` = d makes the pass over digit d also list the positions still matching the prefix
+(in a scratch list of the row's length), and the later passes read only those, through the
+list. A float's top 12 bits are its sign, exponent and 3 mantissa bits, so after two 6-bit
+digits the K-th value's bucket is an eighth of a binade: a small part of the row. The row is
+then read d + 2 times (the last pass writes the output from the whole row) instead of once per
+digit and once more.
+
 Triton runs it on CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``, as the tests do);
 ``topk_indices`` falls back to ``reference`` where there is no triton (the CPU runs of the
 benchmark). Both sides of P-SERVE use the same function.
@@ -48,7 +55,7 @@ try:
 except ImportError:  # the CPU runs without the [bench] extra
     triton = None
 
-DEFAULT_CONFIG = {"bits": 6, "block": 4096, "num_warps": 16, "split": 1}
+DEFAULT_CONFIG = {"bits": 6, "block": 4096, "num_warps": 16, "split": 1, "compact": 0}
 
 
 def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -82,25 +89,41 @@ if triton is not None:
         return pos, valid, s.to(tl.int64) + 2147483648
 
     @triton.jit
-    def _threshold(scores, cand, n, k, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                   FLOAT: tl.constexpr, INDIRECT: tl.constexpr):
-        """(T, above): the k-th largest key of the n elements, and how many keys exceed it."""
+    def _threshold(scores, cand, n, k, scratch, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                   FLOAT: tl.constexpr, INDIRECT: tl.constexpr, COMPACT: tl.constexpr):
+        """(T, above): the k-th largest key of the n elements, and how many keys exceed it.
+        COMPACT > 0: the pass over digit COMPACT also lists the positions of the elements that
+        still match the prefix in ``scratch`` (n int64 entries), and the later passes read only
+        those."""
         BINS: tl.constexpr = 1 << BITS
         bins = tl.arange(0, BINS)
         above = 0  # keys above the prefix found so far
         prefix = tl.zeros((), dtype=tl.int64)
+        listed = 0  # elements in scratch
         for p in tl.static_range((32 + BITS - 1) // BITS):  # the digits from the top
             # p is a constexpr, so are the digit's shift and width (the last one may be narrower)
             shift = max(32 - BITS * (p + 1), 0)
             width = 32 - BITS * p - shift
             hist = tl.zeros((BINS,), dtype=tl.int32)
-            for start in range(0, n, BLOCK):
-                _, match, key = _elements(scores, cand, start + tl.arange(0, BLOCK), n, FLOAT,
-                                          INDIRECT)
-                if p > 0:
+            if COMPACT > 0 and p > COMPACT:  # the listed elements only
+                for start in range(0, listed, BLOCK):
+                    _, match, key = _elements(scores, scratch, start + tl.arange(0, BLOCK),
+                                              listed, FLOAT, True)
                     match = match & ((key >> (shift + width)) == prefix)
-                digit = ((key >> shift) & ((1 << width) - 1)).to(tl.int32)
-                hist += tl.histogram(digit, BINS, mask=match)
+                    digit = ((key >> shift) & ((1 << width) - 1)).to(tl.int32)
+                    hist += tl.histogram(digit, BINS, mask=match)
+            else:
+                for start in range(0, n, BLOCK):
+                    pos, match, key = _elements(scores, cand, start + tl.arange(0, BLOCK), n,
+                                                FLOAT, INDIRECT)
+                    if p > 0:
+                        match = match & ((key >> (shift + width)) == prefix)
+                    digit = ((key >> shift) & ((1 << width) - 1)).to(tl.int32)
+                    hist += tl.histogram(digit, BINS, mask=match)
+                    if COMPACT > 0 and p == COMPACT:
+                        rank = listed + tl.cumsum(match.to(tl.int32), 0) - 1
+                        tl.store(scratch + rank, pos.to(tl.int64), mask=match)
+                        listed += tl.sum(match.to(tl.int32), 0)
             # the digit of the k-th largest key: the largest d with above + #(digit >= d) >= k
             at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
             d = tl.sum((above + at_least >= k).to(tl.int32), 0) - 1
@@ -136,17 +159,19 @@ if triton is not None:
             eq_at += tl.sum(eq.to(tl.int32), 0)
 
     @triton.jit
-    def _topk_kernel(scores, out, n, k, S_STRIDE, O_STRIDE, BITS: tl.constexpr,
-                     BLOCK: tl.constexpr, FLOAT: tl.constexpr):
-        """One program per row: the row's top-k."""
+    def _topk_kernel(scores, out, scratch, n, k, S_STRIDE, O_STRIDE, BITS: tl.constexpr,
+                     BLOCK: tl.constexpr, FLOAT: tl.constexpr, COMPACT: tl.constexpr):
+        """One program per row: the row's top-k (``scratch``: n int64 a row with COMPACT)."""
         row = tl.program_id(0)
         keys = scores + row * S_STRIDE
-        T, above = _threshold(keys, keys, n, k, BITS, BLOCK, FLOAT, False)
+        T, above = _threshold(keys, keys, n, k, scratch + row * n, BITS, BLOCK, FLOAT, False,
+                              COMPACT)
         _write(keys, keys, n, k, T, above, out + row * O_STRIDE, 0, BLOCK, FLOAT, False, True)
 
     @triton.jit
-    def _topk_chunks_kernel(scores, cand, n, k, L, S_STRIDE, C_STRIDE, BITS: tl.constexpr,
-                            BLOCK: tl.constexpr, FLOAT: tl.constexpr):
+    def _topk_chunks_kernel(scores, cand, scratch, n, k, L, S_STRIDE, C_STRIDE,
+                            BITS: tl.constexpr, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
+                            COMPACT: tl.constexpr):
         """Program (row, c): the top-min(k, m) of the row's chunk c (positions [c L, c L + m)),
         in position order, into the row's k candidate entries of chunk c; the rest -1."""
         row = tl.program_id(0)
@@ -156,21 +181,24 @@ if triton is not None:
         kc = tl.minimum(k, m)
         keys = scores + row * S_STRIDE + base
         dst = cand + row * C_STRIDE + c * k
-        T, above = _threshold(keys, keys, m, kc, BITS, BLOCK, FLOAT, False)
+        mine = scratch + (row * tl.num_programs(1) + c) * L  # L int64 a chunk with COMPACT
+        T, above = _threshold(keys, keys, m, kc, mine, BITS, BLOCK, FLOAT, False, COMPACT)
         _write(keys, keys, m, kc, T, above, dst, base, BLOCK, FLOAT, False, False)
         for start in range(kc, k, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             tl.store(dst + offs, tl.full((BLOCK,), -1, tl.int64), mask=offs < k)
 
     @triton.jit
-    def _topk_merge_kernel(scores, cand, out, m, k, S_STRIDE, C_STRIDE, O_STRIDE,
-                           BITS: tl.constexpr, BLOCK: tl.constexpr, FLOAT: tl.constexpr):
+    def _topk_merge_kernel(scores, cand, out, scratch, m, k, S_STRIDE, C_STRIDE, O_STRIDE,
+                           BITS: tl.constexpr, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
+                           COMPACT: tl.constexpr):
         """One program per row: the top-k of the row's m candidates (positions in position
         order, -1: none), written as ``_topk_kernel`` writes."""
         row = tl.program_id(0)
         keys = scores + row * S_STRIDE
         mine = cand + row * C_STRIDE
-        T, above = _threshold(keys, mine, m, k, BITS, BLOCK, FLOAT, True)
+        T, above = _threshold(keys, mine, m, k, scratch + row * m, BITS, BLOCK, FLOAT, True,
+                              COMPACT)
         _write(keys, mine, m, k, T, above, out + row * O_STRIDE, 0, BLOCK, FLOAT, True, True)
 
 
@@ -180,7 +208,9 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     float32 [R, N] without NaN, rows contiguous, 1 <= K <= N), as the module docstring says;
     ``out`` (int64[R, K]) is written when given (fixed outputs for a captured graph);
     ``config`` overrides ``DEFAULT_CONFIG`` (bits: 5 to 11 per digit, block: a power of two,
-    num_warps, split: programs per row) and changes only the speed."""
+    num_warps, split: programs per row, compact: the digit pass that also lists the positions
+    still matching the prefix, after which the passes read only those; 0: none) and changes
+    only the speed."""
     if scores.dtype not in (torch.int32, torch.float32) or scores.dim() != 2 or scores.stride(1) != 1:
         raise ValueError(f"topk_indices: scores must be int32 or float32 [R, N] with contiguous rows, got "
                          f"{scores.dtype}{list(scores.shape)}")
@@ -197,22 +227,32 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
         raise ValueError(f"topk_indices: bits = {cfg['bits']} must be in [5, 11]")
     if cfg["split"] < 1:
         raise ValueError(f"topk_indices: split = {cfg['split']} must be at least 1")
+    passes = -(-32 // cfg["bits"])
+    if not 0 <= cfg["compact"] < passes - 1:
+        raise ValueError(f"topk_indices: compact = {cfg['compact']} must be in [0, {passes - 1}) "
+                         f"with {cfg['bits']}-bit digits")
     launch = dict(BITS=cfg["bits"], BLOCK=cfg["block"], FLOAT=scores.dtype == torch.float32,
-                  num_warps=cfg["num_warps"])
+                  COMPACT=cfg["compact"], num_warps=cfg["num_warps"])
     L = -(-n // cfg["split"])  # positions per chunk
     chunks = -(-n // L)
     if not R:
         return out
+
+    def scratch(entries: int) -> torch.Tensor:  # the compacted positions' lists
+        return torch.empty(entries if cfg["compact"] else 1, dtype=torch.int64,
+                           device=scores.device)
+
     if chunks == 1:
-        _topk_kernel[(R,)](scores, out, n, k, scores.stride(0), out.stride(0), **launch)
+        _topk_kernel[(R,)](scores, out, scratch(R * n), n, k, scores.stride(0), out.stride(0),
+                           **launch)
         return out
     # each chunk's own top-K (in position order) holds every position of the row's top-K that
     # falls in it, so the top-K of the candidates is the row's, ties included
     cand = torch.empty(R, chunks * k, dtype=torch.int64, device=scores.device)
-    _topk_chunks_kernel[(R, chunks)](scores, cand, n, k, L, scores.stride(0), cand.stride(0),
-                                     **launch)
-    _topk_merge_kernel[(R,)](scores, cand, out, chunks * k, k, scores.stride(0), cand.stride(0),
-                             out.stride(0), **launch)
+    _topk_chunks_kernel[(R, chunks)](scores, cand, scratch(R * chunks * L), n, k, L,
+                                     scores.stride(0), cand.stride(0), **launch)
+    _topk_merge_kernel[(R,)](scores, cand, out, scratch(R * chunks * k), chunks * k, k,
+                             scores.stride(0), cand.stride(0), out.stride(0), **launch)
     return out
 
 

@@ -72,26 +72,27 @@ def kernels():
            {"num_warps": 4, "num_stages": 1},
            ("H", "stride_pb", "stride_ps", "stride_ph", "stride_ob", "stride_oh"))
     if topk.triton is not None:
-        for name, dtype, flt in (("int32", "*i32", False), ("float32", "*fp32", True)):
-            yield (f"radix top-k ({name} scores)", topk._topk_kernel,
-                   {"scores": dtype, "out": "*i64", "n": "i32", "k": "i32", "S_STRIDE": "i32",
-                    "O_STRIDE": "i32", "BITS": "constexpr", "BLOCK": "constexpr",
-                    "FLOAT": "constexpr"},
-                   {"BITS": topk.DEFAULT_CONFIG["bits"], "BLOCK": topk.DEFAULT_CONFIG["block"],
-                    "FLOAT": flt}, {"num_warps": topk.DEFAULT_CONFIG["num_warps"]},
-                   ("n", "S_STRIDE", "O_STRIDE"))
-        launch = {"BITS": topk.DEFAULT_CONFIG["bits"], "BLOCK": topk.DEFAULT_CONFIG["block"],
-                  "FLOAT": True}
-        warps = {"num_warps": topk.DEFAULT_CONFIG["num_warps"]}
+        cfg = topk.DEFAULT_CONFIG
+        warps = {"num_warps": cfg["num_warps"]}
+        consts = {"BITS": "constexpr", "BLOCK": "constexpr", "FLOAT": "constexpr",
+                  "COMPACT": "constexpr"}
+        for name, dtype, flt, compact in (("int32 scores", "*i32", False, 0),
+                                          ("float32 scores", "*fp32", True, 0),
+                                          ("float32 scores, compact 2", "*fp32", True, 2)):
+            yield (f"radix top-k ({name})", topk._topk_kernel,
+                   {"scores": dtype, "out": "*i64", "scratch": "*i64", "n": "i32", "k": "i32",
+                    "S_STRIDE": "i32", "O_STRIDE": "i32", **consts},
+                   {"BITS": cfg["bits"], "BLOCK": cfg["block"], "FLOAT": flt, "COMPACT": compact},
+                   warps, ("n", "S_STRIDE", "O_STRIDE"))
+        launch = {"BITS": cfg["bits"], "BLOCK": cfg["block"], "FLOAT": True, "COMPACT": 0}
         yield ("radix top-k split: each chunk's top-K (float32 scores)", topk._topk_chunks_kernel,
-               {"scores": "*fp32", "cand": "*i64", "n": "i32", "k": "i32", "L": "i32",
-                "S_STRIDE": "i32", "C_STRIDE": "i32", "BITS": "constexpr", "BLOCK": "constexpr",
-                "FLOAT": "constexpr"}, launch, warps, ("n", "L", "S_STRIDE", "C_STRIDE"))
+               {"scores": "*fp32", "cand": "*i64", "scratch": "*i64", "n": "i32", "k": "i32",
+                "L": "i32", "S_STRIDE": "i32", "C_STRIDE": "i32", **consts}, launch, warps,
+               ("n", "L", "S_STRIDE", "C_STRIDE"))
         yield ("radix top-k split: the candidates' top-K (float32 scores)", topk._topk_merge_kernel,
-               {"scores": "*fp32", "cand": "*i64", "out": "*i64", "m": "i32", "k": "i32",
-                "S_STRIDE": "i32", "C_STRIDE": "i32", "O_STRIDE": "i32", "BITS": "constexpr",
-                "BLOCK": "constexpr", "FLOAT": "constexpr"}, launch, warps,
-               ("m", "S_STRIDE", "C_STRIDE", "O_STRIDE"))
+               {"scores": "*fp32", "cand": "*i64", "out": "*i64", "scratch": "*i64", "m": "i32",
+                "k": "i32", "S_STRIDE": "i32", "C_STRIDE": "i32", "O_STRIDE": "i32", **consts},
+               launch, warps, ("m", "S_STRIDE", "C_STRIDE", "O_STRIDE"))
 
 
 def load_widths(ptx: str) -> str:

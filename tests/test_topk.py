@@ -2,8 +2,8 @@
 (``reference``) against ``torch.topk``; on CUDA the Triton kernel against that rule, position for
 position, on scores with many ties (where ``torch.topk``'s own positions differ), the whole
 int32 range, K = 1 and K = N, rows not a multiple of the kernel's block, and rows split over
-several programs. (On the development machine the kernel also ran under ``TRITON_INTERPRET=1``
-against the rule, every case equal, split or not.)"""
+several programs or compacted. (On the development machine the kernels also ran under
+``TRITON_INTERPRET=1`` against the rule, every case equal.)"""
 import importlib
 import os
 import sys
@@ -93,13 +93,15 @@ def test_the_kernel_on_float_scores_is_the_rule(R, n, k):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [{"split": 4}, {"split": 64, "block": 256, "bits": 5}],
-                         ids=["split4", "split64"])
-def test_rows_split_over_programs_give_the_same_positions(config):
-    """``split``: each chunk's top-K, then the top-K of the candidates, position for position
-    the one-program rule, on every case above and on ascending scores, where a chunk shorter
-    than K lies wholly above the row's K-th value (its candidates must stay in position order:
-    the merge writes the keys above the K-th value in candidate order)."""
+@pytest.mark.parametrize("config", [{"split": 4}, {"split": 64, "block": 256, "bits": 5},
+                                    {"compact": 2}, {"compact": 1, "split": 4, "block": 512}],
+                         ids=["split4", "split64", "compact2", "compact1-split4"])
+def test_split_and_compacted_rows_give_the_same_positions(config):
+    """``split``: each chunk's top-K, then the top-K of the candidates; ``compact``: the passes
+    after a digit read only the positions still matching. Position for position the
+    one-program rule, on every case above and on ascending scores, where a chunk shorter than K
+    lies wholly above the row's K-th value (its candidates must stay in position order: the
+    merge writes the keys above the K-th value in candidate order)."""
     pytest.importorskip("triton")
     rows = [scores_of(R, n, lo, hi, "cuda") for R, n, _, lo, hi in CASES]
     ks = [k for *_, k, _, _ in CASES]
