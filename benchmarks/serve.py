@@ -56,6 +56,11 @@ stand-in's indexer reads only the keys), so its misses cross PCIe while layer l'
 and attention run; each layer's attention waits for its own fetch by an event, inside the one
 captured graph. The summary gives TPOT p50 with over without, per level (``overlap_tpot_ratio``).
 
+``--kernels N`` runs the timed steps of the levels of 1-2 requests under ``torch.profiler`` and
+reports their N costliest kernels (operators on the CPU) in µs a step (a progress line and
+``kernels_us`` in the JSON): where the difference between the two sides at low concurrency
+goes. Those levels' TPOT then includes the profiler's cost.
+
 ``--slots-sweep`` runs torch_kvcm2 again at each S (cells per row and layer; default 4096, 2x
 the top-k, as vLLM's hot buffer) at its best concurrency of the sweep (fewer where S's cells
 leave room for fewer): the hit rate counted against the model's and the published one, the
@@ -100,6 +105,7 @@ after the level every pool slot and batch byte is back (``stats()``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -156,6 +162,7 @@ class Shape:
     max_concurrency: int = 512
     overlap: bool = False  # also run torch_kvcm2's levels with the fetches on a side stream
     gpu_history_gb: float = 0.0  # torch_kvcm2's GPU-resident history (RSD-1), of gpu_kv_gb
+    kernels: int = 0  # at 1-2 requests, the timed steps under the profiler: this many kernels
 
     @property
     def scale(self) -> float:
@@ -257,6 +264,7 @@ class Level:
     fetched_bytes_per_step: float = 0.0
     checked_tokens: int = 0
     gpu_rows: int = 0  # torch_kvcm2's rows on GPU history pages (RSD-1)
+    kernels_us: dict = field(default_factory=dict)  # --kernels: the costliest, µs a step
     maximum: bool = False  # the side's largest concurrency
     overlap: bool = False  # torch_kvcm2 with each layer's fetch on a side stream (FetchStream)
     binding: str = ""  # at the maximum: what binds it
@@ -413,20 +421,14 @@ class Side:
                 step()
             torch.cuda.synchronize()
         before = self.counted()
-        for _ in range(sh.steps):
-            start = time.perf_counter()
-            batch.publish()
-            host = time.perf_counter() - start
-            if graph is not None:
-                graph.replay()
-                replayed = time.perf_counter()
-                batch.record_advance()
-                host += time.perf_counter() - replayed
-                torch.cuda.synchronize()  # an engine reads each step's sampled tokens
-            else:
-                step()
-            level.step_ms.append((time.perf_counter() - start) * 1e3)
-            level.host_ms.append(host * 1e3)
+        profiled = sh.kernels and rows <= 2
+        profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA
+                                                       if cuda else torch.profiler.ProfilerActivity.CPU])
+                    if profiled else contextlib.nullcontext())
+        with profiler:
+            self.timed_steps(batch, step, graph, level)
+        if profiled:
+            level.kernels_us = costliest(profiler, cuda, sh.steps, sh.kernels)
         batch.poll()
         level.parts_ms = step.parts(batch)  # eager, timed by part; advances the rows too
         batch.poll()
@@ -452,6 +454,24 @@ class Side:
             batch.remove(cache)
         return level
 
+    def timed_steps(self, batch, step, graph, level: Level) -> None:
+        """The level's timed steps: each its publish, then its graph replay (or the eager step)
+        and the advance, the engine's synchronisation on its sampled tokens included."""
+        for _ in range(self.shape.steps):
+            start = time.perf_counter()
+            batch.publish()
+            host = time.perf_counter() - start
+            if graph is not None:
+                graph.replay()
+                replayed = time.perf_counter()
+                batch.record_advance()
+                host += time.perf_counter() - replayed
+                torch.cuda.synchronize()  # an engine reads each step's sampled tokens
+            else:
+                step()
+            level.step_ms.append((time.perf_counter() - start) * 1e3)
+            level.host_ms.append(host * 1e3)
+
     def counted(self) -> tuple:
         """(hits, misses, bytes fetched host to device) since the manager started, summed over
         the selection groups, from ``manager.metrics()`` (what an operator's dashboard reads)."""
@@ -471,6 +491,17 @@ class Side:
             assert g["used_slots"] == 0 and g["shared_slots"] == 0, ("a slot leaked", g)
         assert stats["gpu"]["batch_bytes_in_use"] == 0 and stats["host"]["batch_bytes_in_use"] == 0
         self.manager.close()
+
+
+def costliest(profiler, cuda: bool, steps: int, most: int) -> dict:
+    """The ``most`` costliest kernels (CUDA) or operators (CPU, self time) the profiler saw, in
+    µs a step, by name: where the time of a small step goes (``--kernels``)."""
+    totals = {}
+    for event in profiler.key_averages():
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us > 0:
+            totals[event.key] = totals.get(event.key, 0.0) + us / steps
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:most])
 
 
 def levels_for(limit: int) -> list:
@@ -502,6 +533,9 @@ def run_context(shape: Shape, device: str, context: int, progress) -> list:
                              f"TPOT p50 {run.tpot_p50:.2f} ms p99 {run.tpot_p99:.2f} ms, hit rate "
                              f"{run.hit_rate:.3f} (model {run.model_hit_rate:.3f}), parts ms "
                              + " ".join(f"{k} {v:.2f}" for k, v in run.parts_ms.items()))
+                    if run.kernels_us:
+                        progress("  kernels, us a step: " + "; ".join(
+                            f"{k[:60]} {v:.1f}" for k, v in run.kernels_us.items()))
             level.maximum = True
             level.binding = side.planned_binding
             if side.max_rows >= shape.max_concurrency:
@@ -613,7 +647,7 @@ def quick_shape(args) -> Shape:
     """The CPU smoke run's shape with the flags it honours."""
     base = QUICK_MLA if args.attention == "mla" else QUICK
     return replace(base, overlap=args.overlap, topk=args.topk, gpu_history_gb=args.gpu_history_gb,
-                   attention=args.attention)
+                   attention=args.attention, kernels=args.kernels)
 
 
 def parse_args(argv=None):
@@ -666,6 +700,10 @@ def parse_args(argv=None):
     p.add_argument("--gpu-history-gb", type=float, default=0.0,
                    help="torch_kvcm2's GPU-resident history (RSD-1), taken from --gpu-kv-gb: "
                         "rows whose history fits there never miss; 0 (default) offloads all")
+    p.add_argument("--kernels", type=int, default=0,
+                   help="at 1-2 requests, run the timed steps under torch.profiler and report "
+                        "this many costliest kernels (operators on the CPU), us a step; the "
+                        "TPOT of those levels then includes the profiler's cost")
     p.add_argument("--json")
     p.add_argument("--plot", help="PNG path (needs matplotlib: pip install -e .[bench])")
     args = p.parse_args(argv)
@@ -680,7 +718,7 @@ def parse_args(argv=None):
             "layers", "model_layers", "latent_bytes", "key_bytes", "top_k", "slots",
             "layers_per_indexer", "turnover", "returning", "reuse_age", "topk", "output", "steps", "gpu_kv_gb", "host_gb",
             "dense_weight_mb", "expert_mb", "experts_per_gpu", "max_concurrency", "overlap",
-            "gpu_history_gb", "attention")})
+            "gpu_history_gb", "attention", "kernels")})
         contexts = [int(c) for c in args.contexts.split(",")]
     for name in ("layers", "top_k", "slots", "output", "steps", "layers_per_indexer"):
         if getattr(shape, name) < 1:

@@ -234,3 +234,20 @@ def test_without_matplotlib_the_plot_is_skipped_with_a_message(serve, monkeypatc
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert serve.plot([], "unused.png", "title") is False
     assert "pip install -e .[bench]" in capsys.readouterr().err
+
+
+def test_kernels_reports_the_costliest_at_low_concurrency_only(serve, tmp_path):
+    """``--kernels N``: the levels of 1-2 requests ran their timed steps under the profiler and
+    name their N costliest kernels (operators on the CPU) in µs a step, descending, on both
+    sides; the others none."""
+    out = tmp_path / "serve.json"
+    assert serve.main(["--quick", "--kernels", "3", "--low-layers", "0", "--json", str(out)]) == 0
+    levels = json.loads(out.read_text())["levels"]
+    assert {lv["side"] for lv in levels if lv["rows"] <= 2} == {"dense", "kvcm2"}
+    for lv in levels:
+        kernels = list(lv["kernels_us"].values())
+        if lv["rows"] <= 2:
+            assert len(kernels) == 3 and all(k > 0 for k in kernels), lv["kernels_us"]
+            assert kernels == sorted(kernels, reverse=True)
+        else:
+            assert kernels == []
