@@ -110,6 +110,26 @@ def test_a_closed_batch_is_freed_before_the_next_one_allocates(manager):
             gc.enable()
 
 
+def test_a_closed_batch_still_held_costs_one_collection_only(manager, monkeypatch):
+    """A closed batch the caller keeps cannot be freed: the Batch() after its close collects
+    once, the ones after that not again (a full collection costs milliseconds)."""
+    import gc
+
+    calls = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or real(*a))
+    held = kv.Batch(manager, max_rows=1)
+    held.close()
+    first = kv.Batch(manager, max_rows=1)
+    assert len(calls) == 1
+    second = kv.Batch(manager, max_rows=1)
+    assert len(calls) == 1, "a held closed batch made every Batch() collect"
+    first.close()
+    second.close()
+    kv.Batch(manager, max_rows=1).close()  # the two just closed: one collection
+    assert len(calls) == 2 and held is not None
+
+
 def test_a_batch_whose_construction_fails_gives_its_reserve_back(manager, monkeypatch):
     """A Batch() that raises part-way (e.g. out of memory for its tables) holds nothing of the
     batch reserve afterwards: the next Batch() of the same size still fits."""

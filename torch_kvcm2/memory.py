@@ -221,6 +221,9 @@ class BatchReserve:
         docs/DESIGN.md, "batch reserve")."""
         if self.returned:
             gc.collect()
+            # the ones still alive are held by the caller: collecting again would not free them
+            # (their tensors go when the caller drops them), so they no longer trigger it
+            self.returned = weakref.WeakSet()
 
     def take(self, memory: dict) -> None:
         """Charge ``memory``; raises RuntimeError, charging nothing, when it does not fit."""
