@@ -239,8 +239,9 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
         return out
 
     def scratch(entries: int) -> torch.Tensor:  # the compacted positions' lists
-        return torch.empty(entries if cfg["compact"] else 1, dtype=torch.int64,
-                           device=scores.device)
+        if not cfg["compact"]:  # never read: any int64 pointer, no allocation per call
+            return out
+        return torch.empty(entries, dtype=torch.int64, device=scores.device)
 
     if chunks == 1:
         _topk_kernel[(R,)](scores, out, scratch(R * n), n, k, scores.stride(0), out.stride(0),

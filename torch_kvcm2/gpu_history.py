@@ -76,8 +76,8 @@ class GpuHistory:
         on the host (P-DEMOTE: 17 ms, docs/DESIGN.md). No state changes: the fetch's miss count
         is 0 and the copy is between scratch tensors."""
         device = self.config.device
-        S = max((key[2] for key in self._seed_shapes()), default=0)
-        _to_device(np.zeros(4 + 6 * S + self.MP, dtype=np.int32), device)  # the largest packed list
+        widest = max((key[2] for key in self._seed_shapes()), default=0)  # the most slots S
+        _to_device(np.zeros(4 + 6 * widest + self.MP, dtype=np.int32), device)  # the largest list
         count = torch.zeros(4, dtype=torch.int32, device=device)
         misses = torch.zeros(1, 4, dtype=torch.int32, device=device)
         table = torch.full((1, 1), BAD, dtype=torch.int32, device=device)
