@@ -284,6 +284,65 @@ def test_prometheus_scrape():
     assert "engine:num_preemptions_total 1.0" in prometheus_client.generate_latest(other).decode()
 
 
+class _Copy:
+    """A read-back's copy as a lagging device leaves it: ``query`` is what the test says."""
+
+    def __init__(self):
+        self.arrived = False
+
+    def query(self):
+        return self.arrived
+
+    def synchronize(self):
+        assert self.arrived, "waited for a copy the test never finished"
+
+
+def test_metrics_never_go_backwards_while_the_device_lags():
+    """OBS-1: a device more than the ring behind the host (every queued read-back unfinished)
+    does not send metrics() back to the last applied counters: a finished read-back whose
+    buffer the ring takes back keeps its counters. On the CPU the copies are made at once, so
+    each queued copy's event is a stand-in the test finishes by hand."""
+    manager = make_manager()
+    batch = kv.Batch(manager)
+    readback = batch._readback
+    copies = []
+    queue = readback.queue_readback
+
+    def lagging(moved=False):
+        k = readback.next
+        queue(moved)
+        readback.events[k] = _Copy()
+        copies.append(readback.events[k])
+
+    readback.queue_readback = lagging
+    caches = [manager.create_cache() for _ in range(ROWS)]
+    for cache in caches:
+        cache.set_reserve(16)
+        assert cache.resize(8)
+        cache.record_host_write(6)
+        batch.add(cache)
+    batch.publish()
+    selected = torch.zeros((ROWS, 4), dtype=torch.int32)
+    selected[:, 1:] = torch.arange(1, 4, dtype=torch.int32)
+    accepted = torch.ones(ROWS, dtype=torch.int32)
+    misses = []
+    for step in range(10):
+        batch.resolve("g0", selected)
+        batch.fetch("a0")
+        batch.flush(batch.history + accepted)
+        batch.advance(accepted)
+        if step == 1:  # the first two steps' read-backs arrive (the first has no miss:
+            copies[0].arrived = copies[1].arrived = True  # h was 0), none after them
+        misses.append(manager.metrics()["selection_groups"]["g0"]["misses"])
+    assert misses[1] > 0 and len(readback.queue) == len(readback.buffers)
+    assert misses[1:] == [misses[1]] * (len(misses) - 1)  # the newest that arrived, each step
+    for copy in copies:
+        copy.arrived = True
+    del readback.queue_readback  # the device catches up: copies finish as they are queued
+    assert manager.metrics()["selection_groups"]["g0"]["misses"] == int(batch.hit_miss("g0")[1])
+    batch.close(discard=True)
+
+
 @pytest.mark.cuda
 def test_metrics_every_step_never_synchronises():
     """OBS-1/3 on CUDA: eager decode steps with sync debug mode "error" while metrics() is read

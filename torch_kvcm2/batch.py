@@ -100,8 +100,8 @@ class Batch:
                                               step.counter_stage, allocated["counter_snapshot"])
         self._readback.flush_token_bytes = step.flush_token_bytes
         manager.batches.add(self)
-        # a batch collected unclosed still adds its last read-back counters to the manager's
-        self._retire = weakref.finalize(self, manager.counts.retire, self._readback.counters)
+        # a batch collected unclosed still adds its newest arrived counters to the manager's
+        self._retire = weakref.finalize(self, manager.counts.retire, self._readback.arrived)
         self.page_tables = step.page_tables
         self.history, self.capacity, self.lease = step.history, step.capacity, step.lease
         self.written, self.advance_counters = step.written, step.advance_counters

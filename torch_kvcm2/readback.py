@@ -94,6 +94,9 @@ class Readback:
         self.host_counters = counter_snapshot.numpy()
         #: the device counters as of the last applied read-back
         self.counters = np.zeros(counter_stage.numel(), dtype=np.int64)
+        # the counters of the newest read-back known to have arrived that the queue no longer
+        # holds: the last applied, or a finished one whose buffer the ring took back unapplied
+        self.arrived = self.counters.copy()
         self.cuda = mirror.cuda
         self.events: list = [None] * len(self.buffers)
         if self.cuda:
@@ -126,9 +129,14 @@ class Readback:
         ``advance``), so the groups' write tables are dated (``TableMirror.epoch``); applying
         a read-back whose lengths differ from the mirror's dates them too."""
         k = self.next
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return
+        ring = len(self.buffers)
+        if len(self.queue) == ring:  # the oldest queued buffer, k, is copied into again:
+            event = self.events[k]  # keep its counters if they arrived, or a later
+            if event is None or event.query():  # latest_counters could go backwards
+                self.arrived[:] = self.host_counters[k]
         if self.cuda:
-            if torch.cuda.is_current_stream_capturing():
-                return
             self.buffers[k].copy_(self.source, non_blocking=True)
             torch.cat(self.counter_parts, out=self.counter_stage)
             self.counter_buffers[k].copy_(self.counter_stage, non_blocking=True)
@@ -138,9 +146,8 @@ class Readback:
             torch.cat(self.counter_parts, out=self.counter_buffers[k])
         if moved:
             self.table.mirror.epoch += 1  # the lengths moved under the groups' write tables
-        ring = len(self.buffers)
         self.next = (k + 1) % ring
-        if len(self.queue) == ring:  # the oldest buffer is copied into again: superseded
+        if len(self.queue) == ring:  # superseded
             self.queue.popleft()
         self.queue.append(k)
         self.owed = False
@@ -173,19 +180,21 @@ class Readback:
             queue.popleft()
         k = queue.popleft()
         self.counters[:] = self.host_counters[k]
+        self.arrived[:] = self.counters
         self._apply(self.host[k])
 
     def latest_counters(self) -> np.ndarray:
         """The device counters of the newest read-back that has arrived, without applying it
         or waiting: a queued one whose copy has finished (``Event.query``, no synchronisation),
-        else the last applied. At most ``READBACKS`` read-backs are queued, so these lag the
+        else the newest that arrived before the queue let it go (``arrived``), so successive
+        calls never go backwards, however far the device lags. At most ``READBACKS`` read-backs are queued, so these lag the
         device by at most that many ``advance``/``record_advance`` calls, plus the steps since
         the last one."""
         events = self.events
         for k in reversed(self.queue):
             if events[k] is None or events[k].query():
                 return self.host_counters[k].copy()
-        return self.counters.copy()
+        return self.arrived.copy()
 
     def _apply(self, snapshot: np.ndarray) -> None:
         table = self.table
