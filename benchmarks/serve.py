@@ -19,8 +19,11 @@ The stand-in model, per layer and decode step (each part a flag, defaults below)
   amortises;
 * the indexer: each row's query scores every dense indexer key of its context (``--key-bytes``
   per token per layer, read from its GPU pages once; a key's score is the low 20 bits of its
-  int32 words' sum) and takes the top K (``--top-k``) with a radix select (benchmarks/topk.py, a
-  Triton program per row: an engine's kind of top-k; ``--topk torch`` for ``torch.topk``). The query's
+  int32 words' sum) and takes the top K (``--top-k``) with the radix select of benchmarks/topk.py
+  (an engine's kind of top-k: ``torch.topk`` over these int32 scores took 1.18 ms per layer at
+  116 requests and 32K on the H200, 2026-12-02); with ``--attention mla`` (float logits) with
+  ``torch.topk`` instead, faster than the radix select there at every shape measured (H100,
+  2026-12-08; benchmarks/topk.py has the figures); ``--topk radix|torch`` forces one. The query's
   preference is the locality model's (benchmarks/locality.py: each step ``--turnover`` of the
   top K replaced, ``--returning`` of the entering units ones that left a geometric
   ``--reuse-age`` steps before, the rest new; the defaults fit the published LRU miss rates at
@@ -141,7 +144,8 @@ class Shape:
     turnover: float = Reuse.turnover
     returning: float = Reuse.returning
     reuse_age: float = Reuse.age
-    topk: str = "radix"  # the indexer's top-k: benchmarks/topk.py's radix select, or torch.topk
+    topk: str = "auto"  # the indexer's top-k: "radix" (benchmarks/topk.py), "torch" (torch.topk) or
+    # "auto": the one measured faster on the scores the attention mode gives (module docstring)
     attention: str = "gather"  # "mla": DeepSeek-V3.2's attention modules (benchmarks/serve_mla.py)
     model_hidden: int = 7168  # the modules' shapes (--attention mla)
     heads: int = 128
@@ -167,6 +171,13 @@ class Shape:
     @property
     def scale(self) -> float:
         return self.layers / self.model_layers
+
+    @property
+    def topk_kind(self) -> str:
+        """The top-k both sides run: ``topk``, "auto" resolved by the attention mode."""
+        if self.topk != "auto":
+            return self.topk
+        return "torch" if self.attention == "mla" else "radix"
 
     @property
     def reuse(self) -> Reuse:
@@ -667,9 +678,11 @@ def parse_args(argv=None):
     p.add_argument("--slots-sweep", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="comma-separated S: torch_kvcm2 again at each, at its best concurrency "
                         "(hit rate against the locality model's and the published)")
-    p.add_argument("--topk", choices=("radix", "torch"), default=d.topk,
-                   help="the indexer's top-k on both sides: the radix select of benchmarks/topk.py "
-                        "(default) or torch.topk")
+    p.add_argument("--topk", choices=("auto", "radix", "torch"), default=d.topk,
+                   help="the indexer's top-k on both sides: the radix select of benchmarks/topk.py, "
+                        "torch.topk, or (default) the faster of them on the mode's scores: "
+                        "torch.topk over --attention mla's float logits, the radix select over "
+                        "the stand-in's int32 scores")
     p.add_argument("--layers-per-indexer", type=int, default=d.layers_per_indexer)
     p.add_argument("--turnover", type=float, default=d.turnover,
                    help="share of each row's top-K replaced every step (benchmarks/locality.py)")

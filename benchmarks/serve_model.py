@@ -199,10 +199,12 @@ class DecodeStep:
                 scores = self.keys[name].view(torch.int32).sum(dim=(1, 3), dtype=torch.int32) & SCORE_MASK
                 rows_scores = scores[self.key_slots[name]].flatten(1)  # [R, npages*P], a new tensor
                 rows_scores.add_(bias).masked_fill_(dead, -1)
-            if sh.topk == "radix":  # the same on both sides (benchmarks/topk.py)
+            if sh.topk_kind == "radix":  # the same on both sides
                 selected[name] = topk_indices(rows_scores, sh.top_k)
             else:
-                selected[name] = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices
+                # in position order, as the radix select's: the resolve's LRU orders units
+                # touched in one step by column, and the locality model's LRU by position
+                selected[name] = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices.sort(dim=1).values
             mark("cache")
             page, tok = token_rows(self.views[name, "ik"], self.pages[name, "ik"], pos[:, None])
             write_keys(sh, self.views[name, "ik"], page[:, 0], tok[:, 0],

@@ -107,7 +107,7 @@ def print_table(levels: list, summary: dict, shape: Shape, title: str) -> None:
     print(f"# {shape.layers} of {shape.model_layers} layers, K={shape.top_k}, S={shape.slots}, "
           f"latent {shape.latent_bytes} B + key {shape.key_bytes} B per token per layer; locality "
           f"(benchmarks/locality.py): turnover {shape.turnover}, returning {shape.returning}, "
-          f"mean age {shape.reuse_age} steps; top-k {shape.topk}"
+          f"mean age {shape.reuse_age} steps; top-k {shape.topk_kind}"
           + (f" (published LRU miss rate at S = {shape.slots * 2048 // shape.top_k} of K = 2048: "
              f"{published:.1%})" if published else "") + f"; budgets GPU {shape.gpu_kv_gb * shape.scale:.2f} GB / host "
           f"{shape.host_gb * shape.scale:.2f} GB (x{shape.scale:.3f} of {shape.gpu_kv_gb} / {shape.host_gb})")

@@ -1,11 +1,16 @@
 """A radix-select top-k for the serving benchmark's indexer: the K largest of each row's int32
-or float32 scores, one Triton program per row (142 µs per 34,816-position row on an H100: below).
+or float32 scores, one or a few Triton programs per row.
 
     indices = topk_indices(scores, K)   # int64[R, K]: the K largest of each row of scores
 
-``torch.topk`` over every position of the context was 39% of the stand-in's step at 116
-requests and 32K tokens (72% at 128K; docs/DESIGN.md, "The serving benchmark"), where engines
-run a fused radix select. This is one:
+Engines take the DSA indexer's top-k with a fused radix select, not a sort; this is one, written
+to see how close a simple one gets. It does not beat ``torch.topk`` yet: on an H100
+(2026-12-08, ``bench_indexer.py --sweep topk``, float32 logits, K = 2,048) its best launch took
+80 µs for one 32K-position row, 135 µs for 116 of them, 141 µs for one 128K row and 157 µs for
+30, where ``torch.topk`` took 45, 100, 55 and 99 µs. ``benchmarks/serve.py`` therefore uses
+``torch.topk`` by default on both sides (``--topk radix`` selects this one).
+
+The method:
 each row's keys (the scores plus 2^31, so they are non-negative 32-bit values in the scores'
 order; a float32 score's bits are first made an int32 in the floats' order,
 ``bits ^ ((bits >> 31) & 0x7FFFFFFF)`` after -0.0 is made +0.0, so ``-inf`` is the lowest key and
@@ -32,18 +37,20 @@ program per row takes the top-K of the C × K candidates, reading their scores t
 list. The row's top-K is the candidates' (each chunk's own top-K holds every position of the
 row's that falls in it, as the rule orders by value, then position), and the candidates being
 in position order keeps the output the one-program kernel's, position for position. It pays
-where rows are few: C times the programs, plus a pass over C × K candidates.
+where rows are few: C times the programs, plus a pass over C × K candidates. ``split`` = 0 (the
+default) picks C by shape (``auto_split``).
 
 ``compact`` = d makes the pass over digit d also list the positions still matching the prefix
 (in a scratch list of the row's length), and the later passes read only those, through the
 list. A float's top 12 bits are its sign, exponent and 3 mantissa bits, so after two 6-bit
 digits the K-th value's bucket is an eighth of a binade: a small part of the row. The row is
 then read d + 2 times (the last pass writes the output from the whole row) instead of once per
-digit and once more.
+digit and once more. With d = 2 (the default), at the split ``auto_split`` picks, every shape of
+the sweep ran 2-13% faster than without (slower only at splits too wide for its rows).
 
 Triton runs it on CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``, as the tests do);
 ``topk_indices`` falls back to ``reference`` where there is no triton (the CPU runs of the
-benchmark). Both sides of P-SERVE use the same function.
+benchmark). With ``--topk radix`` both sides of P-SERVE use it.
 """
 from __future__ import annotations
 
@@ -55,7 +62,18 @@ try:
 except ImportError:  # the CPU runs without the [bench] extra
     triton = None
 
-DEFAULT_CONFIG = {"bits": 6, "block": 4096, "num_warps": 16, "split": 1, "compact": 0}
+DEFAULT_CONFIG = {"bits": 6, "block": 4096, "num_warps": 16, "split": 0, "compact": 2}
+
+
+def auto_split(rows: int, n: int, sms: int) -> int:
+    """``split`` = 0's choice: the most programs per row, a power of two up to 8, that keep
+    ``rows`` x split within the GPU's ``sms`` and each chunk at least 8,192 positions -- the
+    sweep's best split at each shape it measured (H100, 2026-12-08: 4 at one 32K row, 8 at one
+    128K row, 4 at 30 128K rows, 1 at 116 32K rows)."""
+    split = 1
+    while split < 8 and rows * split * 2 <= sms and n // (split * 2) >= 8192:
+        split *= 2
+    return split
 
 
 def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -208,7 +226,7 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     float32 [R, N] without NaN, rows contiguous, 1 <= K <= N), as the module docstring says;
     ``out`` (int64[R, K]) is written when given (fixed outputs for a captured graph);
     ``config`` overrides ``DEFAULT_CONFIG`` (bits: 5 to 11 per digit, block: a power of two,
-    num_warps, split: programs per row, compact: the digit pass that also lists the positions
+    num_warps, split: programs per row (0: ``auto_split``), compact: the digit pass that also lists the positions
     still matching the prefix, after which the passes read only those; 0: none) and changes
     only the speed."""
     if scores.dtype not in (torch.int32, torch.float32) or scores.dim() != 2 or scores.stride(1) != 1:
@@ -225,8 +243,12 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     if not 5 <= cfg["bits"] <= 11:  # at least one bin per lane (a warp has 32), at most 2,048
         raise ValueError(f"topk_indices: bits = {cfg['bits']} must be in [5, 11]")
-    if cfg["split"] < 1:
-        raise ValueError(f"topk_indices: split = {cfg['split']} must be at least 1")
+    if cfg["split"] < 0:
+        raise ValueError(f"topk_indices: split = {cfg['split']} must be 0 (chosen by shape) or more")
+    if cfg["split"] == 0:
+        sms = (torch.cuda.get_device_properties(scores.device).multi_processor_count
+               if scores.device.type == "cuda" else 132)  # the interpreter: an H100's
+        cfg["split"] = auto_split(R, n, sms)
     passes = -(-32 // cfg["bits"])
     if not 0 <= cfg["compact"] < passes - 1:
         raise ValueError(f"topk_indices: compact = {cfg['compact']} must be in [0, {passes - 1}) "

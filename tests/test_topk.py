@@ -73,6 +73,14 @@ def test_bad_arguments_are_refused():
         topk.topk_indices(torch.zeros(2, 8, dtype=torch.int32), 9)
 
 
+@pytest.mark.parametrize("rows,n,want", [(1, 34816, 4), (1, 132096, 8), (30, 132096, 4),
+                                          (116, 34816, 1), (1, 8192, 1), (66, 34816, 2)])
+def test_split_by_shape_is_the_sweeps_best(rows, n, want):
+    """``split`` = 0: the sweep's best split at each shape it measured on an H100 (132 SMs):
+    the programs within the SMs, chunks of at least 8,192 positions, at most 8 per row."""
+    assert topk.auto_split(rows, n, 132) == want
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("R,n,k,lo,hi", CASES)
 def test_the_kernel_is_the_rule_position_for_position(R, n, k, lo, hi):
