@@ -1,8 +1,8 @@
 // CUDA kernels of resolve_gpu_history and flush_gpu_history (RSD-1). They reproduce
-// cpu/gpu_history.cpp bit for bit. resolve_gpu_history: one CTA per row; a row's distinct
-// selected ordinals are found with an open-addressing set in shared memory (at least twice as
-// many words as columns), whose first inserter of an ordinal counts it, so the counters do not
-// depend on the order the threads run in. flush_gpu_history: warps over (buffer, row, page of
+// cpu/gpu_history.cpp bit for bit. resolve_gpu_history: one CTA per row, a thread per column
+// up to 1024; a row's distinct selected ordinals are found with an open-addressing set in
+// shared memory (at least twice as many words as columns), whose first inserter of an ordinal
+// counts it (a ballot per warp), so the counters do not depend on the order the threads run in. flush_gpu_history: warps over (buffer, row, page of
 // the flush range), as flush.cu's over in-flight units.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -20,7 +20,7 @@
 namespace torch_kvcm2 {
 namespace {
 
-__global__ void resolve_gpu_history_kernel(
+__global__ __launch_bounds__(1024) void resolve_gpu_history_kernel(
     int32_t* __restrict__ out, int32_t* __restrict__ write, int32_t* __restrict__ start,
     unsigned long long* __restrict__ counters, const int32_t* __restrict__ selected,
     const int32_t* __restrict__ flag, const int32_t* __restrict__ table,
@@ -41,9 +41,14 @@ __global__ void resolve_gpu_history_kernel(
   const int32_t* pages_row = table + r * pages;
   const int64_t E = P / U;
   const uint32_t mask = static_cast<uint32_t>(set_size - 1);
-  for (int64_t j = threadIdx.x; j < K; j += blockDim.x) {
-    const int32_t u = selected[r * K + j];
+  const int lane = threadIdx.x & 31;
+  // whole warps per round (blockDim.x is a multiple of 32), so each round's new ordinals are
+  // counted with one ballot per warp and one shared atomic per warp and kind
+  for (int64_t j0 = threadIdx.x - lane; j0 < K; j0 += blockDim.x) {
+    const int64_t j = j0 + lane;
+    const int32_t u = j < K ? selected[r * K + j] : BAD;
     int64_t entry = BAD;
+    bool first = false;
     if (u >= 0) {
       if (range.selectable(u))
         entry = gpu_history_entry(pages_row, pages, u, E, cell_entries, gpu_slots);
@@ -52,14 +57,20 @@ __global__ void resolve_gpu_history_kernel(
       while (true) {
         const int32_t was = atomicCAS(&seen[h], BAD, u);
         if (was == BAD) {
-          atomicAdd(&counts[entry != BAD ? 0 : 1], 1);
+          first = true;
           break;
         }
         if (was == u) break;
         h = (h + 1) & mask;
       }
     }
-    out[r * K + j] = static_cast<int32_t>(entry);
+    const unsigned hits = __ballot_sync(0xffffffffu, first && entry != BAD);
+    const unsigned invalid = __ballot_sync(0xffffffffu, first && entry == BAD);
+    if (lane == 0) {
+      if (hits) atomicAdd(&counts[0], __popc(hits));
+      if (invalid) atomicAdd(&counts[1], __popc(invalid));
+    }
+    if (j < K) out[r * K + j] = static_cast<int32_t>(entry);
   }
   if (threadIdx.x == 0) start[r] = static_cast<int32_t>(range.inflight_start);
   for (int64_t j = threadIdx.x; j < W; j += blockDim.x) {
@@ -103,8 +114,10 @@ void resolve_gpu_history_cuda(const at::Tensor& index_table, const at::Tensor& w
               "resolve_gpu_history: ", K, " columns per row need a ", smem,
               "-byte set, more shared memory than one block may use");
   allow_dynamic_smem(kernel_id(kernel), device, smem);
+  // a thread per column up to 1024 (whole warps: the kernel's rounds are warp-wide): the loop
+  // over a row's columns is a chain of dependent loads, so fewer rounds is what a row costs
   const int64_t columns = std::max(K, write_table.size(1));
-  const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, columns)));
+  const int threads = static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, ceil_div(columns, 32) * 32)));
   launch_kernel(kernel, dim3(static_cast<unsigned>(rows)), dim3(threads), smem,
                 c10::cuda::getCurrentCUDAStream(), index_table.data_ptr<int32_t>(),
                 write_table.data_ptr<int32_t>(), write_start.data_ptr<int32_t>(),
