@@ -204,7 +204,8 @@ class DecodeStep:
             else:
                 # in position order, as the radix select's: the resolve's LRU orders units
                 # touched in one step by column, and the locality model's LRU by position
-                selected[name] = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices.sort(dim=1).values
+                top = rows_scores.topk(sh.top_k, dim=1, sorted=False).indices
+                selected[name] = top.sort(dim=1).values
             mark("cache")
             page, tok = token_rows(self.views[name, "ik"], self.pages[name, "ik"], pos[:, None])
             write_keys(sh, self.views[name, "ik"], page[:, 0], tok[:, 0],

@@ -8,7 +8,8 @@ to see how close a simple one gets. It does not beat ``torch.topk`` yet: on an H
 (2026-12-08, ``bench_indexer.py --sweep topk``, float32 logits, K = 2,048) its best launch took
 80 µs for one 32K-position row, 135 µs for 116 of them, 141 µs for one 128K row and 157 µs for
 30, where ``torch.topk`` took 45, 100, 55 and 99 µs. ``benchmarks/serve.py`` therefore uses
-``torch.topk`` by default on both sides (``--topk radix`` selects this one).
+``torch.topk`` over those logits (``--attention mla``) and this one over its stand-in's int32
+scores, where ``torch.topk`` was the slow one (``--topk`` chooses).
 
 The method:
 each row's keys (the scores plus 2^31, so they are non-negative 32-bit values in the scores'
@@ -226,9 +227,9 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     float32 [R, N] without NaN, rows contiguous, 1 <= K <= N), as the module docstring says;
     ``out`` (int64[R, K]) is written when given (fixed outputs for a captured graph);
     ``config`` overrides ``DEFAULT_CONFIG`` (bits: 5 to 11 per digit, block: a power of two,
-    num_warps, split: programs per row (0: ``auto_split``), compact: the digit pass that also lists the positions
-    still matching the prefix, after which the passes read only those; 0: none) and changes
-    only the speed."""
+    num_warps, split: programs per row (0: ``auto_split``), compact: the digit pass that also
+    lists the positions still matching the prefix, after which the passes read only those; 0:
+    none) and changes only the speed."""
     if scores.dtype not in (torch.int32, torch.float32) or scores.dim() != 2 or scores.stride(1) != 1:
         raise ValueError(f"topk_indices: scores must be int32 or float32 [R, N] with contiguous rows, got "
                          f"{scores.dtype}{list(scores.shape)}")
@@ -244,7 +245,7 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     if not 5 <= cfg["bits"] <= 11:  # at least one bin per lane (a warp has 32), at most 2,048
         raise ValueError(f"topk_indices: bits = {cfg['bits']} must be in [5, 11]")
     if cfg["split"] < 0:
-        raise ValueError(f"topk_indices: split = {cfg['split']} must be 0 (chosen by shape) or more")
+        raise ValueError(f"topk_indices: split = {cfg['split']} must be 0 (by shape) or more")
     if cfg["split"] == 0:
         sms = (torch.cuda.get_device_properties(scores.device).multi_processor_count
                if scores.device.type == "cuda" else 132)  # the interpreter: an H100's

@@ -284,6 +284,28 @@ def test_prometheus_scrape():
     assert "engine:num_preemptions_total 1.0" in prometheus_client.generate_latest(other).decode()
 
 
+def seat_decoding_rows(manager, batch, device):
+    """ROWS requests seated in ``batch`` (6 tokens written to host, 2 in flight) and published;
+    returns a decode step's inputs: every row selecting units 0-3, one token accepted."""
+    for _ in range(ROWS):
+        cache = manager.create_cache()
+        cache.set_reserve(16)
+        assert cache.resize(8)
+        cache.record_host_write(6)
+        batch.add(cache)
+    batch.publish()
+    selected = torch.zeros((ROWS, 4), dtype=torch.int32, device=device)
+    selected[:, 1:] = torch.arange(1, 4, dtype=torch.int32, device=device)
+    return selected, torch.ones(ROWS, dtype=torch.int32, device=device)
+
+
+def decode_step(batch, selected, accepted):
+    batch.resolve("g0", selected)
+    batch.fetch("a0")
+    batch.flush(batch.history + accepted)
+    batch.advance(accepted)
+
+
 class _Copy:
     """A read-back's copy as a lagging device leaves it: ``query`` is what the test says."""
 
@@ -315,22 +337,10 @@ def test_metrics_never_go_backwards_while_the_device_lags():
         copies.append(readback.events[k])
 
     readback.queue_readback = lagging
-    caches = [manager.create_cache() for _ in range(ROWS)]
-    for cache in caches:
-        cache.set_reserve(16)
-        assert cache.resize(8)
-        cache.record_host_write(6)
-        batch.add(cache)
-    batch.publish()
-    selected = torch.zeros((ROWS, 4), dtype=torch.int32)
-    selected[:, 1:] = torch.arange(1, 4, dtype=torch.int32)
-    accepted = torch.ones(ROWS, dtype=torch.int32)
+    selected, accepted = seat_decoding_rows(manager, batch, "cpu")
     misses = []
     for step in range(10):
-        batch.resolve("g0", selected)
-        batch.fetch("a0")
-        batch.flush(batch.history + accepted)
-        batch.advance(accepted)
+        decode_step(batch, selected, accepted)
         if step == 1:  # the first two steps' read-backs arrive (the first has no miss:
             copies[0].arrived = copies[1].arrived = True  # h was 0), none after them
         misses.append(manager.metrics()["selection_groups"]["g0"]["misses"])
@@ -349,25 +359,13 @@ def test_metrics_every_step_never_synchronises():
     every step (any host synchronisation raises)."""
     manager = make_manager("cuda")
     batch = kv.Batch(manager)
-    caches = [manager.create_cache() for _ in range(ROWS)]
-    for cache in caches:
-        cache.set_reserve(16)
-        assert cache.resize(8)
-        cache.record_host_write(6)
-        batch.add(cache)
-    batch.publish()
-    selected = torch.zeros((ROWS, 4), dtype=torch.int32, device="cuda")
-    selected[:, 1:] = torch.arange(1, 4, dtype=torch.int32, device="cuda")
-    accepted = torch.ones(ROWS, dtype=torch.int32, device="cuda")
+    selected, accepted = seat_decoding_rows(manager, batch, "cuda")
     torch.cuda.synchronize()
     misses = []
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(12):
-            batch.resolve("g0", selected)
-            batch.fetch("a0")
-            batch.flush(batch.history + accepted)
-            batch.advance(accepted)
+            decode_step(batch, selected, accepted)
             misses.append(manager.metrics()["selection_groups"]["g0"]["misses"])
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -2,8 +2,9 @@
 // cpu/gpu_history.cpp bit for bit. resolve_gpu_history: one CTA per row, a thread per column
 // up to 1024; a row's distinct selected ordinals are found with an open-addressing set in
 // shared memory (at least twice as many words as columns), whose first inserter of an ordinal
-// counts it (a ballot per warp), so the counters do not depend on the order the threads run in. flush_gpu_history: warps over (buffer, row, page of
-// the flush range), as flush.cu's over in-flight units.
+// counts it (a ballot per warp), so the counters do not depend on the order the threads run
+// in. flush_gpu_history: warps over (buffer, row, page of the flush range), as flush.cu's over
+// in-flight units.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -117,7 +118,8 @@ void resolve_gpu_history_cuda(const at::Tensor& index_table, const at::Tensor& w
   // a thread per column up to 1024 (whole warps: the kernel's rounds are warp-wide): the loop
   // over a row's columns is a chain of dependent loads, so fewer rounds is what a row costs
   const int64_t columns = std::max(K, write_table.size(1));
-  const int threads = static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, ceil_div(columns, 32) * 32)));
+  const int threads =
+      static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, ceil_div(columns, 32) * 32)));
   launch_kernel(kernel, dim3(static_cast<unsigned>(rows)), dim3(threads), smem,
                 c10::cuda::getCurrentCUDAStream(), index_table.data_ptr<int32_t>(),
                 write_table.data_ptr<int32_t>(), write_start.data_ptr<int32_t>(),
