@@ -9,7 +9,7 @@ fp32 scales and the 64-value rope in bf16) with the project's sparse MLA kernel
     r = norm(q_a(x))
     indexer:   wq_b(r) [64 x 128], weights_proj(x)  ->  logits over every key of the row's
                pages (``torch_kvcm2.models.indexer_logits``: 132-byte FP8 keys, paged)
-               ->  the top-K (benchmarks/topk.py);   k_norm(wk(x)) for the new token's key
+               ->  the top-K (serve.py --topk);      k_norm(wk(x)) for the new token's key
     attention: q_b(r)  ->  q_nope W_UK (absorbed), q_rope  ->  kernel over the K rows
                ->  W_UV  ->  o_proj;   kv_a(x) for the new token
 
