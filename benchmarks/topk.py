@@ -55,6 +55,8 @@ benchmark). With ``--topk radix`` both sides of P-SERVE use it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -281,5 +283,4 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
 
 
 def _interpreting() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET") == "1"
